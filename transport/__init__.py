@@ -1,0 +1,12 @@
+"""linerate transport: moves bytes between the ranks of a group over striped TCP connections.
+
+It knows nothing of torch.distributed's ProcessGroup nor of any algorithm: a Context is built
+from a key-value store (rendezvous), a rank and a size, and offers isend/irecv on memoryviews.
+"""
+from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P
+from .options import TransportOptions, parse_size
+from .request import MismatchError, PeerFailure, Request, TransportError
+from .context import Context
+
+__all__ = ["Context", "TransportOptions", "Request", "TransportError", "PeerFailure",
+           "MismatchError", "CHANNEL_COLLECTIVE", "CHANNEL_P2P", "parse_size"]

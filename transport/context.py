@@ -1,0 +1,708 @@
+"""A transport context: the full mesh of striped TCP connections of one group, and matching.
+
+Algorithms talk to it in two verbs (as Gloo's pairs and ncclNet do)::
+
+    req = ctx.isend(peer, memoryview, channel, tag, opcode)   # bytes of this buffer to peer
+    req = ctx.irecv(peer, memoryview, channel, tag, opcode)   # bytes from peer into this buffer
+    req.wait(timeout)
+
+Messages between two ranks on one (channel, tag) match in the order they were posted on each
+side (a per-key message number travels in every frame), whatever connection their chunks took.
+Each message is cut into ``chunk_bytes`` chunks; every connection of the peer has a sender
+thread that takes the next chunk of the head message, so the chunks of one message go out on
+all connections (and all rails) at once, and a slow connection simply takes fewer. Each
+connection also has a receiver thread that reads a header and then the payload straight into
+the posted buffer (``recv_into`` a memoryview of the tensor): no copy, no Python bytes object.
+A message that arrives before its receive is posted is staged in a buffer of its announced
+size (bounded by ``max_unexpected_bytes``) and copied once the receive comes.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+from . import framing, handshake
+from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
+from .interfaces import listen_addresses
+from .options import TransportOptions
+from .request import MismatchError, PeerFailure, Request, TransportError
+
+log = logging.getLogger("linerate.transport")
+
+_STORE_PREFIX = "linerate/"
+
+
+class _Staged:
+    """An unexpected message: bytes that arrived before the matching receive."""
+
+    __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter")
+
+    def __init__(self, total: int, opcode: int, tag: int):
+        self.buf = memoryview(bytearray(total))
+        self.total = total
+        self.done_bytes = 0
+        self.opcode = opcode
+        self.tag = tag
+        self.waiter: Request | None = None
+
+
+class _Conn:
+    __slots__ = ("peer", "index", "sock", "sent_bytes", "recv_bytes", "local", "remote", "closed")
+
+    def __init__(self, peer: int, index: int, sock: socket.socket):
+        self.peer = peer
+        self.index = index
+        self.sock = sock
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.closed = False
+        try:
+            self.local = sock.getsockname()[0]
+            self.remote = sock.getpeername()[0]
+        except OSError:
+            self.local = self.remote = "?"
+
+
+class _Peer:
+    def __init__(self, rank: int, nconns: int):
+        self.rank = rank
+        self.conns: list[_Conn | None] = [None] * nconns
+        self.cond = threading.Condition(threading.Lock())  # guards send_queue
+        self.send_queue: collections.deque = collections.deque()
+        self.send_counters: dict = {}
+        self.recv_counters: dict = {}
+        self.posted: dict = {}      # match key -> Request (posted, no byte seen yet)
+        self.inflight: dict = {}    # match key -> Request or _Staged being filled
+        self.unexpected: dict = {}  # match key -> _Staged (arrived or arriving, no receive yet)
+        self.failure: BaseException | None = None
+        self.closes_seen = 0
+
+
+def _match_key(channel: int, tag: int, msgno: int):
+    # The collective channel has one ordered stream per peer (the tag, i.e. the op's sequence
+    # number, is checked, not matched); point-to-point has one stream per user tag.
+    return (channel, 0 if channel == CHANNEL_COLLECTIVE else tag, msgno)
+
+
+class Context:
+    """The connections of ``rank`` to every other rank of a group of ``size`` ranks."""
+
+    def __init__(self, store, rank: int, size: int, options: TransportOptions | None = None,
+                 opnames: dict[int, str] | None = None, label: str = ""):
+        self.rank = rank
+        self.size = size
+        self.options = options or TransportOptions.from_env()
+        self.opnames = opnames or {}
+        self.label = label
+        self._lock = threading.Lock()            # matching state of all peers
+        self._anysource: dict[int, collections.deque] = {}
+        self._closing = False
+        self._broken: BaseException | None = None        # nothing can run any more
+        self._coll_broken: BaseException | None = None   # collectives cannot run any more
+        self._threads: list[threading.Thread] = []
+        self._scratch = threading.local()
+        rails = self.options.ifnames
+        self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
+        self.nrails = len(self.addresses)
+        self.nconns = self.options.nsocks * self.nrails
+        self.peers: dict[int, _Peer] = {p: _Peer(p, self.nconns) for p in range(size) if p != rank}
+        self._mesh_cond = threading.Condition(self._lock)
+        if size > 1:
+            self._build_mesh(store)
+
+    # ------------------------------------------------------------------ set-up
+    def _build_mesh(self, store) -> None:
+        opts = self.options
+        deadline = time.monotonic() + opts.connect_timeout
+        if self.rank == 0:
+            self._secret = os.urandom(32)
+            store.set(_STORE_PREFIX + "secret", self._secret.hex())
+        else:
+            self._secret = bytes.fromhex(_store_get(store, _STORE_PREFIX + "secret").decode())
+        listeners = []
+        for addr in self.addresses:
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            ls = socket.socket(family, socket.SOCK_STREAM)
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((addr, 0))
+            ls.listen(max(128, self.size * self.nconns))
+            listeners.append(ls)
+        self._listeners = listeners
+        published = [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
+        store.set(f"{_STORE_PREFIX}addr/{self.rank}", json.dumps(published))
+        for ls in listeners:
+            self._spawn(self._accept_loop, ls, name="linerate-accept")
+        # Each rank connects to the lower ranks and accepts from the higher ones.
+        for peer in range(self.rank):
+            raw = _store_get(store, f"{_STORE_PREFIX}addr/{peer}")
+            remote = _parse_addresses(raw, peer, self.nrails)
+            for rail in range(self.nrails):
+                for k in range(opts.nsocks):
+                    index = rail * opts.nsocks + k
+                    sock = self._connect(peer, remote[rail], self.addresses[rail], index, deadline)
+                    self._add_conn(peer, index, sock)
+        with self._mesh_cond:
+            while not self._mesh_complete():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(p.rank for p in self.peers.values() if None in p.conns)
+                    raise TransportError(
+                        f"rank {self.rank}: connections from ranks {missing} did not arrive within "
+                        f"{opts.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); are all ranks "
+                        f"started and is their address reachable?")
+                self._mesh_cond.wait(min(left, 1.0))
+        for ls in listeners:  # mesh complete: nobody else may connect
+            try:
+                ls.close()
+            except OSError:
+                pass
+        log.debug("rank %d: mesh of %d ranks x %d connections ready", self.rank, self.size, self.nconns)
+
+    def _mesh_complete(self) -> bool:
+        return all(None not in p.conns for p in self.peers.values())
+
+    def _connect(self, peer: int, remote, local_addr: str, index: int, deadline: float) -> socket.socket:
+        host, port = remote
+        delay = 0.01
+        while True:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                if self.nrails > 1:
+                    sock.bind((local_addr, 0))
+                sock.settimeout(max(1.0, min(30.0, deadline - time.monotonic())))
+                sock.connect((host, port))
+                _tune(sock)
+                handshake.connect_side(sock, self._secret, self.rank, peer, index, self.nconns)
+                sock.settimeout(None)
+                return sock
+            except (OSError, handshake.HandshakeError) as e:
+                sock.close()
+                retryable = isinstance(e, (ConnectionRefusedError, socket.timeout)) or (
+                    isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET,
+                                                           errno.EHOSTUNREACH, errno.ENETUNREACH))
+                if not retryable or time.monotonic() + delay > deadline:
+                    raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
+                                         f"{host}:{port} (connection {index}): {e}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def _accept_loop(self, ls: socket.socket) -> None:
+        while True:
+            with self._lock:
+                if self._closing or self._mesh_complete():
+                    return
+            try:
+                ls.settimeout(0.5)
+                sock, addr = ls.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # listener closed
+            self._spawn(self._accept_one, sock, addr, name="linerate-handshake")
+
+    def _accept_one(self, sock: socket.socket, addr) -> None:
+        try:
+            sock.settimeout(min(10.0, self.options.connect_timeout))
+            _tune(sock)
+            peer, index = handshake.accept_side(sock, self._secret, self.rank, self.size, self.nconns)
+            if peer < self.rank:
+                raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")
+            sock.settimeout(None)
+            self._add_conn(peer, index, sock)
+        except (OSError, handshake.HandshakeError, TransportError) as e:
+            log.warning("rank %d: dropped connection from %s: %s", self.rank, addr, e)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _add_conn(self, peer: int, index: int, sock: socket.socket) -> None:
+        p = self.peers[peer]
+        conn = _Conn(peer, index, sock)
+        with self._mesh_cond:
+            if p.conns[index] is not None:
+                raise handshake.HandshakeError(f"duplicate connection {index} from rank {peer}")
+            p.conns[index] = conn
+            self._mesh_cond.notify_all()
+        self._spawn(self._recv_loop, p, conn, name=f"linerate-recv-{peer}.{index}")
+        self._spawn(self._send_loop, p, conn, name=f"linerate-send-{peer}.{index}")
+
+    def _spawn(self, fn, *args, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ------------------------------------------------------------------ posting
+    def isend(self, peer: int, buf: memoryview, channel: int, tag: int, opcode: int = 0,
+              desc: str = "") -> Request:
+        """Send the bytes of ``buf`` to ``peer``; the buffer must stay untouched until done."""
+        req = Request(True, peer, buf, channel, tag, opcode, desc)
+        p = self._peer(peer)
+        chunk = self.options.chunk_bytes
+        req.chunks_left = max(1, -(-req.total // chunk))
+        with self._lock:
+            err = self._broken or p.failure
+            if err is None:
+                key = (channel, tag if channel == CHANNEL_P2P else 0)
+                req.msgno = p.send_counters.get(key, 0)
+                p.send_counters[key] = req.msgno + 1
+        if err is not None:
+            req._finish(_wrap(err))
+            return req
+        with p.cond:
+            p.send_queue.append(req)
+            p.cond.notify()
+        return req
+
+    def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
+              desc: str = "") -> Request:
+        """Receive a message of exactly ``buf.nbytes`` bytes from ``peer`` (None: any rank,
+        point-to-point only) into ``buf``."""
+        if peer is None and channel != CHANNEL_P2P:
+            raise ValueError("receive from any source is point-to-point only")
+        req = Request(False, peer, buf, channel, tag, opcode, desc)
+        p = None if peer is None else self._peer(peer)
+        staged = None
+        with self._lock:
+            err = self._broken
+            if err is None and p is None:
+                err = self._post_anysource(req)
+                if err is None and req.peer is not None:
+                    staged = self._claim_unexpected(self.peers[req.peer], req)
+            elif err is None:
+                key = (channel, tag if channel == CHANNEL_P2P else 0)
+                req.msgno = p.recv_counters.get(key, 0)
+                p.recv_counters[key] = req.msgno + 1
+                staged = self._claim_unexpected(p, req)
+                if staged is None and p.failure is not None:
+                    # nothing arrived before the peer failed, and nothing more will
+                    mk = _match_key(channel, tag, req.msgno)
+                    p.posted.pop(mk, None)
+                    err = p.failure
+        if err is not None:
+            req._finish(_wrap(err))
+        elif staged is not None:
+            self._deliver_staged(staged, req)
+        return req
+
+    def _post_anysource(self, req: Request):
+        """Bind an any-source receive to a staged message if one waits; else park it."""
+        for p in self.peers.values():
+            key = (CHANNEL_P2P, req.tag)
+            n = p.recv_counters.get(key, 0)
+            if _match_key(CHANNEL_P2P, req.tag, n) in p.unexpected:
+                req.peer = p.rank
+                req.msgno = n
+                p.recv_counters[key] = n + 1
+                return None
+        if all(p.failure is not None for p in self.peers.values()) and self.peers:
+            return TransportError("receive from any source: every peer has failed or closed")
+        self._anysource.setdefault(req.tag, collections.deque()).append(req)
+        return None
+
+    def _claim_unexpected(self, p: _Peer, req: Request):
+        """With the lock held: return a fully arrived staged message for req (or one that
+        does not match, with req.error set); else register req (as the receive to post, or as
+        the waiter of a message still arriving) and return None."""
+        key = _match_key(req.channel, req.tag, req.msgno)
+        staged = p.unexpected.pop(key, None)
+        if staged is None:
+            p.posted[key] = req
+            return None
+        err = self._check_match(p.rank, req, staged.opcode, staged.tag, staged.total)
+        if err is not None:
+            req.error = err
+            return staged
+        if staged.done_bytes < staged.total:
+            if p.failure is not None:
+                req.error = _wrap(p.failure)
+                return staged
+            staged.waiter = req  # the receiver thread delivers when the rest arrives
+            p.unexpected[key] = staged
+            return None
+        return staged
+
+    def _deliver_staged(self, staged: _Staged, req: Request) -> None:
+        if req.error is not None:
+            err, req.error = req.error, None
+            req._finish(err)
+            return
+        req.buf[:] = staged.buf
+        req.done_bytes = staged.total
+        req._finish()
+
+    def _check_match(self, peer: int, req: Request, opcode: int, tag: int, total: int):
+        if req.channel == CHANNEL_COLLECTIVE and (tag != req.tag or opcode != req.opcode):
+            return MismatchError(
+                f"rank {peer} is in {self._opname(opcode)} (op #{tag}, {total} bytes) while rank "
+                f"{self.rank} is in {self._opname(req.opcode)} (op #{req.tag}, {req.total} bytes): "
+                f"the ranks called different collectives{self._where()}")
+        if total != req.total:
+            what = self._opname(req.opcode) if req.channel == CHANNEL_COLLECTIVE else f"recv (tag {req.tag})"
+            return MismatchError(
+                f"rank {peer} sent {total} bytes but rank {self.rank} expects {req.total} bytes in "
+                f"{what}{' op #' + str(req.tag) if req.channel == CHANNEL_COLLECTIVE else ''}: "
+                f"the ranks passed tensors of different sizes or dtypes{self._where()}")
+        return None
+
+    def _opname(self, opcode: int) -> str:
+        return self.opnames.get(opcode, f"op {opcode}")
+
+    def _where(self) -> str:
+        return f" (group {self.label})" if self.label else ""
+
+    def _peer(self, peer: int) -> _Peer:
+        try:
+            return self.peers[peer]
+        except KeyError:
+            raise ValueError(f"invalid peer rank {peer} for rank {self.rank} in a group of "
+                             f"{self.size}") from None
+
+    # ------------------------------------------------------------------ threads
+    def _send_loop(self, p: _Peer, conn: _Conn) -> None:
+        sock = conn.sock
+        chunk = self.options.chunk_bytes
+        pack = framing.HEADER.pack
+        try:
+            while True:
+                with p.cond:
+                    while not p.send_queue:
+                        if self._closing or conn.closed:
+                            raise _Closing
+                        p.cond.wait()
+                    req = p.send_queue[0]
+                    if isinstance(req, tuple):  # a control frame (kind, payload)
+                        p.send_queue.popleft()
+                        kind, payload = req
+                        req = None
+                    else:
+                        off = req.next_off
+                        n = min(chunk, req.total - off)
+                        req.next_off = off + n
+                        if req.next_off >= req.total:
+                            p.send_queue.popleft()
+                if req is None:
+                    sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0) + payload)
+                    continue
+                if req.error is not None or req.buf is None:
+                    continue  # failed while queued: drop the rest
+                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off)
+                if n:
+                    data = req.buf[off:off + n]
+                    sent = sock.sendmsg((hdr, data))
+                    if sent < framing.HEADER_SIZE:
+                        sock.sendall(hdr[sent:])
+                        sock.sendall(data)
+                    elif sent < framing.HEADER_SIZE + n:
+                        sock.sendall(data[sent - framing.HEADER_SIZE:])
+                else:
+                    sock.sendall(hdr)
+                conn.sent_bytes += n
+                with self._lock:
+                    req.done_bytes += n
+                    req.chunks_left -= 1
+                    done = req.chunks_left == 0
+                if done:
+                    req._finish()
+        except _Closing:
+            try:
+                sock.sendall(framing.pack_header(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0))
+            except OSError:
+                pass
+        except OSError as e:
+            if not self._closing:
+                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: sending to rank {p.rank} "
+                                                f"failed ({e}); did rank {p.rank} exit or crash?"))
+
+    def _recv_loop(self, p: _Peer, conn: _Conn) -> None:
+        sock = conn.sock
+        hbuf = bytearray(framing.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        max_chunk = max(self.options.chunk_bytes, 1 << 20)
+        max_chunk = max(max_chunk, 1 << 24)  # peers may run another chunk size
+        unpack = framing.unpack_header
+        try:
+            while True:
+                if not _recv_into(sock, hview, framing.HEADER_SIZE):
+                    raise _PeerEOF
+                kind, opcode, channel, length, tag, msgno, total, off = unpack(hbuf, max_chunk)
+                if kind == KIND_DATA:
+                    with self._lock:
+                        target, mismatch = self._match_incoming(p, opcode, channel, tag, msgno, total)
+                    if mismatch is not None:
+                        self._on_mismatch(*mismatch)
+                    if target is None:  # mismatched or failed receive: drain and drop
+                        dest = self._discard(length)
+                    else:
+                        dest = target.buf[off:off + length] if length else None
+                    if length and not _recv_into(sock, dest, length):
+                        raise _PeerEOF
+                    conn.recv_bytes += length
+                    if target is not None:
+                        self._chunk_arrived(p, target, channel, tag, msgno, length)
+                elif kind == KIND_ERROR:
+                    text = bytearray(length)
+                    if length and not _recv_into(sock, memoryview(text), length):
+                        raise _PeerEOF
+                    msg = bytes(text).decode("utf-8", "replace")
+                    self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
+                                     only_collective=True)
+                else:  # CLOSE
+                    conn.closed = True
+                    with self._lock:
+                        p.closes_seen += 1
+                        all_closed = p.closes_seen == self.nconns
+                    if all_closed:
+                        self._fail_peer(p, PeerFailure(p.rank, f"rank {p.rank} closed its process group "
+                                                       f"while rank {self.rank} still expects data from it"))
+                    with p.cond:
+                        p.cond.notify_all()
+                    return
+        except _PeerEOF:
+            if not self._closing:
+                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: connection {conn.index} to "
+                                                f"rank {p.rank} ({conn.remote}) closed unexpectedly: "
+                                                f"rank {p.rank} exited or crashed"))
+        except framing.FrameError as e:
+            self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: protocol error from rank "
+                                            f"{p.rank}: {e}"))
+        except OSError as e:
+            if not self._closing:
+                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: connection to rank {p.rank} "
+                                                f"failed: {e}; rank {p.rank} exited, crashed or its "
+                                                f"link is down"))
+
+    def _match_incoming(self, p: _Peer, opcode, channel, tag, msgno, total):
+        """With the lock held: (the Request or _Staged that a chunk's bytes belong to, or None
+        to drop them; a (request, error) pair to fail outside the lock, or None)."""
+        key = _match_key(channel, tag, msgno)
+        target = p.inflight.get(key)
+        if target is not None:
+            return (None if target is _DEAD else target), None
+        req = p.posted.pop(key, None)
+        if req is None and channel == CHANNEL_P2P:
+            ck = (CHANNEL_P2P, tag)
+            waiting = self._anysource.get(tag)
+            if waiting and p.recv_counters.get(ck, 0) == msgno:
+                req = waiting.popleft()
+                req.peer = p.rank
+                req.msgno = msgno
+                p.recv_counters[ck] = msgno + 1
+        if req is not None:
+            err = self._check_match(p.rank, req, opcode, tag, total)
+            if err is not None:
+                if total:  # drop this message's remaining chunks
+                    p.inflight[key] = _DEAD
+                return None, (req, err)
+            p.inflight[key] = req
+            return req, None
+        if total > self.options.max_unexpected_bytes:
+            raise framing.FrameError(f"unexpected message of {total} bytes exceeds "
+                                     f"LINERATE_MAX_UNEXPECTED_BYTES={self.options.max_unexpected_bytes}")
+        staged = _Staged(total, opcode, tag)
+        p.unexpected[key] = staged
+        p.inflight[key] = staged
+        return staged, None
+
+    def _on_mismatch(self, req: Request, err: BaseException) -> None:
+        req._finish(err)
+        if req.channel == CHANNEL_COLLECTIVE:
+            self.report_error(str(err))
+
+    def _chunk_arrived(self, p: _Peer, target, channel, tag, msgno, length) -> None:
+        with self._lock:
+            target.done_bytes += length
+            if target.done_bytes < target.total:
+                return
+            del p.inflight[_match_key(channel, tag, msgno)]
+            waiter = None
+            if isinstance(target, _Staged):
+                waiter, target.waiter = target.waiter, None
+                if waiter is not None:
+                    p.unexpected.pop(_match_key(channel, tag, msgno), None)
+        if isinstance(target, Request):
+            target._finish()
+        elif waiter is not None:
+            self._deliver_staged(target, waiter)
+
+    def _discard(self, n: int) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = memoryview(bytearray(max(n, 1 << 16)))
+        return buf[:n]
+
+    # ------------------------------------------------------------------ failures
+    def _fail_peer(self, p: _Peer, err: BaseException) -> None:
+        with self._lock:
+            if p.failure is None:
+                p.failure = err
+            failed = list(p.posted.values()) + [t for t in p.inflight.values() if isinstance(t, Request)]
+            failed += [t.waiter for t in p.unexpected.values() if t.waiter is not None]
+            p.posted.clear()
+            p.inflight.clear()
+            if all(q.failure is not None for q in self.peers.values()):
+                for dq in self._anysource.values():
+                    failed.extend(dq)
+                self._anysource.clear()
+        with p.cond:
+            failed.extend(r for r in p.send_queue if isinstance(r, Request))
+            p.send_queue.clear()
+            p.cond.notify_all()
+        if self._closing:
+            return
+        if failed:
+            log.error("%s", err)
+        for r in failed:
+            r._finish(_wrap(err))
+        # A collective cannot complete without every member: fail the group's other pending
+        # collective transfers too, so that no rank waits for its whole timeout.
+        self._set_broken(err, only_collective=True)
+
+    def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
+        """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
+        failed = []
+        with self._lock:
+            if only_collective:
+                self._coll_broken = self._coll_broken or err
+            else:
+                self._broken = self._broken or err
+            for p in self.peers.values():
+                for key, r in list(p.posted.items()):
+                    if not only_collective or r.channel == CHANNEL_COLLECTIVE:
+                        failed.append(p.posted.pop(key))
+                for key, r in list(p.inflight.items()):
+                    if isinstance(r, Request) and (not only_collective or r.channel == CHANNEL_COLLECTIVE):
+                        failed.append(r)
+                        p.inflight[key] = _DEAD
+            if not only_collective:
+                for dq in self._anysource.values():
+                    failed.extend(dq)
+                self._anysource.clear()
+        for r in failed:
+            r._finish(_wrap(err))
+
+    @property
+    def broken(self) -> BaseException | None:
+        """Why collectives on this context can no longer run (None while healthy)."""
+        return self._broken or self._coll_broken
+
+    def report_error(self, message: str) -> None:
+        """Tell every peer that this rank failed the current collective (an ERROR frame)."""
+        payload = message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+        self._set_broken(TransportError(message), only_collective=True)
+        for p in self.peers.values():
+            with p.cond:
+                if p.failure is None:
+                    p.send_queue.appendleft((KIND_ERROR, payload))
+                    p.cond.notify()
+
+    # ------------------------------------------------------------------ statistics, teardown
+    def connection_stats(self) -> list[dict]:
+        """Bytes moved per connection (for metrics and benchmarks)."""
+        out = []
+        for p in self.peers.values():
+            for c in p.conns:
+                if c is not None:
+                    out.append({"peer": p.rank, "connection": c.index, "local": c.local,
+                                "remote": c.remote, "sent_bytes": c.sent_bytes,
+                                "received_bytes": c.recv_bytes})
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush queued sends, tell peers (CLOSE frames), close every connection."""
+        if self._closing:
+            return
+        deadline = time.monotonic() + timeout
+        for p in self.peers.values():  # let queued data drain first
+            with p.cond:
+                while p.send_queue and p.failure is None and time.monotonic() < deadline:
+                    p.cond.wait(0.05)
+        self._closing = True
+        for p in self.peers.values():
+            with p.cond:
+                p.cond.notify_all()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t.name.startswith("linerate-send") and t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))
+        for p in self.peers.values():
+            for c in p.conns:
+                if c is not None:
+                    try:
+                        c.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    c.sock.close()
+        for ls in getattr(self, "_listeners", []):
+            try:
+                ls.close()
+            except OSError:
+                pass
+        self._set_broken(TransportError(f"rank {self.rank}: the process group was shut down"))
+
+
+class _Closing(Exception):
+    pass
+
+
+class _PeerEOF(Exception):
+    pass
+
+
+class _DeadTarget:
+    """Placeholder for a message whose receive failed: its remaining chunks are dropped."""
+    buf = None
+    total = 1 << 62
+    done_bytes = 0
+
+
+_DEAD = _DeadTarget()
+
+
+def _wrap(err: BaseException) -> BaseException:
+    if isinstance(err, TransportError):
+        return type(err)(*err.args) if not isinstance(err, PeerFailure) else PeerFailure(err.peer, str(err))
+    return TransportError(str(err))
+
+
+def _recv_into(sock: socket.socket, view: memoryview, n: int) -> bool:
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return False
+        got += k
+    return True
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def _store_get(store, key: str) -> bytes:
+    value = store.get(key)
+    return value if isinstance(value, bytes) else bytes(value)
+
+
+def _parse_addresses(raw: bytes, peer: int, nrails: int) -> list:
+    try:
+        addrs = json.loads(raw.decode())
+        ok = isinstance(addrs, list) and all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
+            for a in addrs)
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise TransportError(f"rank {peer} published malformed addresses in the store: {raw[:200]!r}")
+    if len(addrs) != nrails:
+        raise TransportError(f"rank {peer} listens on {len(addrs)} interfaces, this rank on {nrails}: "
+                             f"set LINERATE_SOCKET_IFNAME to the same number of interfaces everywhere")
+    return addrs

@@ -1,0 +1,90 @@
+"""Every transport setting in one place: a dataclass filled from ``LINERATE_*`` env variables.
+
+The README's settings table documents each field; keep the two in step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+                  "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+                  "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512K"``, ``"4MB"``, ``"1048576"`` into a byte count (binary multiples)."""
+    s = text.strip().lower()
+    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = s[len(digits):]
+    if suffix not in _SIZE_SUFFIXES or not digits:
+        raise ValueError(f"cannot parse size {text!r}: expected a number with an optional K/M/G suffix")
+    return int(float(digits) * _SIZE_SUFFIXES[suffix])
+
+
+def _parse_bool(text: str) -> bool:
+    s = text.strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"cannot parse boolean {text!r}: expected 1/0, true/false, yes/no, on/off")
+
+
+@dataclasses.dataclass
+class TransportOptions:
+    """Settings of one transport context (one per process group)."""
+
+    #: TCP connections per peer on each interface (rail). Measured on loopback (2 cores):
+    #: 2 beats 1 by ~35% and 4 adds nothing; see README "Performance".
+    nsocks: int = 2
+    #: Local interfaces to use, comma separated (``eth0,eth1`` = two rails). Empty: the
+    #: interface that routes to MASTER_ADDR (or the hostname's address).
+    socket_ifname: str = ""
+    #: Bytes per chunk: a message is cut into chunks that are striped over the connections.
+    chunk_bytes: int = 512 * 1024
+    #: Seconds allowed to build the full mesh of connections at group creation.
+    connect_timeout: float = 300.0
+    #: Largest message (bytes) a peer may announce before a matching receive is posted; larger
+    #: unexpected messages are an error rather than an unbounded allocation.
+    max_unexpected_bytes: int = 1 << 34
+    #: Address family preference for the automatic interface choice.
+    prefer_ipv6: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
+        env = os.environ if env is None else env
+        o = cls()
+        if "LINERATE_NSOCKS" in env:
+            o.nsocks = int(env["LINERATE_NSOCKS"])
+        if "LINERATE_SOCKET_IFNAME" in env:
+            o.socket_ifname = env["LINERATE_SOCKET_IFNAME"].strip()
+        if "LINERATE_CHUNK_BYTES" in env:
+            o.chunk_bytes = parse_size(env["LINERATE_CHUNK_BYTES"])
+        if "LINERATE_CONNECT_TIMEOUT" in env:
+            o.connect_timeout = float(env["LINERATE_CONNECT_TIMEOUT"])
+        if "LINERATE_MAX_UNEXPECTED_BYTES" in env:
+            o.max_unexpected_bytes = parse_size(env["LINERATE_MAX_UNEXPECTED_BYTES"])
+        if "LINERATE_PREFER_IPV6" in env:
+            o.prefer_ipv6 = _parse_bool(env["LINERATE_PREFER_IPV6"])
+        for k, v in overrides.items():
+            if not hasattr(o, k):
+                raise TypeError(f"unknown transport option {k!r}")
+            setattr(o, k, v)
+        o.validate()
+        return o
+
+    def validate(self) -> None:
+        if not 1 <= self.nsocks <= 64:
+            raise ValueError(f"LINERATE_NSOCKS must be between 1 and 64, got {self.nsocks}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"LINERATE_CHUNK_BYTES must be at least 4096, got {self.chunk_bytes}")
+        if self.chunk_bytes >= 1 << 32:
+            raise ValueError(f"LINERATE_CHUNK_BYTES must be below 4 GiB, got {self.chunk_bytes}")
+        if self.connect_timeout <= 0:
+            raise ValueError(f"LINERATE_CONNECT_TIMEOUT must be positive, got {self.connect_timeout}")
+
+    @property
+    def ifnames(self) -> list[str]:
+        return [n.strip() for n in self.socket_ifname.split(",") if n.strip()]

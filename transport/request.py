@@ -1,0 +1,84 @@
+"""Non-blocking requests returned by the transport (as ncclNet's isend/irecv + test/wait)."""
+from __future__ import annotations
+
+import threading
+
+_cb_lock = threading.Lock()
+
+
+class TransportError(RuntimeError):
+    """A transfer failed: peer lost, mismatch, protocol violation, or the context is broken."""
+
+
+class PeerFailure(TransportError):
+    """A peer's connection broke (process died, link lost) or it closed its group."""
+
+    def __init__(self, peer: int, message: str):
+        super().__init__(message)
+        self.peer = peer
+
+
+class MismatchError(TransportError):
+    """Two ranks disagree about what they are doing (op, size, sequence)."""
+
+
+class Request:
+    """One posted send or receive. ``wait`` raises the transfer's error, if any."""
+
+    __slots__ = ("peer", "buf", "total", "channel", "tag", "msgno", "opcode", "done_bytes",
+                 "chunks_left", "next_off", "error", "_event", "_callbacks", "is_send", "desc")
+
+    def __init__(self, is_send: bool, peer: int | None, buf: memoryview, channel: int, tag: int,
+                 opcode: int, desc: str):
+        self.is_send = is_send
+        self.peer = peer
+        self.buf = buf
+        self.total = buf.nbytes
+        self.channel = channel
+        self.tag = tag
+        self.opcode = opcode
+        self.desc = desc
+        self.msgno = -1
+        self.done_bytes = 0
+        self.chunks_left = 0
+        self.next_off = 0
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+        self._callbacks = None
+
+    # -- completion (called by transport threads) --------------------------------------
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._event.is_set():
+            return
+        self.error = error
+        self.buf = None  # drop the reference to the caller's memory
+        with _cb_lock:
+            self._event.set()
+            cbs, self._callbacks = self._callbacks, None
+        if cbs:
+            for cb in cbs:
+                cb(self)
+
+    def add_done_callback(self, cb) -> None:
+        """Call ``cb(request)`` on completion (at once if already complete). Keep it short:
+        it runs on a transport thread."""
+        with _cb_lock:
+            if not self._event.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    # -- user side ------------------------------------------------------------------------
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            what = "send to" if self.is_send else "receive from"
+            who = "any rank" if self.peer is None else f"rank {self.peer}"
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting to {what} {who} "
+                               f"({self.desc}, {self.total} bytes)")
+        if self.error is not None:
+            raise self.error
