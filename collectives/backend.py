@@ -1,0 +1,697 @@
+"""The ``linerate`` torch.distributed process group: torch's calls in, algorithms run, Work out.
+
+Collectives of a group run one after another on the group's worker thread, in call order
+(every rank calls them in the same order, so every rank runs the same sequence; the op's
+sequence number travels in every frame and a rank in a different op is reported). Point-to-
+point sends and receives go straight to the transport and progress on their own.
+
+Method names follow what torch 2.4-2.15 call on a Python process group, with both the old and
+the 2.13 names bound to one implementation (see shared notes).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from transport import CHANNEL_P2P, Context, TransportError
+
+from . import chain, direct, ring
+from .comm import OPNAMES, Comm, OpTimeout, byte_view
+from .options import Options
+from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
+from .work import Work, as_dist_error
+
+log = logging.getLogger("linerate")
+
+BACKEND_NAME = "linerate"
+_MAX_TAG = (1 << 63) - 1
+
+
+class _Stage:
+    """Maps the caller's tensors to contiguous CPU tensors the algorithms can use.
+
+    CUDA tensors are staged through pinned host memory; non-contiguous ones through a
+    contiguous copy. Inputs are captured when the op is called; outputs are copied back to
+    the caller's tensors when the op has finished (``finish``)."""
+
+    def __init__(self):
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.devices: list | None = None
+
+    def _note_device(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" and self.devices is None:
+            self.devices = [t.device]
+
+    def inp(self, t: torch.Tensor) -> torch.Tensor:
+        self._note_device(t)
+        if t.device.type != "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(t)  # a blocking copy: ordered after the caller's stream
+            return host
+        return t.detach() if t.is_contiguous() else t.detach().contiguous()
+
+    def out(self, t: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """A tensor to write the result into; ``keep``: it starts with t's contents."""
+        self._note_device(t)
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.detach()
+        if t.device.type != "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype)
+        if keep:
+            host.copy_(t)
+        self._back.append((t, host))
+        return host
+
+    def finish(self) -> None:
+        for dst, src in self._back:
+            with torch.no_grad():
+                dst.copy_(src)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1)
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
+
+
+class ProcessGroupLinerate(dist.ProcessGroup):
+    """A torch.distributed process group over linerate's striped TCP transport."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta | None = None,
+                 options: Options | None = None, group_name: str = ""):
+        super().__init__(rank, size)
+        self._options = options or Options.from_env()
+        self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
+        self._group_name = group_name
+        self._group_desc = ""
+        self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
+                            label=group_name or "")
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._shut = False
+        self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
+                                        daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ identity
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        self._ctx.label = name
+
+    def setGroupName(self, name: str) -> None:
+        self._set_group_name(name)
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def _get_backend(self, device=None):
+        return self
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
+    def connection_stats(self) -> list[dict]:
+        """Bytes sent and received per connection (peer rank, connection index, addresses)."""
+        return self._ctx.connection_stats()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    # ------------------------------------------------------------------ running ops
+    def _op_timeout(self, opts) -> float:
+        t = getattr(opts, "timeout", None)
+        if isinstance(t, timedelta) and t.total_seconds() > 0:
+            return t.total_seconds()
+        return self._timeout
+
+    def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float) -> Work:
+        """Queue ``fn(comm)`` to run as the group's next collective."""
+        if self._shut:
+            raise RuntimeError(f"linerate: {op} on a process group that was shut down")
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})", result,
+                    stage.devices)
+        self._queue.put((op, seq, fn, stage, timeout, work))
+        return work
+
+    def _run_worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            op, seq, fn, stage, timeout, work = item
+            try:
+                broken = self._ctx.broken
+                if broken is not None:
+                    raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
+                                         f"earlier: {broken}")
+                comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes)
+                fn(comm)
+                stage.finish()
+            except BaseException as e:  # every failure reaches the Work, and the peers
+                if isinstance(e, OpTimeout):
+                    self._ctx.report_error(str(e))
+                elif not isinstance(e, TransportError):
+                    log.exception("rank %d: %s #%d failed", self.rank(), op, seq)
+                    self._ctx.report_error(f"rank {self.rank()}: {op} #{seq} failed: {e}")
+                work._complete(e)
+            else:
+                work._complete()
+
+    # ------------------------------------------------------------------ checks
+    def _check_tensor(self, t, what: str) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rank {self.rank()}: {what}: expected a tensor, got {type(t).__name__}")
+        check_dtype(t.dtype, f"rank {self.rank()}: {what}")
+        if t.is_sparse:
+            raise ValueError(f"rank {self.rank()}: {what}: sparse tensors are not supported")
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.size():
+            raise ValueError(f"rank {self.rank()}: {what}: root rank {root} is not in the group "
+                             f"of size {self.size()}")
+
+    def _check_same(self, ref: torch.Tensor, t: torch.Tensor, what: str, numel: int | None = None) -> None:
+        if t.dtype != ref.dtype:
+            raise ValueError(f"rank {self.rank()}: {what}: dtype {t.dtype} differs from the input's "
+                             f"{ref.dtype}")
+        want = ref.numel() if numel is None else numel
+        if t.numel() != want:
+            raise ValueError(f"rank {self.rank()}: {what}: {_desc(t)} has {t.numel()} elements, "
+                             f"expected {want} (input {_desc(ref)})")
+
+    def _single(self, tensors, what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"rank {self.rank()}: {what}: expected one tensor per call, got {len(tensors)}")
+        self._check_tensor(tensors[0], what)
+        return tensors[0]
+
+    def _small(self, nbytes: int) -> bool:
+        return nbytes <= self._options.small_bytes
+
+    # ------------------------------------------------------------------ all_reduce
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        what = "all_reduce"
+        for t in tensors:
+            self._check_tensor(t, what)
+        op = op_type(opts.reduceOp)
+        for t in tensors:
+            check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
+        stage = _Stage()
+        bufs = [stage.out(t, keep=True) for t in tensors]
+        algo = self._options.allreduce_algo
+
+        def run(comm: Comm):
+            for b in bufs:
+                self._allreduce_flat(comm, _flat(b), op, algo)
+
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+
+    def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
+        if algo == "direct" or (algo == "auto" and self._small(flat.numel() * flat.element_size())):
+            direct.all_reduce(comm, flat, op)
+        else:
+            ring.all_reduce(comm, flat, op)
+        finish_avg(flat, op, comm.size)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        what = "all_reduce_coalesced"
+        op = op_type(opts.reduceOp)
+        for t in tensors:
+            self._check_tensor(t, what)
+            check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
+        stage = _Stage()
+        bufs = [stage.out(t, keep=True) for t in tensors]
+        algo = self._options.allreduce_algo
+
+        def run(comm: Comm):
+            # One flat buffer per dtype: one all-reduce instead of one per tensor.
+            by_dtype: dict = {}
+            for b in bufs:
+                by_dtype.setdefault(b.dtype, []).append(b)
+            for group in by_dtype.values():
+                flat = torch.cat([_flat(b) for b in group]) if len(group) > 1 else _flat(group[0])
+                self._allreduce_flat(comm, flat, op, algo)
+                if len(group) > 1:
+                    off = 0
+                    for b in group:
+                        n = b.numel()
+                        _flat(b).copy_(flat[off:off + n])
+                        off += n
+
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+
+    # ------------------------------------------------------------------ rooted ops
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        what = "broadcast"
+        t = self._single(tensors, what)
+        root = opts.rootRank
+        self._check_root(root, what)
+        stage = _Stage()
+        buf = stage.out(t, keep=(self.rank() == root))
+        small = self._small(t.numel() * t.element_size())
+        algo = self._options.rooted_algo
+
+        def run(comm: Comm):
+            if algo == "direct" or (algo == "auto" and small):
+                direct.broadcast(comm, _flat(buf), root)
+            else:
+                chain.broadcast(comm, _flat(buf), root)
+
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        what = "reduce"
+        t = self._single(tensors, what)
+        root = opts.rootRank
+        self._check_root(root, what)
+        op = op_type(opts.reduceOp)
+        check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
+        stage = _Stage()
+        is_root = self.rank() == root
+        buf = stage.out(t, keep=True) if is_root else stage.inp(t)
+        small = self._small(t.numel() * t.element_size())
+        algo = self._options.rooted_algo
+
+        def run(comm: Comm):
+            flat = _flat(buf)
+            if algo == "direct" or (algo == "auto" and small):
+                direct.reduce(comm, flat, op, root)
+            else:
+                chain.reduce(comm, flat, op, root)
+            if is_root:
+                finish_avg(flat, op, comm.size)
+
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+
+    def gather(self, output_lists, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        what = "gather"
+        t = self._single(input_tensors, what)
+        root = opts.rootRank
+        self._check_root(root, what)
+        stage = _Stage()
+        src = stage.inp(t)
+        outs = None
+        if self.rank() == root:
+            if len(output_lists) != 1 or len(output_lists[0]) != self.size():
+                raise ValueError(f"rank {self.rank()}: gather: the root needs a list of {self.size()} "
+                                 f"output tensors")
+            for i, o in enumerate(output_lists[0]):
+                self._check_tensor(o, what)
+                self._check_same(t, o, f"gather output {i}")
+            outs = [_flat(stage.out(o)) for o in output_lists[0]]
+
+        def run(comm: Comm):
+            direct.gather(comm, _flat(src), outs, root)
+
+        result = list(output_lists[0]) if output_lists else []
+        return self._submit(what, run, result, stage, self._op_timeout(opts))
+
+    def scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts or dist.ScatterOptions()
+        what = "scatter"
+        t = self._single(output_tensors, what)
+        root = opts.rootRank
+        self._check_root(root, what)
+        stage = _Stage()
+        ins = None
+        if self.rank() == root:
+            if len(input_lists) != 1 or len(input_lists[0]) != self.size():
+                raise ValueError(f"rank {self.rank()}: scatter: the root needs a list of {self.size()} "
+                                 f"input tensors")
+            for i, x in enumerate(input_lists[0]):
+                self._check_tensor(x, what)
+                self._check_same(t, x, f"scatter input {i}")
+            ins = [_flat(stage.inp(x)) for x in input_lists[0]]
+        out = stage.out(t)
+
+        def run(comm: Comm):
+            direct.scatter(comm, _flat(out), ins, root)
+
+        return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts))
+
+    # ------------------------------------------------------------------ gathers
+    def _gather_segs(self, stage: _Stage, inp: torch.Tensor, outs: list[torch.Tensor]):
+        src = _flat(stage.inp(inp))
+        segs = [_flat(stage.out(o)) for o in outs]
+        return src, segs
+
+    def _run_all_gather(self, comm: Comm, src: torch.Tensor, segs: list[torch.Tensor]) -> None:
+        segs[comm.rank].copy_(src)
+        total = sum(s.numel() for s in segs) * src.element_size()
+        if self._small(total):
+            direct.all_gather(comm, segs)
+        else:
+            ring.all_gather(comm, segs)
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        what = "all_gather"
+        t = self._single(input_tensors, what)
+        if len(output_lists) != 1 or len(output_lists[0]) != self.size():
+            raise ValueError(f"rank {self.rank()}: all_gather: expected a list of {self.size()} output "
+                             f"tensors")
+        outs = output_lists[0]
+        for i, o in enumerate(outs):
+            self._check_tensor(o, what)
+            if o.dtype != t.dtype:
+                raise ValueError(f"rank {self.rank()}: all_gather: output {i} has dtype {o.dtype}, "
+                                 f"input {t.dtype}")
+        self._check_same(t, outs[self.rank()], f"all_gather output {self.rank()}")
+        stage = _Stage()
+        src, segs = self._gather_segs(stage, t, outs)
+        return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
+                            list(outs), stage, self._op_timeout(opts))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        what = "all_gather_coalesced"
+        if len(output_lists) != len(input_tensors):
+            raise ValueError(f"rank {self.rank()}: {what}: {len(output_lists)} output lists for "
+                             f"{len(input_tensors)} inputs")
+        stage = _Stage()
+        jobs = []
+        for t, outs in zip(input_tensors, output_lists):
+            self._check_tensor(t, what)
+            if len(outs) != self.size():
+                raise ValueError(f"rank {self.rank()}: {what}: expected {self.size()} outputs per input")
+            for o in outs:
+                self._check_same(t, o, f"{what} output")
+            jobs.append(self._gather_segs(stage, t, outs))
+
+        def run(comm: Comm):
+            for src, segs in jobs:
+                self._run_all_gather(comm, src, segs)
+
+        result = [o for outs in output_lists for o in outs]
+        return self._submit(what, run, result, stage, self._op_timeout(opts))
+
+    def _single_gather_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
+        self._check_tensor(out, what)
+        self._check_tensor(inp, what)
+        self._check_same(inp, out, f"{what} output", numel=inp.numel() * self.size())
+        o = _flat(stage.out(out))
+        n = inp.numel()
+        return _flat(stage.inp(inp)), [o[i * n:(i + 1) * n] for i in range(self.size())]
+
+    def all_gather_single(self, output, input, opts=None):
+        what = "all_gather_into_tensor"
+        stage = _Stage()
+        src, segs = self._single_gather_job(stage, output, input, what)
+        return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
+                            [output], stage, self._op_timeout(opts))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        what = "all_gather_into_tensor_coalesced"
+        stage = _Stage()
+        jobs = [self._single_gather_job(stage, o, i, what) for o, i in zip(outputs, inputs)]
+        if len(outputs) != len(inputs):
+            raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+
+        def run(comm: Comm):
+            for src, segs in jobs:
+                self._run_all_gather(comm, src, segs)
+
+        return self._submit("all_gather_coalesced", run, list(outputs), stage, self._op_timeout(opts))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def _run_reduce_scatter(self, comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
+        total = sum(s.numel() for s in segs) * out.element_size()
+        if self._small(total):
+            direct.reduce_scatter(comm, segs, out, op)
+        else:
+            ring.reduce_scatter(comm, segs, op)
+            out.copy_(segs[comm.rank])
+        finish_avg(out, op, comm.size)
+
+    def _scatter_job(self, stage: _Stage, out: torch.Tensor, ins: list[torch.Tensor], op, what: str):
+        self._check_tensor(out, what)
+        check_op(op, out.dtype, f"rank {self.rank()}: {what} of {_desc(out)}")
+        if len(ins) != self.size():
+            raise ValueError(f"rank {self.rank()}: {what}: expected {self.size()} input tensors, got {len(ins)}")
+        for i, x in enumerate(ins):
+            self._check_tensor(x, what)
+            if x.dtype != out.dtype:
+                raise ValueError(f"rank {self.rank()}: {what}: input {i} has dtype {x.dtype}, output {out.dtype}")
+        self._check_same(out, ins[self.rank()], f"{what} input {self.rank()}")
+        # The algorithms reduce in place: work on one private copy of the inputs.
+        flat = torch.cat([_flat(stage.inp(x)) for x in ins]) if ins else torch.empty(0, dtype=out.dtype)
+        segs, off = [], 0
+        for x in ins:
+            segs.append(flat[off:off + x.numel()])
+            off += x.numel()
+        return segs, _flat(stage.out(out))
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        what = "reduce_scatter"
+        out = self._single(output_tensors, what)
+        if len(input_lists) != 1:
+            raise ValueError(f"rank {self.rank()}: {what}: expected one list of inputs")
+        op = op_type(opts.reduceOp)
+        stage = _Stage()
+        segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
+        return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
+                            [out], stage, self._op_timeout(opts))
+
+    def _single_scatter_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
+        self._check_tensor(out, what)
+        self._check_tensor(inp, what)
+        check_op(op, out.dtype, f"rank {self.rank()}: {what} of {_desc(out)}")
+        self._check_same(out, inp, f"{what} input", numel=out.numel() * self.size())
+        n = out.numel()
+        flat = _flat(stage.inp(inp)).clone()
+        return [flat[i * n:(i + 1) * n] for i in range(self.size())], _flat(stage.out(out))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        op = op_type(opts.reduceOp)
+        stage = _Stage()
+        segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
+        return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
+                            [output], stage, self._op_timeout(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        what = "reduce_scatter_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        op = op_type(opts.reduceOp)
+        stage = _Stage()
+        jobs = [self._single_scatter_job(stage, o, i, op, what) for o, i in zip(outputs, inputs)]
+
+        def run(comm: Comm):
+            for segs, o in jobs:
+                self._run_reduce_scatter(comm, segs, o, op)
+
+        return self._submit("reduce_scatter_coalesced", run, list(outputs), stage, self._op_timeout(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ------------------------------------------------------------------ all-to-all
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        what = "all_to_all"
+        P = self.size()
+        if len(output_tensors) != P or len(input_tensors) != P:
+            raise ValueError(f"rank {self.rank()}: {what}: expected {P} input and {P} output tensors, "
+                             f"got {len(input_tensors)} and {len(output_tensors)}")
+        ref = input_tensors[0]
+        for t in list(output_tensors) + list(input_tensors):
+            self._check_tensor(t, what)
+            if t.dtype != ref.dtype:
+                raise ValueError(f"rank {self.rank()}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
+        self._check_same(input_tensors[self.rank()], output_tensors[self.rank()], f"{what} output {self.rank()}")
+        stage = _Stage()
+        ins = [_flat(stage.inp(x)) for x in input_tensors]
+        outs = [_flat(stage.out(o)) for o in output_tensors]
+        return self._submit(what, lambda comm: direct.all_to_all(comm, outs, ins),
+                            list(output_tensors), stage, self._op_timeout(opts))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        what = "all_to_all_single"
+        P = self.size()
+        self._check_tensor(output, what)
+        self._check_tensor(input, what)
+        if output.dtype != input.dtype:
+            raise ValueError(f"rank {self.rank()}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
+        in_splits = self._splits(input, input_split_sizes, "input")
+        out_splits = self._splits(output, output_split_sizes, "output")
+        stage = _Stage()
+        src = stage.inp(input)
+        dst = stage.out(output)
+        ins = self._split_views(src, in_splits)
+        outs = self._split_views(dst, out_splits)
+        if ins[self.rank()].numel() != outs[self.rank()].numel():
+            raise ValueError(f"rank {self.rank()}: {what}: this rank sends itself "
+                             f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
+        return self._submit("all_to_all", lambda comm: direct.all_to_all(comm, outs, ins),
+                            [output], stage, self._op_timeout(opts))
+
+    alltoall_base = all_to_all_single
+
+    def _splits(self, t: torch.Tensor, splits, what: str) -> list[int]:
+        P = self.size()
+        rows = t.shape[0] if t.dim() > 0 else t.numel()
+        if not splits:
+            if rows % P:
+                raise ValueError(f"rank {self.rank()}: all_to_all_single: {what} {_desc(t)}: dim 0 ({rows}) "
+                                 f"is not divisible by the group size {P}; pass split sizes")
+            return [rows // P] * P
+        splits = [int(s) for s in splits]
+        if len(splits) != P or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"rank {self.rank()}: all_to_all_single: {what} split sizes {splits} must be "
+                             f"{P} non-negative numbers summing to dim 0 of {_desc(t)}")
+        return splits
+
+    @staticmethod
+    def _split_views(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
+        row = math.prod(t.shape[1:]) if t.dim() > 0 else 1
+        flat = _flat(t)
+        views, off = [], 0
+        for s in splits:
+            views.append(flat[off * row:(off + s) * row])
+            off += s
+        return views
+
+    # ------------------------------------------------------------------ barrier
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._submit("barrier", direct.barrier, [], _Stage(), self._op_timeout(opts))
+
+    # ------------------------------------------------------------------ point to point
+    def _check_p2p(self, tensors, peer, tag, what: str) -> torch.Tensor:
+        t = self._single(tensors, what)
+        if peer is not None and (not 0 <= peer < self.size() or peer == self.rank()):
+            raise ValueError(f"rank {self.rank()}: {what}: invalid peer rank {peer} (group size "
+                             f"{self.size()}, own rank {self.rank()})")
+        if not 0 <= tag <= _MAX_TAG:
+            raise ValueError(f"rank {self.rank()}: {what}: tag {tag} must be in [0, 2^63)")
+        return t
+
+    def _p2p_work(self, desc: str, result: list, stage: _Stage, req) -> Work:
+        work = Work(desc, result, stage.devices)
+
+        def done(r):
+            if r.error is None:
+                try:
+                    stage.finish()
+                except BaseException as e:  # noqa: BLE001 - reported through the Work
+                    work._complete(e, r.peer if r.peer is not None else -1)
+                    return
+            work._complete(r.error, r.peer if r.peer is not None else -1)
+
+        req.add_done_callback(done)
+        return work
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        t = self._check_p2p(tensors, dst, tag, "send")
+        stage = _Stage()
+        buf = stage.inp(t)
+        req = self._ctx.isend(dst, byte_view(buf), CHANNEL_P2P, tag, 0, f"send to rank {dst} tag {tag}")
+        return self._p2p_work(f"send to rank {dst} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        t = self._check_p2p(tensors, src, tag, "recv")
+        stage = _Stage()
+        buf = stage.out(t)
+        req = self._ctx.irecv(src, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from rank {src} tag {tag}")
+        return self._p2p_work(f"recv from rank {src} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        t = self._check_p2p(tensors, None, tag, "recv")
+        stage = _Stage()
+        buf = stage.out(t)
+        req = self._ctx.irecv(None, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from any rank tag {tag}")
+        return self._p2p_work(f"recv from any rank (tag {tag}, {_desc(t)})", list(tensors), stage, req)
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self) -> None:
+        """Finish queued collectives, flush sends, close every connection (idempotent)."""
+        if self._shut:
+            return
+        self._shut = True
+        self._queue.put(None)
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout=self._timeout)
+        self._ctx.close()
+
+    def abort(self) -> None:
+        """Close every connection now; pending operations fail."""
+        if self._shut and self._ctx._closing:
+            return
+        self._shut = True
+        self._ctx.close(timeout=0.0)
+        self._queue.put(None)
+
+    def __del__(self):
+        try:
+            if not self._shut:
+                self._shut = True
+                self._queue.put(None)
+                self._ctx.close(timeout=1.0)
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def create_process_group(dist_opts, backend_options=None) -> ProcessGroupLinerate:
+    """The creator registered with torch (extended API): one group per call."""
+    timeout = getattr(dist_opts, "timeout", None)
+    name = str(getattr(dist_opts, "group_id", "") or "")
+    options = backend_options if isinstance(backend_options, Options) else None
+    return ProcessGroupLinerate(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                timeout, options, group_name=name)

@@ -1,0 +1,56 @@
+"""Pipelined chains for large rooted collectives: every link carries the data once.
+
+broadcast: root -> root+1 -> ... -> root-1; each rank forwards piece k while piece k+1 arrives.
+reduce:    root-1 -> root-2 -> ... -> root; each rank adds its own piece and passes it on.
+Time ~ size / link rate + (P-2) x piece time, against (P-1) x size / rate for one-to-all.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm, pieces
+from .reduce_ops import reduce_into
+
+
+def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    P, r = comm.size, comm.rank
+    if P == 1:
+        return
+    pos = (r - root) % P
+    nxt = (r + 1) % P if pos < P - 1 else None
+    parts = pieces(t, comm.piece_elems(t))
+    if pos == 0:
+        comm.wait_all([comm.isend(nxt, x) for x in parts])
+        return
+    prev = (r - 1) % P
+    recvs = [comm.irecv(prev, x) for x in parts]
+    sends = []
+    for x, q in zip(parts, recvs):
+        comm.wait(q)
+        if nxt is not None:
+            sends.append(comm.isend(nxt, x))
+    comm.wait_all(sends)
+
+
+def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
+    """Result in ``flat`` on the root; other ranks' ``flat`` is not modified."""
+    P, r = comm.size, comm.rank
+    if P == 1:
+        return
+    pos = (r - root) % P
+    pe = comm.piece_elems(flat)
+    if pos == P - 1:  # head of the chain: just send
+        comm.wait_all([comm.isend((r - 1) % P, x) for x in pieces(flat, pe)])
+        return
+    acc = flat if pos == 0 else flat.clone()
+    tmp = torch.empty_like(acc)
+    acc_parts, tmp_parts = pieces(acc, pe), pieces(tmp, pe)
+    src = (r + 1) % P
+    recvs = [comm.irecv(src, b) for b in tmp_parts]
+    sends = []
+    for x, b, q in zip(acc_parts, tmp_parts, recvs):
+        comm.wait(q)
+        reduce_into(x, b, op)
+        if pos != 0:
+            sends.append(comm.isend((r - 1) % P, x))
+    comm.wait_all(sends)

@@ -1,0 +1,71 @@
+"""What an algorithm sees of the transport: send/receive tensors to/from group ranks within one
+collective, with the op's sequence number, opcode and deadline attached to every transfer."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
+
+# Opcodes travel in every frame so that a rank in a different collective is named, not mixed in.
+OPCODES = {
+    "all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5, "scatter": 6,
+    "reduce_scatter": 7, "all_to_all": 8, "barrier": 9, "all_reduce_coalesced": 10,
+    "all_gather_coalesced": 11, "reduce_scatter_coalesced": 12, "neighbor_allreduce": 13,
+}
+OPNAMES = {v: k for k, v in OPCODES.items()}
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A memoryview of a contiguous CPU tensor's bytes, without a copy."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def pieces(t: torch.Tensor, piece_elems: int) -> list[torch.Tensor]:
+    """Cut a 1-D tensor into views of at most piece_elems elements (one empty view if empty)."""
+    n = t.numel()
+    if n <= piece_elems:
+        return [t]
+    return [t[i:i + piece_elems] for i in range(0, n, piece_elems)]
+
+
+class OpTimeout(TransportError):
+    pass
+
+
+class Comm:
+    """One collective's view of the group: rank, size, send, recv, deadline."""
+
+    def __init__(self, ctx: Context, op: str, seq: int, timeout: float, piece_bytes: int):
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.size = ctx.size
+        self.op = op
+        self.opcode = OPCODES[op]
+        self.seq = seq
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.piece_bytes = piece_bytes
+        self._desc = f"{op} #{seq}"
+
+    def piece_elems(self, t: torch.Tensor) -> int:
+        return max(1, self.piece_bytes // max(1, t.element_size()))
+
+    def isend(self, peer: int, t: torch.Tensor) -> Request:
+        return self.ctx.isend(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode, self._desc)
+
+    def irecv(self, peer: int, t: torch.Tensor) -> Request:
+        return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode, self._desc)
+
+    def wait(self, req: Request) -> None:
+        left = self.deadline - time.monotonic()
+        try:
+            req.wait(max(left, 0.0))
+        except TimeoutError as e:
+            raise OpTimeout(f"rank {self.rank}: {self._desc} did not complete within the "
+                            f"{self.timeout:.1f}s timeout: {e}") from None
+
+    def wait_all(self, reqs) -> None:
+        for r in reqs:
+            self.wait(r)

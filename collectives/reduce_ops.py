@@ -1,0 +1,84 @@
+"""Reduction operators: which (op, dtype) pairs are valid, and the in-place kernel."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+RedOpType = dist.ReduceOp.RedOpType
+
+SUPPORTED_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)
+
+_BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+
+
+def op_type(op) -> RedOpType:
+    """Normalise what torch passes (ReduceOp object, RedOpType, or the user's ReduceOp.X)."""
+    inner = getattr(op, "op", None)
+    if isinstance(inner, RedOpType):
+        return inner
+    if isinstance(op, RedOpType):
+        return op
+    raise ValueError(f"unsupported reduce op {op!r}")
+
+
+def op_name(op: RedOpType) -> str:
+    return str(op).rsplit(".", 1)[-1]
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what}: dtype {dtype} is not supported by linerate (supported: "
+                        f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)})")
+
+
+def check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
+    """Raise a ValueError naming the op and dtype for combinations that have no meaning."""
+    check_dtype(dtype, what)
+    name = op_name(op)
+    if op == RedOpType.PREMUL_SUM:
+        raise ValueError(f"{what}: ReduceOp.PREMUL_SUM is not supported by linerate "
+                         f"(scale the tensor, then use SUM)")
+    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{what}: ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
+    if op in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
+        raise ValueError(f"{what}: ReduceOp.{name} is not defined for complex dtype {dtype}")
+    if op == RedOpType.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype} "
+                         f"(use SUM and divide)")
+    if op not in (RedOpType.SUM, RedOpType.AVG, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX,
+                  *_BITWISE):
+        raise ValueError(f"{what}: unsupported reduce op {name}")
+
+
+def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
+    """dst = dst (op) src, in place. AVG accumulates as SUM; call finish_avg afterwards."""
+    if op == RedOpType.SUM or op == RedOpType.AVG:
+        if dst.dtype == torch.bool:
+            dst.logical_or_(src)
+        else:
+            dst.add_(src)
+    elif op == RedOpType.PRODUCT:
+        if dst.dtype == torch.bool:
+            dst.logical_and_(src)
+        else:
+            dst.mul_(src)
+    elif op == RedOpType.MIN:
+        torch.minimum(dst, src, out=dst)
+    elif op == RedOpType.MAX:
+        torch.maximum(dst, src, out=dst)
+    elif op == RedOpType.BAND:
+        dst.bitwise_and_(src)
+    elif op == RedOpType.BOR:
+        dst.bitwise_or_(src)
+    elif op == RedOpType.BXOR:
+        dst.bitwise_xor_(src)
+    else:  # check_op rejects these before anything is sent
+        raise ValueError(f"unsupported reduce op {op_name(op)}")
+
+
+def finish_avg(t: torch.Tensor, op: RedOpType, group_size: int) -> None:
+    if op == RedOpType.AVG:
+        t.div_(group_size)

@@ -1,0 +1,115 @@
+"""Run N ranks of a module on this host, the way torchrun would, and reap every one of them.
+
+Each rank is ``python -m <module> <argv>`` with the torchrun environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so a tool's torchrun code path is the
+only one it needs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: Seconds the other ranks get to exit on their own after one rank failed.
+FAIL_GRACE_S = 3.0
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+KILL_GRACE_S = 5.0
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def loopback_ifname() -> str | None:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+               WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+               GROUP_RANK="0")
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: ranks share the cores
+    lo = loopback_ifname()
+    if lo:
+        env.setdefault("GLOO_SOCKET_IFNAME", lo)  # keep Gloo on loopback, like linerate
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = _SOURCE_ROOT + (os.pathsep + path if path else "")
+    return env
+
+
+def launch_local(module: str, argv: list[str], nproc: int, timeout: float) -> int:
+    """Run ``nproc`` ranks; return 0 if all succeed, else a nonzero code with a message on stderr."""
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(nproc):
+            procs.append(subprocess.Popen([sys.executable, "-m", module, *argv],
+                                          env=rank_env(rank, nproc, port),
+                                          start_new_session=True))
+        return _wait(procs, timeout)
+    except KeyboardInterrupt:
+        print("linerate: interrupted, stopping all ranks", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        _reap(procs)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return 0
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            _grace(procs, FAIL_GRACE_S)
+            rank, code = failed[0]
+            others = ", ".join(f"rank {r}" for r, _ in failed[1:])
+            print(f"linerate: rank {rank} {_describe(code)}"
+                  + (f" (also failed: {others})" if others else "")
+                  + "; stopping all ranks", file=sys.stderr)
+            return code if code > 0 else 1
+        if time.monotonic() > deadline:
+            print(f"linerate: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(0.1)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    _grace(procs, KILL_GRACE_S)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
