@@ -26,8 +26,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     sends = [comm.isend((r + k) % P, flat) for k in range(1, P)]
     buf[r].copy_(flat)
     comm.wait_all(recvs)
+    comm.wait_all(sends)  # the sends read flat, which the fold overwrites
     _fold_in_rank_order(flat, list(buf), op)
-    comm.wait_all(sends)
 
 
 def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:

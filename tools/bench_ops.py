@@ -149,11 +149,6 @@ class AllToAll(Collective):
 OPS: dict[str, Collective] = {op.name: op for op in
                               (AllReduce(), AllGather(), ReduceScatter(), Broadcast(), AllToAll())}
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
-}
-
 
 def element_count(op: Collective, size_bytes: int, elem_bytes: int, world: int) -> int:
     """Elements for a nominal size: rounded down to a multiple of the world size for split ops."""

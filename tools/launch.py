@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,10 +52,25 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     return env
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
 def launch_local(module: str, argv: list[str], nproc: int, timeout: float) -> int:
     """Run ``nproc`` ranks; return 0 if all succeed, else a nonzero code with a message on stderr."""
     port = free_port()
     procs: list[subprocess.Popen] = []
+    # The ranks run in sessions of their own (a Ctrl-C reaches only us), so whatever stops this
+    # process must stop them too.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank in range(nproc):
             procs.append(subprocess.Popen([sys.executable, "-m", module, *argv],
@@ -64,8 +80,13 @@ def launch_local(module: str, argv: list[str], nproc: int, timeout: float) -> in
     except KeyboardInterrupt:
         print("linerate: interrupted, stopping all ranks", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _Stopped as e:
+        print(f"linerate: got {e}, stopping all ranks", file=sys.stderr)
+        return 128 + e.signum
     finally:
         _reap(procs)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> int:
@@ -74,14 +95,15 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> int:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return 0
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            _grace(procs, FAIL_GRACE_S)
-            rank, code = failed[0]
-            others = ", ".join(f"rank {r}" for r, _ in failed[1:])
-            print(f"linerate: rank {rank} {_describe(code)}"
-                  + (f" (also failed: {others})" if others else "")
-                  + "; stopping all ranks", file=sys.stderr)
+        first = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if first:
+            _grace(procs, FAIL_GRACE_S)  # let the other ranks report their own errors
+            rank, code = first
+            others = [r for r, p in enumerate(procs) if r != rank and p.poll() not in (None, 0)]
+            also = (f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                    "failed too)") if others else ""
+            print(f"linerate: rank {rank} {_describe(code)}{also}; stopping all ranks",
+                  file=sys.stderr)
             return code if code > 0 else 1
         if time.monotonic() > deadline:
             print(f"linerate: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)

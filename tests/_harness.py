@@ -1,0 +1,199 @@
+"""Run a function on N spawned ranks with a hard timeout (for the torch.distributed backend tests).
+
+    results = run_ranks(fn, world_size, *args, timeout=60, env=None)
+
+starts ``world_size`` processes ('spawn' context). Each rank sets MASTER_ADDR=127.0.0.1 and
+MASTER_PORT (the port of a TCPStore this process hosts, so no port can be taken by someone else
+between choosing and binding it), calls ``dist.init_process_group(backend, rank=..,
+world_size=..)`` (``backend`` defaults to "gloo"), creates ``lr = dist.new_group(backend=
+"linerate")`` (or uses the default group when ``backend == "linerate"``), runs
+``fn(rank, world_size, lr, *args)`` and destroys the groups. ``fn`` must be a module-level
+function (it is pickled by reference).
+
+``run_ranks`` returns the list of the ranks' return values (pickled with the standard pickler;
+return tensors or plain data). An exception in a rank is re-raised here as ``RankError`` naming
+the rank and carrying its traceback text. If ``timeout`` seconds pass first, every rank is sent
+SIGUSR1 (which makes it dump all its threads' stacks), then killed, and ``RankTimeout`` names
+the ranks that were still running, with their stacks. No process is ever left behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+__all__ = ["run_ranks", "RankError", "RankTimeout"]
+
+_ERROR_GRACE = 5.0   # after one rank failed, how long the others may still report
+_STACK_CHARS = 6000  # per rank, in a timeout message
+
+
+class RankError(AssertionError):
+    """A rank raised (its traceback text is in the message)."""
+
+
+class RankTimeout(AssertionError):
+    """The ranks did not finish in time."""
+
+
+# ----------------------------------------------------------------------------- child side
+def _rank_main(fn, rank, world_size, port, env, backend, timeout, stack_file, conn, args):
+    try:
+        with open(stack_file, "w") as f_stack:
+            faulthandler.register(signal.SIGUSR1, file=f_stack, all_threads=True)
+            os.environ.update(env)
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(port)
+            os.environ["RANK"] = str(rank)
+            os.environ["WORLD_SIZE"] = str(world_size)
+            import torch.distributed as dist
+
+            import collectives  # noqa: F401 - registers the backend
+
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout))
+            if backend == "linerate":
+                lr = dist.group.WORLD
+            else:
+                lr = dist.new_group(backend="linerate")
+            result = fn(rank, world_size, lr, *args)
+            dist.destroy_process_group()
+            payload = pickle.dumps(result)
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        try:
+            conn.send(("err", traceback.format_exc()))
+        finally:
+            conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # a failed rank may have stuck threads: do not wait for them
+    conn.send(("ok", payload))
+    conn.close()
+
+
+# ----------------------------------------------------------------------------- parent side
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.kill()
+    for p in procs:
+        p.join(timeout=10)
+    for p in procs:
+        if p.is_alive():  # pragma: no cover - SIGKILL did not work: say so loudly
+            raise RuntimeError(f"rank process {p.pid} survived SIGKILL")
+
+
+def _read_stack(path: str) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return "(no stack)"
+    if not text.strip():
+        return "(no stack dumped)"
+    return text[-_STACK_CHARS:]
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | None = None,
+              backend: str = "gloo"):
+    """Run ``fn(rank, world_size, lr, *args)`` on ``world_size`` spawned ranks; return the list
+    of their return values (see the module docstring)."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    env = {k: str(v) for k, v in (env or {}).items()}
+    # The store lives here: its port is bound before any rank starts.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    port = store.port
+    tmpdir = tempfile.TemporaryDirectory(prefix="linerate-ranks-")
+    procs, conns = [], []
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            stack_file = os.path.join(tmpdir.name, f"stack-{rank}.txt")
+            p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+                            args=(fn, rank, world_size, port, env, backend, timeout, stack_file,
+                                  child_end, args))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+
+        deadline = time.monotonic() + timeout
+        pending = set(range(world_size))
+        timed_out = False
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            waitables = {}
+            for r in pending:
+                waitables[conns[r]] = r
+                waitables[procs[r].sentinel] = r
+            ready = mp.connection.wait(list(waitables), timeout=left)
+            for obj in ready:
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                conn = conns[r]
+                msg = None
+                try:
+                    if obj is conn or conn.poll():
+                        msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None:
+                    procs[r].join(timeout=1)
+                    errors[r] = (f"rank {r} exited (exit code {procs[r].exitcode}) without "
+                                 f"reporting a result")
+                elif msg[0] == "ok":
+                    results[r] = pickle.loads(msg[1])
+                else:
+                    errors[r] = msg[1]
+                pending.discard(r)
+                if errors:  # the others may be stuck in a collective: give them a moment
+                    deadline = min(deadline, time.monotonic() + _ERROR_GRACE)
+
+        if pending:
+            for r in pending:
+                if procs[r].is_alive():
+                    with contextlib.suppress(Exception):
+                        os.kill(procs[r].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        _kill_all(procs)
+
+        if errors:
+            first = min(errors)
+            parts = [f"rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+            if pending:
+                parts.append(f"ranks still running when they were killed: {sorted(pending)}")
+            raise RankError(f"rank {first} of {world_size} failed\n" + "\n".join(parts))
+        if timed_out:
+            stacks = "\n".join(f"--- rank {r} stacks:\n{_read_stack(os.path.join(tmpdir.name, f'stack-{r}.txt'))}"
+                               for r in sorted(pending))
+            raise RankTimeout(f"timeout after {timeout}s: ranks still running: {sorted(pending)} "
+                              f"(of {world_size}); finished: {sorted(results)}\n{stacks}")
+        return [results[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+        for c in conns:
+            with contextlib.suppress(Exception):
+                c.close()
+        del store
+        tmpdir.cleanup()

@@ -1,0 +1,974 @@
+"""Conformance tests of the transport layer (transport/), without torch.distributed process groups.
+
+Ranks are threads of this process sharing a ``torch.distributed.HashStore``, except for the peer
+failure test, whose ranks are separate processes meeting at a ``TCPStore``. Some tests play a
+rank themselves over raw frames (``FakePeer``) to control exactly what arrives and when.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
+                       TransportError, TransportOptions, parse_size)
+from transport import context as context_mod
+from transport import framing, handshake
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPNAMES = {1: "allreduce", 2: "broadcast"}
+# Loopback only, so that the tests need no network and no MASTER_ADDR.
+BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0)
+
+
+# --------------------------------------------------------------------------- helpers
+def _opts(**kw) -> TransportOptions:
+    o = TransportOptions(**{**BASE_OPTS, **kw})
+    o.validate()
+    return o
+
+
+def _hash_store():
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    return store
+
+
+def _close_all(ctxs) -> None:
+    for c in ctxs:
+        if c is not None:
+            c.close(timeout=5.0)
+
+
+def make_mesh(size: int, store=None, **kw) -> list[Context]:
+    """Build the contexts of ranks 0..size-1, one thread per rank (each constructor blocks
+    until its mesh is complete)."""
+    store = store or _hash_store()
+    opts = _opts(**kw)
+    ctxs: list = [None] * size
+    errors: list = []
+
+    def build(r):
+        try:
+            ctxs[r] = Context(store, r, size, opts, opnames=OPNAMES)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    if errors or any(c is None for c in ctxs):
+        _close_all(ctxs)
+        raise errors[0] if errors else AssertionError("mesh set-up did not finish")
+    return ctxs
+
+
+@contextlib.contextmanager
+def mesh(size: int, **kw):
+    ctxs = make_mesh(size, **kw)
+    try:
+        yield ctxs
+    finally:
+        _close_all(ctxs)
+
+
+def _wait_until(pred, timeout: float, step: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def _received_from(ctx: Context, peer: int) -> int:
+    return sum(c["received_bytes"] for c in ctx.connection_stats() if c["peer"] == peer)
+
+
+def _rand_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+class FakePeer:
+    """Rank 1 of a 2-rank group played by the test: rank 0 is a real Context, and the test
+    writes raw frames on rank 1's single connection (it reads the job secret from the store,
+    as a rank of the job would)."""
+
+    def __init__(self, **kw):
+        store = _hash_store()
+        opts = _opts(nsocks=1, **kw)
+        self.ctx: Context | None = None
+        err: list = []
+
+        def build():
+            try:
+                self.ctx = Context(store, 0, 2, opts, opnames=OPNAMES)
+            except BaseException as e:
+                err.append(e)
+
+        t = threading.Thread(target=build, daemon=True)
+        t.start()
+        prefix = context_mod._STORE_PREFIX
+        secret = bytes.fromhex(store.get(prefix + "secret").decode())
+        (host, port), = json.loads(store.get(prefix + "addr/0").decode())
+        self.sock = socket.create_connection((host, port), timeout=10)
+        handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
+        t.join(30)
+        if err or self.ctx is None:
+            self.sock.close()
+            raise err[0] if err else AssertionError("rank 0 did not finish its mesh")
+
+    def data(self, channel, tag, msgno, total, offset, payload=b"", opcode=0, length=None):
+        n = len(payload) if length is None else length
+        self.sock.sendall(framing.pack_header(framing.KIND_DATA, opcode, channel, n, tag, msgno,
+                                              total, offset) + bytes(payload))
+
+    def close(self):
+        if self.ctx is not None:
+            self.ctx.close(timeout=2.0)
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- 1. mesh set-up
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nsocks", [1, 3])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_mesh_setup(size, nsocks):
+    with mesh(size, nsocks=nsocks) as ctxs:
+        for c in ctxs:
+            stats = c.connection_stats()
+            assert len(stats) == (size - 1) * nsocks
+            assert {(s["peer"], s["connection"]) for s in stats} == {
+                (p, k) for p in range(size) if p != c.rank for k in range(nsocks)}
+            assert all(s["local"] == "127.0.0.1" and s["remote"] == "127.0.0.1" for s in stats)
+            assert c.broken is None
+        # every ordered pair of ranks can talk
+        reqs, bufs = [], {}
+        for src in range(size):
+            for dst in range(size):
+                if src != dst:
+                    bufs[src, dst] = bytearray(8)
+                    reqs.append(ctxs[dst].irecv(src, memoryview(bufs[src, dst]), CHANNEL_P2P, 1))
+                    reqs.append(ctxs[src].isend(dst, memoryview(struct.pack("<ii", src, dst)),
+                                                CHANNEL_P2P, 1))
+        for r in reqs:
+            r.wait(20)
+        for (src, dst), b in bufs.items():
+            assert struct.unpack("<ii", b) == (src, dst)
+        if size == 1:  # no peer to talk to
+            with pytest.raises(ValueError, match="invalid peer rank"):
+                ctxs[0].isend(0, memoryview(b"x"), CHANNEL_P2P, 0)
+
+
+@pytest.mark.timeout(60)
+def test_mesh_setup_default_interface(monkeypatch):
+    """Without LINERATE_SOCKET_IFNAME the listener follows the route to MASTER_ADDR."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with mesh(2, nsocks=2, socket_ifname="") as ctxs:
+        assert all(c.addresses == ["127.0.0.1"] for c in ctxs)
+        assert len(ctxs[0].connection_stats()) == 2
+
+
+# --------------------------------------------------------------------------- 2. striping
+TEN_MB = 10 * 1024 * 1024
+
+
+@pytest.mark.timeout(60)
+def test_striping_large_message_intact():
+    rng = np.random.default_rng(2)
+    with mesh(2, nsocks=3, chunk_bytes=64 * 1024) as (c0, c1):
+        src = _rand_bytes(rng, TEN_MB)
+        dst = np.zeros_like(src)
+        r = c1.irecv(0, memoryview(dst), CHANNEL_P2P, 5)
+        s = c0.isend(1, memoryview(src), CHANNEL_P2P, 5)
+        s.wait(30)
+        r.wait(30)
+        np.testing.assert_array_equal(src, dst)
+        assert sum(c["sent_bytes"] for c in c0.connection_stats()) == TEN_MB
+        assert sum(c["received_bytes"] for c in c1.connection_stats()) == TEN_MB
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: Context.isend wakes a single sender thread (p.cond.notify()) and a sender thread that "
+    "takes a chunk of a multi-chunk message never wakes the others, so while the connections "
+    "are idle one message travels on one connection only (observed sent_bytes [10485760, 0, 0])"))
+def test_striping_uses_every_connection():
+    rng = np.random.default_rng(3)
+    with mesh(2, nsocks=3, chunk_bytes=64 * 1024) as (c0, c1):
+        # let the sender threads reach their idle wait, as in a real job between two ops
+        warm = bytearray(1)
+        r = c1.irecv(0, memoryview(warm), CHANNEL_P2P, 0)
+        c0.isend(1, memoryview(b"w"), CHANNEL_P2P, 0).wait(10)
+        r.wait(10)
+        time.sleep(0.3)
+        before = [c["sent_bytes"] for c in c0.connection_stats()]
+        src = _rand_bytes(rng, TEN_MB)
+        dst = np.zeros_like(src)
+        r = c1.irecv(0, memoryview(dst), CHANNEL_P2P, 5)
+        c0.isend(1, memoryview(src), CHANNEL_P2P, 5).wait(30)
+        r.wait(30)
+        np.testing.assert_array_equal(src, dst)
+        carried = [c["sent_bytes"] - b for c, b in zip(c0.connection_stats(), before)]
+        assert all(n > 0 for n in carried), f"bytes per connection: {carried}"
+
+
+# --------------------------------------------------------------------------- 3. ordering
+@pytest.mark.timeout(60)
+def test_ordering_one_tag_random_sizes():
+    rng = np.random.default_rng(4)
+    sizes = [0, 1, 3, 0, 4095, 4097, 16383, 16384, 16385, 0]
+    sizes += [int(n) for n in rng.integers(0, 60_000, 190)]
+    sizes = [n | 1 if i % 3 == 0 and n else n for i, n in enumerate(sizes)]  # plenty of odd sizes
+    assert len(sizes) == 200
+    payloads = [_rand_bytes(rng, n) for n in sizes]
+    outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    with mesh(2, nsocks=3, chunk_bytes=4096) as (c0, c1):
+        sends = [c0.isend(1, memoryview(p), CHANNEL_P2P, 77) for p in payloads[:100]]  # unexpected
+        recvs = [c1.irecv(0, memoryview(o), CHANNEL_P2P, 77) for o in outs]
+        sends += [c0.isend(1, memoryview(p), CHANNEL_P2P, 77) for p in payloads[100:]]  # posted
+        for r in sends + recvs:
+            r.wait(30)
+        for i, (p, o) in enumerate(zip(payloads, outs)):
+            assert np.array_equal(p, o), f"message {i} ({sizes[i]} bytes) differs"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recv_first", [True, False])
+def test_ordering_matches_by_tag(recv_first):
+    """Messages of the same size on different tags, posted in opposite orders on the two
+    sides, still match by tag."""
+    rng = np.random.default_rng(5)
+    a, b = _rand_bytes(rng, 100_001), _rand_bytes(rng, 100_001)
+    oa, ob = np.zeros_like(a), np.zeros_like(b)
+    with mesh(2, nsocks=2, chunk_bytes=8192) as (c0, c1):
+        def post_recvs():
+            return [c1.irecv(0, memoryview(ob), CHANNEL_P2P, 11),
+                    c1.irecv(0, memoryview(oa), CHANNEL_P2P, 10)]
+
+        reqs = post_recvs() if recv_first else []
+        reqs += [c0.isend(1, memoryview(a), CHANNEL_P2P, 10),
+                 c0.isend(1, memoryview(b), CHANNEL_P2P, 11)]
+        if not recv_first:
+            assert _wait_until(lambda: _received_from(c1, 0) >= 2 * a.size, 10)
+            reqs += post_recvs()
+        for r in reqs:
+            r.wait(20)
+        np.testing.assert_array_equal(a, oa)
+        np.testing.assert_array_equal(b, ob)
+
+
+# --------------------------------------------------------------------------- 4. unexpected
+@pytest.mark.timeout(60)
+def test_unexpected_large_message_fully_arrived():
+    rng = np.random.default_rng(6)
+    n = 5 * 1024 * 1024
+    src = _rand_bytes(rng, n)
+    dst = np.zeros_like(src)
+    with mesh(2, nsocks=2, chunk_bytes=256 * 1024) as (c0, c1):
+        c0.isend(1, memoryview(src), CHANNEL_P2P, 3).wait(20)
+        assert _wait_until(lambda: _received_from(c1, 0) == n, 10)
+        r = c1.irecv(0, memoryview(dst), CHANNEL_P2P, 3)
+        r.wait(20)
+        np.testing.assert_array_equal(src, dst)
+        # a zero-byte unexpected message too
+        c0.isend(1, memoryview(b""), CHANNEL_P2P, 4).wait(10)
+        time.sleep(0.05)
+        c1.irecv(0, memoryview(bytearray(0)), CHANNEL_P2P, 4).wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_unexpected_partially_arrived_message():
+    """The receive is posted while the message is still arriving: first after whole chunks,
+    then in the middle of a chunk's payload; the rest must land in the user's buffer."""
+    rng = np.random.default_rng(7)
+    n = 5 * 1024 * 1024
+    src = _rand_bytes(rng, n).tobytes()
+    dst = np.zeros(n, dtype=np.uint8)
+    fake = FakePeer(chunk_bytes=1 << 20)
+    try:
+        ctx = fake.ctx
+        two = 2 * 1024 * 1024
+        fake.data(CHANNEL_P2P, 9, 0, n, 0, src[:two])
+        assert _wait_until(lambda: _received_from(ctx, 1) == two, 10)
+        r = ctx.irecv(1, memoryview(dst), CHANNEL_P2P, 9)
+        time.sleep(0.05)
+        assert not r.is_completed()
+        # the last chunk's header and half of its payload, then the rest
+        last = 4 * 1024 * 1024
+        fake.sock.sendall(framing.pack_header(framing.KIND_DATA, 0, CHANNEL_P2P, n - last, 9, 0,
+                                              n, last) + src[last:last + 1000])
+        time.sleep(0.05)
+        fake.sock.sendall(src[last + 1000:])
+        time.sleep(0.05)
+        assert not r.is_completed()
+        fake.data(CHANNEL_P2P, 9, 0, n, two, src[two:last])  # the middle, out of order
+        r.wait(10)
+        assert dst.tobytes() == src
+        # a staged message whose receive is posted before any of its payload arrived
+        small = bytes(range(256)) * 4
+        fake.sock.sendall(framing.pack_header(framing.KIND_DATA, 0, CHANNEL_P2P, len(small), 9,
+                                              1, len(small), 0))
+        time.sleep(0.05)
+        out = bytearray(len(small))
+        r = ctx.irecv(1, memoryview(out), CHANNEL_P2P, 9)
+        fake.sock.sendall(small)
+        r.wait(10)
+        assert bytes(out) == small
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(60)
+def test_close_fails_posted_receive():
+    fake = FakePeer()
+    try:
+        r = fake.ctx.irecv(1, memoryview(bytearray(8)), CHANNEL_P2P, 10)
+        fake.ctx.close(timeout=2.0)
+        with pytest.raises(TransportError, match="shut down"):
+            r.wait(3)
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: a receive parked as the waiter of a partially arrived unexpected message "
+    "(_Staged.waiter) is in neither p.posted nor p.inflight, so _set_broken never fails it: "
+    "after Context.close() (or an ERROR frame, for a collective) its wait() runs to the full "
+    "timeout. _fail_peer does handle waiters; _set_broken should too"))
+@pytest.mark.parametrize("how", ["close", "error_frame"])
+def test_broken_context_fails_receive_waiting_on_staged_message(how):
+    fake = FakePeer()
+    try:
+        ctx = fake.ctx
+        n = 100_000
+        fake.data(CHANNEL_COLLECTIVE, 0, 0, n, 0, bytes(1000), opcode=1)  # the first 1000 bytes
+        assert _wait_until(lambda: _received_from(ctx, 1) == 1000, 10)
+        r = ctx.irecv(1, memoryview(bytearray(n)), CHANNEL_COLLECTIVE, 0, opcode=1)
+        if how == "close":
+            ctx.close(timeout=2.0)
+        else:
+            text = b"rank 1 failed"
+            fake.sock.sendall(framing.pack_header(framing.KIND_ERROR, 0, 0, len(text), 0, 0,
+                                                  len(text), 0) + text)
+            assert _wait_until(lambda: ctx.broken is not None, 5)
+        with pytest.raises(TransportError):
+            r.wait(2)
+    finally:
+        fake.close()
+
+
+# --------------------------------------------------------------------------- 5. any source
+@pytest.mark.timeout(60)
+def test_any_source_receive():
+    with mesh(3, nsocks=2) as ctxs:
+        c0 = ctxs[0]
+        for sender in (2, 1):  # posted before the message
+            out = bytearray(4)
+            r = c0.irecv(None, memoryview(out), CHANNEL_P2P, 21)
+            assert r.peer is None
+            time.sleep(0.02)
+            ctxs[sender].isend(0, memoryview(struct.pack("<i", sender)), CHANNEL_P2P, 21).wait(10)
+            r.wait(10)
+            assert r.peer == sender and struct.unpack("<i", out)[0] == sender
+        # a message that arrived before the any-source receive
+        ctxs[1].isend(0, memoryview(struct.pack("<i", 1)), CHANNEL_P2P, 22).wait(10)
+        assert _wait_until(lambda: _received_from(c0, 1) >= 8, 10)
+        out = bytearray(4)
+        r = c0.irecv(None, memoryview(out), CHANNEL_P2P, 22)
+        r.wait(10)
+        assert r.peer == 1 and struct.unpack("<i", out)[0] == 1
+        # a message on another tag does not satisfy it
+        out = bytearray(4)
+        r = c0.irecv(None, memoryview(out), CHANNEL_P2P, 23)
+        ctxs[2].isend(0, memoryview(struct.pack("<i", 2)), CHANNEL_P2P, 24).wait(10)
+        time.sleep(0.1)
+        assert not r.is_completed()
+        ctxs[2].isend(0, memoryview(struct.pack("<i", 9)), CHANNEL_P2P, 23).wait(10)
+        r.wait(10)
+        assert r.peer == 2 and struct.unpack("<i", out)[0] == 9
+        c0.irecv(2, memoryview(bytearray(4)), CHANNEL_P2P, 24).wait(10)
+        with pytest.raises(ValueError):
+            c0.irecv(None, memoryview(bytearray(4)), CHANNEL_COLLECTIVE, 0)
+
+
+# --------------------------------------------------------------------------- 6. mismatch
+# kind -> (send size, send opcode, send tag), the receiver posting 100 bytes, opcode 1, tag 0
+MISMATCHES = {"size": (200, 1, 0), "opcode": (100, 2, 0), "sequence": (100, 1, 1)}
+
+
+def _post_mismatch(c0, c1, kind, recv_first):
+    size, opcode, tag = MISMATCHES[kind]
+    out = bytearray(100)
+    r = c1.irecv(0, memoryview(out), CHANNEL_COLLECTIVE, 0, opcode=1) if recv_first else None
+    s = c0.isend(1, memoryview(bytes(size)), CHANNEL_COLLECTIVE, tag, opcode=opcode)
+    s.wait(10)
+    if not recv_first:
+        assert _wait_until(lambda: _received_from(c1, 0) == size, 10)
+        r = c1.irecv(0, memoryview(out), CHANNEL_COLLECTIVE, 0, opcode=1)
+    return r
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recv_first", [True, False], ids=["recv_first", "send_first"])
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_collective_mismatch_error_names_both_ranks(kind, recv_first):
+    with mesh(2, nsocks=2) as (c0, c1):
+        r = _post_mismatch(c0, c1, kind, recv_first)
+        with pytest.raises(MismatchError) as ei:
+            r.wait(10)
+        msg = str(ei.value)
+        assert "rank 0" in msg and "rank 1" in msg, msg
+        if kind == "size":
+            assert "200 bytes" in msg and "100 bytes" in msg, msg
+        elif kind == "opcode":
+            assert "broadcast" in msg and "allreduce" in msg, msg
+        else:
+            assert "op #1" in msg and "op #0" in msg, msg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recv_first", [
+    True,
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
+        "BUG: a mismatch found when the receive claims an already staged (unexpected) message "
+        "(Context.irecv -> _claim_unexpected -> _deliver_staged) fails the request but never calls "
+        "report_error: no ERROR frame is sent and neither context becomes broken, unlike the "
+        "same mismatch found in _match_incoming (which goes through _on_mismatch)"))),
+], ids=["recv_first", "send_first"])
+def test_collective_mismatch_breaks_sender(recv_first):
+    with mesh(2, nsocks=2) as (c0, c1):
+        r = _post_mismatch(c0, c1, "size", recv_first)
+        with pytest.raises(MismatchError):
+            r.wait(10)
+        assert _wait_until(lambda: c0.broken is not None, 3), "sender never learnt of the mismatch"
+        assert "rank 1 reported an error" in str(c0.broken)
+        assert c1.broken is not None
+
+
+@pytest.mark.timeout(60)
+def test_error_frame_fails_collectives_only():
+    with mesh(2, nsocks=2) as (c0, c1):
+        coll = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 0, opcode=1)
+        out = bytearray(8)
+        p2p = c1.irecv(0, memoryview(out), CHANNEL_P2P, 5)
+        c0.report_error("rank 0 gave up: boom")
+        with pytest.raises(TransportError, match="boom"):
+            coll.wait(5)
+        assert c1.broken is not None and "boom" in str(c1.broken)
+        assert c0.broken is not None
+        assert not p2p.is_completed()
+        c0.isend(1, memoryview(b"p2p-fine"), CHANNEL_P2P, 5).wait(10)
+        p2p.wait(10)
+        assert bytes(out) == b"p2p-fine"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: once a context is broken for collectives (_coll_broken: mismatch, ERROR frame, peer "
+    "failure), isend/irecv check only _broken (and isend p.failure), so a NEW collective transfer "
+    "is accepted and waits for its whole timeout, contrary to _set_broken's 'refuse new ones of "
+    "that kind'"))
+def test_broken_context_refuses_new_collectives():
+    with mesh(2, nsocks=1) as (c0, c1):
+        c0.report_error("boom")
+        assert _wait_until(lambda: c1.broken is not None, 5)
+        r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 1, opcode=1)
+        with pytest.raises(TransportError):
+            r.wait(2)
+
+
+# --------------------------------------------------------------------------- 7. peer failure
+CHILD = textwrap.dedent("""
+    import datetime, sys, time
+    import torch.distributed as dist
+    from transport import CHANNEL_P2P, Context, TransportOptions
+    rank, size, port = map(int, sys.argv[1:4])
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    ctx = Context(store, rank, size, TransportOptions(nsocks=2, socket_ifname="lo",
+                                                      connect_timeout=60))
+    store.set(f"ready/{rank}", "1")
+    if rank == 1:  # echo one p2p message, then wait for the test's word
+        buf = bytearray(8)
+        ctx.irecv(0, memoryview(buf), CHANNEL_P2P, 7).wait(60)
+        ctx.isend(0, memoryview(buf), CHANNEL_P2P, 8).wait(60)
+        store.get("finish")
+        ctx.close()
+    else:
+        time.sleep(120)  # the test kills this rank
+""")
+
+
+@pytest.mark.timeout(90)
+def test_peer_killed_fails_pending_receive_quickly():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", str(store.port)],
+                                 cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT) for r in (1, 2)]
+    ctx = None
+    try:
+        ctx = Context(store, 0, 3, _opts(nsocks=2, connect_timeout=60), opnames=OPNAMES)
+        store.get("ready/1")
+        store.get("ready/2")
+        dead = ctx.irecv(2, memoryview(bytearray(16)), CHANNEL_P2P, 5)
+        coll = ctx.irecv(1, memoryview(bytearray(16)), CHANNEL_COLLECTIVE, 0, opcode=1)
+        os.kill(children[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailure) as ei:
+            dead.wait(30)
+        assert time.monotonic() - t0 < 5
+        assert ei.value.peer == 2 and "rank 2" in str(ei.value)
+        # a collective cannot finish without rank 2: the one pending with rank 1 fails too
+        with pytest.raises(TransportError):
+            coll.wait(5)
+        assert ctx.broken is not None
+        # rank 2 is gone for good: a new receive from it fails at once
+        with pytest.raises(PeerFailure):
+            ctx.irecv(2, memoryview(bytearray(1)), CHANNEL_P2P, 6).wait(5)
+        # point-to-point with the surviving rank still works
+        back = bytearray(8)
+        r = ctx.irecv(1, memoryview(back), CHANNEL_P2P, 8)
+        ctx.isend(1, memoryview(b"survivor"), CHANNEL_P2P, 7).wait(10)
+        r.wait(20)
+        assert bytes(back) == b"survivor"
+        store.set("finish", "1")
+        out, _ = children[0].communicate(timeout=30)
+        assert children[0].returncode == 0, out.decode(errors="replace")
+    finally:
+        if ctx is not None:
+            ctx.close(timeout=2.0)
+        for p in children:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_peer_close_fails_pending_receives():
+    ctxs = make_mesh(2, nsocks=2)
+    try:
+        c0, c1 = ctxs
+        p2p = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_P2P, 1)
+        coll = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 0)
+        c0.close()
+        for r in (p2p, coll):
+            with pytest.raises(PeerFailure) as ei:
+                r.wait(5)
+            assert ei.value.peer == 0 and "rank 0" in str(ei.value)
+    finally:
+        _close_all(ctxs)
+
+
+# --------------------------------------------------------------------------- 8. handshake
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
+
+
+def _hello(secret=SECRET, magic=handshake.MAGIC, version=handshake.VERSION, src=1, dst=0,
+           index=0, nconns=2, job_id=None) -> bytes:
+    job_id = handshake.job_id_from_secret(secret) if job_id is None else job_id
+    return handshake.HELLO.pack(magic, version, 0, job_id, src, dst, index, nconns, os.urandom(16))
+
+
+def _accept_async(sock, secret=SECRET, my_rank=0, world=4, nconns=2, timeout=2.0):
+    """Run accept_side on a thread, as Context does; drop the connection when it ends."""
+    res: dict = {}
+
+    def run():
+        sock.settimeout(timeout)
+        try:
+            res["ok"] = handshake.accept_side(sock, secret, my_rank, world, nconns)
+        except BaseException as e:
+            res["err"] = e
+        finally:
+            sock.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, res
+
+
+def _accept_result(t, res):
+    t.join(10)
+    assert not t.is_alive(), "accept_side did not return"
+    return res
+
+
+def _drained(sock, timeout=5.0) -> bytes:
+    """Everything the other end sends until it closes."""
+    sock.settimeout(timeout)
+    chunks = []
+    while True:
+        try:
+            b = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not b:
+            break
+        chunks.append(b)
+    return b"".join(chunks)
+
+
+@pytest.mark.timeout(30)
+def test_handshake_correct_pair():
+    a, b = socket.socketpair()
+    with a:
+        t, res = _accept_async(b, world=4, nconns=3)
+        a.settimeout(5)
+        handshake.connect_side(a, SECRET, 2, 0, 1, 3)
+        assert _accept_result(t, res) == {"ok": (2, 1)}
+
+
+BAD_HELLOS = {
+    "random_bytes": lambda: b"\x00" + os.urandom(handshake.HELLO.size - 1),
+    "short_random_bytes": lambda: os.urandom(10),
+    "wrong_magic": lambda: _hello(magic=b"GET "),
+    "wrong_version": lambda: _hello(version=handshake.VERSION + 1),
+    "wrong_job": lambda: _hello(secret=OTHER_SECRET),
+    "wrong_dst_rank": lambda: _hello(dst=3),
+    "src_is_self": lambda: _hello(src=0),
+    "src_out_of_range": lambda: _hello(src=4),
+    "nconns_differ": lambda: _hello(nconns=3),
+    "index_out_of_range": lambda: _hello(index=2),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(BAD_HELLOS))
+def test_handshake_rejects_bad_hello(case):
+    a, b = socket.socketpair()
+    with a:
+        t, res = _accept_async(b)
+        a.sendall(BAD_HELLOS[case]())
+        if case == "short_random_bytes":
+            a.shutdown(socket.SHUT_WR)
+        assert _drained(a) == b"", "the acceptor answered a bad hello"
+        res = _accept_result(t, res)
+    assert isinstance(res.get("err"), handshake.HandshakeError), res
+
+
+@pytest.mark.timeout(30)
+def test_handshake_wrong_secret_connect_side():
+    a, b = socket.socketpair()
+    with a:
+        t, res = _accept_async(b)
+        a.settimeout(5)
+        with pytest.raises(handshake.HandshakeError):
+            handshake.connect_side(a, OTHER_SECRET, 1, 0, 0, 2)
+        res = _accept_result(t, res)
+    assert isinstance(res.get("err"), handshake.HandshakeError), res
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("auth", ["random", "replayed"])
+def test_handshake_right_job_id_without_secret(auth):
+    """A stranger who sniffed the (clear-text) job id, or replays an old AUTH, is refused."""
+    a, b = socket.socketpair()
+    with a:
+        t, res = _accept_async(b)
+        hello = _hello()
+        a.sendall(hello)
+        a.settimeout(5)
+        challenge = handshake.recv_exact(a, handshake.CHALLENGE.size)
+        assert handshake.CHALLENGE.unpack(challenge)[0] == handshake.MAGIC
+        if auth == "random":
+            a.sendall(os.urandom(handshake.AUTH_SIZE))
+        else:  # what a sniffer captured from an earlier session with another server nonce
+            a.sendall(handshake._mac(SECRET, b"connector", hello, os.urandom(16)))
+        assert _drained(a) == b"", "no ACK may follow a bad AUTH"
+        res = _accept_result(t, res)
+    err = res.get("err")
+    assert isinstance(err, handshake.HandshakeError) and "authentication" in str(err), res
+
+
+@pytest.mark.timeout(30)
+def test_handshake_connector_rejects_impostor_listener():
+    """A listener that does not hold the secret cannot make a rank send it data (or an AUTH)."""
+    a, b = socket.socketpair()
+    with a, b:
+        got: dict = {}
+
+        def impostor():
+            b.settimeout(5)
+            hello = handshake.recv_exact(b, handshake.HELLO.size)
+            b.sendall(handshake.CHALLENGE.pack(handshake.MAGIC, handshake.VERSION,
+                                               handshake.STATUS_OK, os.urandom(16), os.urandom(32)))
+            got["after"] = _drained(b)
+            got["hello"] = hello
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        a.settimeout(5)
+        with pytest.raises(handshake.HandshakeError, match="secret"):
+            handshake.connect_side(a, SECRET, 1, 0, 0, 2)
+        a.close()
+        t.join(10)
+        assert got["after"] == b"", "the connector sent its AUTH to an impostor"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("prefix", [b"", b"LNRT\x01"], ids=["silent", "half_hello"])
+def test_handshake_silent_connection_times_out(prefix):
+    """accept_side on a timed socket gives up on a peer that stops talking (Context sets that
+    timeout). NOTE: it surfaces as socket.timeout (TimeoutError), not HandshakeError; Context
+    catches both."""
+    a, b = socket.socketpair()
+    with a:
+        a.sendall(prefix)
+        t0 = time.monotonic()
+        t, res = _accept_async(b, timeout=0.5)
+        res = _accept_result(t, res)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(res.get("err"), (handshake.HandshakeError, TimeoutError)), res
+        assert _drained(a) == b""
+
+
+@pytest.mark.timeout(60)
+def test_handshake_context_listener_ignores_strangers():
+    """Strangers at a real rank's listener while its mesh is being built are dropped, and the
+    mesh still completes with only the real peer's connections."""
+    store = _hash_store()
+    opts = _opts(nsocks=2)
+    ctxs: list = [None, None]
+
+    def build(r):
+        ctxs[r] = Context(store, r, 2, opts)
+
+    t0 = threading.Thread(target=build, args=(0,), daemon=True)
+    t0.start()
+    (host, port), = json.loads(store.get(context_mod._STORE_PREFIX + "addr/0").decode())
+    strangers = {}
+    try:
+        strangers["silent"] = socket.create_connection((host, port), timeout=5)
+        for name, data in [("random", b"\x00" + os.urandom(handshake.HELLO.size - 1)),
+                           ("magic", _hello(magic=b"HTTP", secret=b"x" * 32)),
+                           ("version", _hello(version=99, secret=b"x" * 32))]:
+            s = socket.create_connection((host, port), timeout=5)
+            s.sendall(data)
+            strangers[name] = s
+        s = socket.create_connection((host, port), timeout=5)
+        with pytest.raises(handshake.HandshakeError):  # wrong job secret
+            handshake.connect_side(s, OTHER_SECRET, 1, 0, 0, 2)
+        s.close()
+        t1 = threading.Thread(target=build, args=(1,), daemon=True)
+        t1.start()
+        t0.join(30)
+        t1.join(30)
+        assert ctxs[0] is not None and ctxs[1] is not None
+        for name in ("random", "magic", "version"):
+            assert _drained(strangers[name]) == b"", name
+        assert len(ctxs[0].connection_stats()) == 2
+        out = bytearray(5)
+        r = ctxs[0].irecv(1, memoryview(out), CHANNEL_P2P, 0)
+        ctxs[1].isend(0, memoryview(b"hello"), CHANNEL_P2P, 0).wait(10)
+        r.wait(10)
+        assert bytes(out) == b"hello"
+    finally:
+        for s in strangers.values():
+            s.close()
+        _close_all(ctxs)
+
+
+# --------------------------------------------------------------------------- protocol errors
+@pytest.mark.timeout(60)
+def test_protocol_violation_fails_the_peer():
+    fake = FakePeer()
+    try:
+        r = fake.ctx.irecv(1, memoryview(bytearray(8)), CHANNEL_P2P, 1)
+        fake.sock.sendall(bytes([9]) + bytes(framing.HEADER_SIZE - 1))  # unknown frame kind
+        with pytest.raises(PeerFailure, match="protocol error") as ei:
+            r.wait(5)
+        assert ei.value.peer == 1
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(60)
+def test_unexpected_message_over_limit_fails_the_peer():
+    fake = FakePeer(max_unexpected_bytes=1 << 20)
+    try:
+        r = fake.ctx.irecv(1, memoryview(bytearray(8)), CHANNEL_P2P, 1)
+        fake.data(CHANNEL_P2P, 2, 0, 2 << 20, 0, bytes(4096))  # nobody posted tag 2
+        with pytest.raises(PeerFailure, match="LINERATE_MAX_UNEXPECTED_BYTES"):
+            r.wait(5)
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: isend/irecv take buf.nbytes as the message size but slice the memoryview by ELEMENT "
+    "(req.buf[off:off + n] with n in bytes): a float32 memoryview sends 4x the bytes announced "
+    "in the header, the stream desynchronises and the receiver reports 'unknown frame kind 0'. "
+    "Either cast to 'B' in Request or reject non-byte views with ValueError"))
+def test_non_byte_memoryview_is_sent_correctly_or_rejected():
+    a = np.arange(3000, dtype=np.float32)
+    b = np.zeros_like(a)
+    with mesh(2, nsocks=1, chunk_bytes=4096) as (c0, c1):
+        try:
+            r = c1.irecv(0, memoryview(b), CHANNEL_P2P, 1)
+            s = c0.isend(1, memoryview(a), CHANNEL_P2P, 1)
+        except ValueError:
+            return  # rejecting is fine
+        s.wait(5)
+        r.wait(5)
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- 9. framing
+MAX_CHUNK = 1 << 20
+
+
+def test_framing_round_trip():
+    cases = [
+        (framing.KIND_DATA, 3, CHANNEL_P2P, 100, 2**64 - 1, 7, 1000, 900),
+        (framing.KIND_DATA, 0, CHANNEL_COLLECTIVE, 0, 0, 0, 0, 0),
+        (framing.KIND_DATA, 255, CHANNEL_COLLECTIVE, MAX_CHUNK, 5, 2**64 - 1, MAX_CHUNK, 0),
+        (framing.KIND_ERROR, 0, 0, framing.MAX_ERROR_BYTES, 0, 0, 0, 0),
+        (framing.KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0),
+    ]
+    for fields in cases:
+        raw = framing.pack_header(*fields)
+        assert len(raw) == framing.HEADER_SIZE == 40
+        assert framing.unpack_header(raw, MAX_CHUNK) == fields
+        assert framing.unpack_header(bytearray(raw), MAX_CHUNK) == fields
+        assert framing.unpack_header(memoryview(raw), MAX_CHUNK) == fields
+
+
+@pytest.mark.parametrize("fields,match", [
+    ((0, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
+    ((4, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
+    ((255, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
+    ((framing.KIND_DATA, 0, 0, 0, 0, 0, 0, 0), "channel"),
+    ((framing.KIND_DATA, 0, 3, 0, 0, 0, 0, 0), "channel"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, MAX_CHUNK + 1, 0, 0, 2 * MAX_CHUNK, 0), "limit"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, 2**32 - 1, 0, 0, 2**63, 0), "limit"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, 0, 0, 0, 10, 11), "outside"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, 5, 0, 0, 10, 6), "outside"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, 1, 0, 0, 0, 0), "outside"),
+    ((framing.KIND_DATA, 0, CHANNEL_P2P, 10, 0, 0, 2**64 - 1, 2**64 - 5), "outside"),
+    ((framing.KIND_ERROR, 0, 0, framing.MAX_ERROR_BYTES + 1, 0, 0, 0, 0), "exceeds"),
+    ((framing.KIND_CLOSE, 0, 0, 1, 0, 0, 0, 0), "CLOSE"),
+])
+def test_framing_rejects(fields, match):
+    with pytest.raises(framing.FrameError, match=match):
+        framing.unpack_header(framing.pack_header(*fields), MAX_CHUNK)
+
+
+def test_framing_fuzz():
+    rng = random.Random(1234)
+    decoded = 0
+    for i in range(5000):
+        if i % 2:
+            raw = rng.randbytes(framing.HEADER_SIZE)
+        else:  # plausible headers reach the deeper checks
+            raw = framing.pack_header(
+                rng.choice([0, 1, 2, 3, 4, 255]), rng.randrange(256), rng.choice([0, 1, 2, 3, 65535]),
+                rng.choice([0, 1, MAX_CHUNK, MAX_CHUNK + 1, rng.randrange(2**32)]),
+                rng.randrange(2**64), rng.randrange(2**64),
+                rng.choice([0, 1, MAX_CHUNK, rng.randrange(2**64)]),
+                rng.choice([0, 1, rng.randrange(2**64)]))
+        try:
+            kind, _op, channel, length, _tag, _no, total, offset = framing.unpack_header(raw, MAX_CHUNK)
+        except framing.FrameError:
+            continue
+        decoded += 1
+        assert kind in (framing.KIND_DATA, framing.KIND_ERROR, framing.KIND_CLOSE)
+        if kind == framing.KIND_DATA:
+            assert channel in (CHANNEL_COLLECTIVE, CHANNEL_P2P)
+            assert length <= MAX_CHUNK and offset + length <= total
+        elif kind == framing.KIND_ERROR:
+            assert length <= framing.MAX_ERROR_BYTES
+        else:
+            assert length == 0
+    assert decoded > 100  # the fuzz did exercise the accepting paths
+
+
+# --------------------------------------------------------------------------- 10. options
+def test_options_defaults():
+    assert TransportOptions.from_env({}) == TransportOptions()
+
+
+@pytest.mark.parametrize("text,value", [
+    ("512K", 512 * 1024), ("1M", 1 << 20), ("1m", 1 << 20), ("4096", 4096), ("2MB", 2 << 20),
+    ("1MiB", 1 << 20), (" 64k ", 64 * 1024), ("1.5M", 3 << 19), ("1G", 1 << 30),
+])
+def test_options_chunk_bytes(text, value):
+    assert parse_size(text) == value
+    assert TransportOptions.from_env({"LINERATE_CHUNK_BYTES": text}).chunk_bytes == value
+
+
+def test_options_from_env():
+    o = TransportOptions.from_env({
+        "LINERATE_NSOCKS": "3", "LINERATE_CHUNK_BYTES": "1M",
+        "LINERATE_SOCKET_IFNAME": " eth0, eth1 ", "LINERATE_CONNECT_TIMEOUT": "12.5",
+        "LINERATE_MAX_UNEXPECTED_BYTES": "1G", "LINERATE_PREFER_IPV6": "yes",
+        "UNRELATED": "whatever"})
+    assert (o.nsocks, o.chunk_bytes, o.connect_timeout, o.max_unexpected_bytes, o.prefer_ipv6) == (
+        3, 1 << 20, 12.5, 1 << 30, True)
+    assert o.ifnames == ["eth0", "eth1"]
+    assert TransportOptions.from_env({"LINERATE_NSOCKS": "3"}, nsocks=5).nsocks == 5
+    with pytest.raises(TypeError):
+        TransportOptions.from_env({}, no_such_option=1)
+
+
+def test_options_from_os_environ(monkeypatch):
+    monkeypatch.setenv("LINERATE_NSOCKS", "4")
+    monkeypatch.setenv("LINERATE_CHUNK_BYTES", "512K")
+    o = TransportOptions.from_env()
+    assert (o.nsocks, o.chunk_bytes) == (4, 512 * 1024)
+
+
+@pytest.mark.parametrize("var,text", [
+    ("LINERATE_NSOCKS", "0"), ("LINERATE_NSOCKS", "65"), ("LINERATE_NSOCKS", "-1"),
+    ("LINERATE_CHUNK_BYTES", "1K"), ("LINERATE_CHUNK_BYTES", "4G"), ("LINERATE_CHUNK_BYTES", "0"),
+    ("LINERATE_CONNECT_TIMEOUT", "0"), ("LINERATE_CONNECT_TIMEOUT", "-3"),
+])
+def test_options_rejects_out_of_range(var, text):
+    with pytest.raises(ValueError, match=var):
+        TransportOptions.from_env({var: text})
+
+
+_UNPARSABLE_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "BUG: values that do not parse raise the bare int()/float()/parse_size()/_parse_bool() "
+    "ValueError, which does not name the LINERATE_* variable (only validate()'s range errors do)"))
+
+
+@pytest.mark.parametrize("var,text", [
+    pytest.param(v, t, marks=_UNPARSABLE_XFAIL) for v, t in [
+        ("LINERATE_NSOCKS", "three"), ("LINERATE_NSOCKS", ""), ("LINERATE_NSOCKS", "2.5"),
+        ("LINERATE_CHUNK_BYTES", "12Q"), ("LINERATE_CHUNK_BYTES", "lots"),
+        ("LINERATE_CONNECT_TIMEOUT", "soon"), ("LINERATE_MAX_UNEXPECTED_BYTES", "x"),
+        ("LINERATE_PREFER_IPV6", "maybe"),
+    ]])
+def test_options_rejects_unparsable_naming_variable(var, text):
+    with pytest.raises(ValueError, match=var):
+        TransportOptions.from_env({var: text})
+
+
+def test_options_unparsable_still_value_error():
+    """Whatever the message, a bad value is a ValueError (not a crash of another kind)."""
+    for var, text in [("LINERATE_NSOCKS", "three"), ("LINERATE_CHUNK_BYTES", "12Q"),
+                      ("LINERATE_CHUNK_BYTES", "lots"), ("LINERATE_CONNECT_TIMEOUT", "soon"),
+                      ("LINERATE_PREFER_IPV6", "maybe"), ("LINERATE_MAX_UNEXPECTED_BYTES", "x")]:
+        with pytest.raises(ValueError):
+            TransportOptions.from_env({var: text})

@@ -1,0 +1,159 @@
+"""linerate bench: nccl-tests style bandwidth of linerate and Gloo, side by side in one run.
+
+Local mode (the default): `linerate bench --nproc 4` starts 4 ranks on loopback itself.
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, no --nproc), each process
+is one rank: `torchrun --nnodes 2 --nproc-per-node 1 ... -m tools.bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tools.launch import launch_local
+
+OP_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+DEFAULT_NPROC = 2
+#: Seconds the launcher waits beyond --timeout, so a rank's own timeout message comes first.
+LAUNCH_GRACE_S = 15.0
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+try:
+    from transport.options import parse_size
+except ImportError:
+    _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+              "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+    def parse_size(text: str) -> int:
+        """Parse ``"512K"``, ``"4MB"``, ``"1048576"`` into a byte count (binary multiples)."""
+        s = text.strip().lower()
+        digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if not digits or s[len(digits):] not in _UNITS:
+            raise ValueError(f"cannot parse size {text!r}: expected a number with an optional "
+                             "K/M/G suffix")
+        return int(float(digits) * _UNITS[s[len(digits):]])
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="compare linerate and Gloo collectives (nccl-tests style)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(parser)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=_positive_int, default=None,
+                        help=f"ranks to start on this host (default {DEFAULT_NPROC}; "
+                             "leave out under torchrun)")
+    parser.add_argument("--ops", type=_op_list, default=list(OP_NAMES),
+                        help=f"comma separated collectives (default: all, {','.join(OP_NAMES)})")
+    parser.add_argument("--min-bytes", type=_size, default=parse_size("8K"),
+                        help="smallest size, K/M/G suffixes allowed (default 8K)")
+    parser.add_argument("--max-bytes", type=_size, default=parse_size("64M"),
+                        help="largest size (default 64M)")
+    parser.add_argument("--factor", type=_factor, default=4,
+                        help="size multiplier between rows (default 4)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    parser.add_argument("--iters", type=_positive_int, default=None,
+                        help="timed iterations per size and backend (default: enough for "
+                             "~0.3 s, at least 2)")
+    parser.add_argument("--warmup", type=_positive_int, default=3,
+                        help="untimed iterations before each measurement (default 3)")
+    parser.add_argument("--backends", type=_name_list, default=["linerate", "gloo"],
+                        help="comma separated backends to compare (default linerate,gloo)")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write every result to FILE")
+    parser.add_argument("--check", action="store_true",
+                        help="verify each size's first result and count wrong elements")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds before every rank is killed (default 300)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_bytes > args.max_bytes:
+        print("linerate bench: error: --min-bytes is larger than --max-bytes", file=sys.stderr)
+        return 2
+    args.sizes = sizes(args.min_bytes, args.max_bytes, args.factor)
+    if args.json:
+        args.json = os.path.abspath(args.json)
+    if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
+        from tools.bench_worker import run_worker  # imports torch: only in ranks
+        return run_worker(args)
+    return launch_local("tools.bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
+                        args.timeout + LAUNCH_GRACE_S)
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def rank_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of one rank: these options, without --nproc."""
+    argv = ["--ops", ",".join(args.ops), "--min-bytes", str(args.min_bytes),
+            "--max-bytes", str(args.max_bytes), "--factor", str(args.factor),
+            "--dtype", args.dtype, "--warmup", str(args.warmup),
+            "--backends", ",".join(args.backends), "--timeout", str(args.timeout)]
+    if args.iters:
+        argv += ["--iters", str(args.iters)]
+    if args.json:
+        argv += ["--json", args.json]
+    if args.check:
+        argv.append("--check")
+    return argv
+
+
+def _size(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return n
+
+
+def _factor(text: str) -> int:
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {text}")
+    return n
+
+
+def _name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma separated list")
+    return names
+
+
+def _op_list(text: str) -> list[str]:
+    names = _name_list(text)
+    unknown = [n for n in names if n not in OP_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OP_NAMES)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""What ``linerate bench`` prints (an nccl-tests style table) and writes (``--json``)."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Result:
+    """One backend's figures for one (op, size) row."""
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    iters: int
+    wrong: int | None = None  # elements that differed on the first call (max over ranks), with --check
+
+    @classmethod
+    def from_time(cls, nbytes: int, bus_factor: float, seconds: float, iters: int,
+                  wrong: int | None) -> "Result":
+        algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        return cls(seconds * 1e6, algbw, algbw * bus_factor, iters, wrong)
+
+
+@dataclass
+class Row:
+    op: str
+    size_bytes: int
+    count: int
+    dtype: str
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        """busbw of the first backend over the second (when exactly two are compared)."""
+        if len(self.results) != 2 or self.results[1].busbw_gbps <= 0:
+            return None
+        return self.results[0].busbw_gbps / self.results[1].busbw_gbps
+
+
+_LEFT = (("size(B)", 12), ("count", 12), ("type", 9), ("op", 15))
+_SEP = " |"
+
+
+class Table:
+    def __init__(self, labels: list[str], check: bool):
+        self.labels = labels
+        self.check = check
+        self.per = [("time(us)", 10), ("algbw(GB/s)", 12), ("busbw(GB/s)", 12)]
+        if check:
+            self.per.append(("#wrong", 7))
+        self.with_ratio = len(labels) == 2
+
+    def header(self) -> list[str]:
+        left_w = sum(w for _, w in _LEFT)
+        block_w = sum(w for _, w in self.per)
+        groups = "#" + " " * (left_w - 1)
+        names = "".join(f"{n:>{w}}" for n, w in _LEFT)
+        names = "#" + names[1:]
+        for label in self.labels:
+            groups += _SEP + f"{label:^{block_w}}"
+            names += _SEP + "".join(f"{n:>{w}}" for n, w in self.per)
+        if self.with_ratio:
+            groups += _SEP + f"{'busbw':>7}"
+            names += _SEP + f"{'ratio':>7}"
+        return [groups.rstrip(), names]
+
+    def row(self, row: Row) -> str:
+        line = f"{row.size_bytes:>12}{row.count:>12}{row.dtype:>9}{row.op:>15}"
+        for r in row.results:
+            line += _SEP + f"{r.time_us:>10.1f}{r.algbw_gbps:>12.3f}{r.busbw_gbps:>12.3f}"
+            if self.check:
+                line += f"{r.wrong:>7}"
+        if self.with_ratio:
+            ratio = row.ratio
+            line += _SEP + (f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}")
+        return line
+
+    def footer(self, rows: list[Row]) -> list[str]:
+        avgs = average_busbw(self.labels, rows)
+        pair = "/".join(self.labels)
+        width = max(len(label) for label in self.labels + ([pair] if self.with_ratio else []))
+        lines = [f"# avg bus bandwidth  {label:<{width}} : {avgs[label]:.3f} GB/s"
+                 for label in self.labels]
+        if self.with_ratio and avgs[self.labels[1]] > 0:
+            a, b = self.labels
+            lines.append(f"# avg busbw ratio    {pair:<{width}} : {avgs[a] / avgs[b]:.2f}")
+        if self.check:
+            wrong = total_wrong(rows)
+            lines.append("# check: all results correct" if wrong == 0 else
+                         f"# check FAILED: {wrong} wrong elements (see the #wrong columns)")
+        return lines
+
+
+def average_busbw(labels: list[str], rows: list[Row]) -> dict[str, float]:
+    out = {}
+    for i, label in enumerate(labels):
+        vals = [row.results[i].busbw_gbps for row in rows]
+        out[label] = sum(vals) / len(vals) if vals else 0.0
+    return out
+
+
+def total_wrong(rows: list[Row]) -> int:
+    return sum(r.wrong or 0 for row in rows for r in row.results)
+
+
+def describe_hosts(hosts: list[str]) -> str:
+    """``["a", "a", "b"]`` -> ``"a (2 ranks), b (1 rank)"``."""
+    return ", ".join(f"{h} ({n} rank{'s' if n > 1 else ''})" for h, n in Counter(hosts).items())
+
+
+def link_lines(label: str, per_rank: list[dict]) -> list[str]:
+    """Per (rank, peer) bytes moved by one linerate group during the benchmark.
+
+    Every line starts with '#', so that the only other lines of the output are the table's rows."""
+    lines = [f"# {label} links: bytes moved during the benchmark; rate = sent / time this rank "
+             "spent in its collectives; balance = min/max bytes over the peer's connections",
+             f"#{'rank':>5}{'peer':>6}{'conns':>7}{'sent(B)':>15}{'received(B)':>15}"
+             f"{'rate(GB/s)':>12}{'balance':>9}"]
+    for entry in per_rank:
+        busy = entry["busy_s"]
+        for link in entry["links"]:
+            rate = link["sent_bytes"] / busy / 1e9 if busy > 0 else 0.0
+            sent = [c["sent_bytes"] for c in link["connections"]]
+            balance = min(sent) / max(sent) if sent and max(sent) > 0 else 0.0
+            lines.append(f"#{entry['rank']:>5}{link['peer']:>6}{len(sent):>7}"
+                         f"{link['sent_bytes']:>15}{link['received_bytes']:>15}"
+                         f"{rate:>12.3f}{balance:>9.2f}")
+    return lines
+
+
+def write_json(path: str, meta: dict, labels: list[str], rows: list[Row], links: list[dict]) -> None:
+    doc = dict(meta)
+    doc["results"] = [
+        {"op": row.op, "size_bytes": row.size_bytes, "count": row.count, "dtype": row.dtype,
+         "backends": {label: asdict(r) for label, r in zip(labels, row.results)},
+         "ratio": row.ratio}
+        for row in rows]
+    doc["avg_busbw_gbps"] = average_busbw(labels, rows)
+    doc["links"] = links
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")

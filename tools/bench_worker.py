@@ -1,0 +1,293 @@
+"""One rank of ``linerate bench``, started by torchrun or by ``tools.launch``.
+
+The default group is Gloo: it carries the bookkeeping (agreeing on iteration counts, taking the
+max of the times over ranks). Each compared backend gets a group of its own, and every (op, size)
+runs on those groups one after the other, so they see the same machine conditions.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tools import __version__
+from tools.bench_ops import OPS, Collective, element_count
+from tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
+
+#: With automatic iteration counts: seconds of timed iterations per size and backend.
+TARGET_S = 0.3
+MIN_ITERS = 2
+MAX_ITERS = 1000
+EXIT_TIMEOUT = 124
+
+
+class BenchError(Exception):
+    """A problem with the request (no traceback is printed)."""
+
+
+@dataclass
+class Column:
+    """One compared backend: its group, and what it cost this rank."""
+    label: str
+    requested: str
+    actual: str
+    group: object
+    note: str = ""
+    busy_s: float = 0.0
+    stats_before: list[dict] | None = None
+
+
+@dataclass
+class Sweep:
+    ops: list[str]
+    sizes: list[int]
+    dtype: str
+    warmup: int
+    iters: int | None
+    check: bool
+    rows: list[Row] = field(default_factory=list)
+
+
+def run_worker(args) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    watchdog = _start_watchdog(args.timeout, rank)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout))
+        try:
+            return _bench(args, rank, world)
+        finally:
+            dist.destroy_process_group()
+    except BenchError as e:
+        print(f"linerate bench: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        traceback.print_exc()
+        print(f"linerate bench: rank {rank} failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        watchdog.cancel()
+
+
+def _start_watchdog(timeout: float, rank: int) -> threading.Timer:
+    def expire():
+        print(f"linerate bench: rank {rank} timed out after {timeout:g} s", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_TIMEOUT)
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _bench(args, rank: int, world: int) -> int:
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    columns = _make_columns(args.backends, rank, args.timeout)
+    labels = [c.label for c in columns]
+    sweep = Sweep(args.ops, args.sizes, args.dtype, args.warmup, args.iters, args.check)
+    table = Table(labels, args.check)
+    if rank == 0:
+        _print(*_header_lines(args, world, hosts, columns), *table.header())
+
+    for c in columns:
+        c.stats_before = _connection_stats(c.group)
+    for name in sweep.ops:
+        for i, size in enumerate(sweep.sizes):
+            row = _measure_row(OPS[name], size, sweep, columns, rank, world, flip=i % 2 == 1)
+            if row is not None:
+                sweep.rows.append(row)
+                if rank == 0:
+                    _print(table.row(row))
+    links = _gather_links(columns, rank)
+
+    if rank == 0:
+        _print(*table.footer(sweep.rows))
+        for label in dict.fromkeys(entry["label"] for entry in links):
+            _print(*link_lines(label, [e for e in links if e["label"] == label]))
+        if args.json:
+            write_json(args.json, _meta(args, world, hosts, columns), labels, sweep.rows, links)
+            _print(f"# results written to {args.json}")
+    dist.barrier()
+    return 1 if total_wrong(sweep.rows) else 0
+
+
+def _print(*lines: str) -> None:
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------- groups
+def _linerate_available() -> tuple[bool, str]:
+    try:
+        importlib.import_module("collectives")
+    except Exception as e:  # the backend may be absent, or broken while being written
+        return False, f"import collectives failed: {type(e).__name__}: {e}"
+    if "linerate" not in dist.Backend.backend_list:
+        return False, "import collectives did not register the 'linerate' backend"
+    return True, ""
+
+
+def _make_columns(names: list[str], rank: int, timeout: float) -> list[Column]:
+    available, reason = True, ""
+    if "linerate" in names:
+        available, reason = _linerate_available()
+        everywhere = torch.tensor([int(available)])
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)  # every rank must pick the same
+        if available and not everywhere.item():
+            available, reason = False, "the 'linerate' backend is not available on every rank"
+        if not available and rank == 0:
+            print(f"linerate bench: warning: {reason}; measuring a second gloo group in its "
+                  "place, labelled 'linerate[gloo]'", file=sys.stderr, flush=True)
+    columns, seen = [], {}
+    for name in names:
+        actual = "gloo" if name == "linerate" and not available else name
+        if actual not in dist.Backend.backend_list:
+            raise BenchError(f"unknown backend {actual!r}; registered: "
+                             + ", ".join(b for b in dist.Backend.backend_list if b != "undefined"))
+        label = name if actual == name else f"{name}[{actual}]"
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            label = f"{label}#{seen[label]}"
+        group = dist.new_group(backend=actual, timeout=timedelta(seconds=timeout))
+        columns.append(Column(label, name, actual, group, reason if actual != name else ""))
+    return columns
+
+
+# ---------------------------------------------------------------------------- measuring
+def _measure_row(op: Collective, size: int, sweep: Sweep, columns: list[Column], rank: int,
+                 world: int, flip: bool) -> Row | None:
+    """One table row; flip runs the backends in reverse order (every other size, so that
+    neither one always goes first)."""
+    dtype = getattr(torch, sweep.dtype)
+    count = element_count(op, size, dtype.itemsize, world)
+    if count == 0:
+        return None
+    order = range(len(columns) - 1, -1, -1) if flip else range(len(columns))
+    by_column = {i: _measure(op, columns[i], count, dtype, rank, world, sweep) for i in order}
+    measured = [by_column[i] for i in range(len(columns))]
+    # Max over ranks of each backend's per-iteration mean, and of its wrong element count.
+    summary = torch.tensor([[t, w] for t, w, _ in measured], dtype=torch.float64)
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX)
+    nbytes = count * dtype.itemsize
+    results = [Result.from_time(nbytes, op.bus_factor(world), seconds, iters,
+                                int(wrong) if sweep.check else None)
+               for (seconds, wrong), (_, _, iters) in zip(summary.tolist(), measured)]
+    return Row(op.name, nbytes, count, sweep.dtype, results)
+
+
+def _measure(op: Collective, col: Column, count: int, dtype: torch.dtype, rank: int, world: int,
+             sweep: Sweep) -> tuple[float, int, int]:
+    """(seconds per iteration, wrong elements, iterations) on this rank."""
+    inp, out = op.buffers(count, dtype, rank, world)
+    wrong = 0
+    laps = []
+    for i in range(sweep.warmup):
+        t0 = time.perf_counter()
+        op.run(inp, out, col.group)
+        laps.append(time.perf_counter() - t0)
+        if i == 0 and sweep.check:
+            wrong = op.count_wrong(out, count, rank, world)
+    # Ranks agree on the count (the slowest rank's estimate wins); this also lines them up.
+    agreed = torch.tensor([sweep.iters or _auto_iters(laps)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    iters = int(agreed.item())
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op.run(inp, out, col.group)
+    elapsed = time.perf_counter() - t0
+    col.busy_s += sum(laps) + elapsed
+    return elapsed / iters, wrong, iters
+
+
+def _auto_iters(laps: list[float]) -> int:
+    """Iterations for ~TARGET_S, estimated from the warmup laps after the first."""
+    steady = laps[1:] or laps
+    per_iter = max(sum(steady) / len(steady), 1e-6)
+    return max(MIN_ITERS, min(MAX_ITERS, math.ceil(TARGET_S / per_iter)))
+
+
+# ---------------------------------------------------------------------------- link statistics
+def _connection_stats(group) -> list[dict] | None:
+    """The linerate group's per-connection byte counters, if it exposes them."""
+    candidates = [group]
+    try:
+        candidates.append(group._get_backend(torch.device("cpu")))
+    except (AttributeError, RuntimeError):
+        pass
+    for obj in candidates:
+        fn = getattr(obj, "connection_stats", None)
+        if callable(fn):
+            return [dict(s) for s in fn()]
+    return None
+
+
+def _link_deltas(before: list[dict], after: list[dict]) -> list[dict]:
+    """Bytes per peer (and per connection) moved between two snapshots."""
+    base = {(s["peer"], s["connection"]): s for s in before}
+    peers: dict[int, dict] = {}
+    for s in after:
+        b = base.get((s["peer"], s["connection"]), {})
+        conn = {"connection": s["connection"], "local": str(s.get("local")),
+                "remote": str(s.get("remote")),
+                "sent_bytes": s["sent_bytes"] - b.get("sent_bytes", 0),
+                "received_bytes": s["received_bytes"] - b.get("received_bytes", 0)}
+        p = peers.setdefault(s["peer"], {"peer": s["peer"], "sent_bytes": 0, "received_bytes": 0,
+                                         "connections": []})
+        p["sent_bytes"] += conn["sent_bytes"]
+        p["received_bytes"] += conn["received_bytes"]
+        p["connections"].append(conn)
+    return [peers[k] for k in sorted(peers)]
+
+
+def _gather_links(columns: list[Column], rank: int) -> list[dict]:
+    """Every rank's link deltas for the groups that expose connection_stats(), on rank 0."""
+    mine = []
+    for c in columns:
+        after = _connection_stats(c.group)
+        if c.stats_before is not None and after is not None:
+            mine.append({"label": c.label, "rank": rank, "host": socket.gethostname(),
+                         "busy_s": c.busy_s, "links": _link_deltas(c.stats_before, after)})
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return [entry for per_rank in gathered for entry in per_rank] if rank == 0 else []
+
+
+# ---------------------------------------------------------------------------- header, metadata
+def _header_lines(args, world: int, hosts: list[str], columns: list[Column]) -> list[str]:
+    backends = ", ".join(c.label + (f" ({c.note})" if c.note else "") for c in columns)
+    iters = (f"{args.iters}" if args.iters else
+             f"auto (~{TARGET_S:g} s per size and backend, {MIN_ITERS}..{MAX_ITERS})")
+    lines = [
+        f"# linerate bench {__version__}: world size {world}, hosts {describe_hosts(hosts)}, "
+        f"torch {torch.__version__}",
+        f"# backends: {backends}",
+        f"# dtype {args.dtype}, sizes {args.sizes[0]}..{args.sizes[-1]} B (x{args.factor}), "
+        f"warmup {args.warmup}, iters {iters}, check {'on' if args.check else 'off'}",
+        "# time: max over ranks of the mean per iteration; busbw as in nccl-tests",
+    ]
+    if len(columns) == 2:
+        lines.append(f"# ratio: busbw({columns[0].label}) / busbw({columns[1].label})")
+    lines.append("#")
+    return lines
+
+
+def _meta(args, world: int, hosts: list[str], columns: list[Column]) -> dict:
+    return {
+        "tool": "linerate bench", "version": __version__, "torch": torch.__version__,
+        "world_size": world, "hosts": hosts, "dtype": args.dtype, "ops": args.ops,
+        "sizes": args.sizes, "warmup": args.warmup, "iters": args.iters or "auto",
+        "check": args.check,
+        "backends": [{"label": c.label, "requested": c.requested, "actual": c.actual,
+                      "note": c.note} for c in columns],
+    }

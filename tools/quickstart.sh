@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One-command set-up and run, for a fresh machine:
+#   bash tools/quickstart.sh bench [linerate bench options]   # the 4-rank loopback benchmark
+#   bash tools/quickstart.sh test  [pytest options]           # the test suite (CI runs this)
+# It makes .venv (reusing a system torch if one is there), installs torch==2.13.0 (the CPU
+# wheel) and linerate into it, then runs the job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-bench}"; shift || true
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
+  # Pinned: a looser requirement would download the CUDA build (gigabytes).
+  "$VPY" -m pip install -q "torch==2.13.0"
+fi
+"$VPY" -m pip install -q -e ".[test]"
+case "$job" in
+  bench) exec .venv/bin/linerate bench --nproc 4 "$@" ;;
+  test)  exec "$VPY" -m pytest -q "$@" ;;
+  *) echo "usage: bash tools/quickstart.sh bench|test [options]" >&2; exit 2 ;;
+esac
