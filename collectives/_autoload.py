@@ -1,8 +1,7 @@
 """Registration of the ``linerate`` backend with torch.distributed.
 
-``autoload`` is the ``torch.backends`` entry point that torch calls during ``import torch``:
-it must be cheap (no transport import, no sockets), idempotent, and must never make
-``import torch`` fail, so it catches everything and logs.
+``register`` is what torch's ``torch.backends`` entry point (``linerate_autoload``) calls during
+``import torch``: it must be cheap (no transport import, no sockets) and idempotent.
 """
 from __future__ import annotations
 
@@ -28,10 +27,3 @@ def register() -> bool:
     devices = ["cpu", "cuda"]
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
     return True
-
-
-def autoload() -> None:
-    try:
-        register()
-    except Exception:  # noqa: BLE001 - never break `import torch`
-        log.warning("linerate: could not register the torch.distributed backend", exc_info=True)

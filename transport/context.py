@@ -248,7 +248,7 @@ class Context:
         chunk = self.options.chunk_bytes
         req.chunks_left = max(1, -(-req.total // chunk))
         with self._lock:
-            err = self._broken or p.failure
+            err = self._refusal(channel) or p.failure
             if err is None:
                 key = (channel, tag if channel == CHANNEL_P2P else 0)
                 req.msgno = p.send_counters.get(key, 0)
@@ -271,7 +271,7 @@ class Context:
         p = None if peer is None else self._peer(peer)
         staged = None
         with self._lock:
-            err = self._broken
+            err = self._refusal(channel)
             if err is None and p is None:
                 err = self._post_anysource(req)
                 if err is None and req.peer is not None:
@@ -291,6 +291,14 @@ class Context:
         elif staged is not None:
             self._deliver_staged(staged, req)
         return req
+
+    def _refusal(self, channel: int):
+        """Why a new transfer on ``channel`` cannot start (None if it can)."""
+        if self._broken is not None:
+            return self._broken
+        if channel == CHANNEL_COLLECTIVE:
+            return self._coll_broken
+        return None
 
     def _post_anysource(self, req: Request):
         """Bind an any-source receive to a staged message if one waits; else park it."""
@@ -332,7 +340,10 @@ class Context:
     def _deliver_staged(self, staged: _Staged, req: Request) -> None:
         if req.error is not None:
             err, req.error = req.error, None
-            req._finish(err)
+            if isinstance(err, MismatchError):
+                self._on_mismatch(req, err)
+            else:
+                req._finish(err)
             return
         req.buf[:] = staged.buf
         req.done_bytes = staged.total
@@ -388,6 +399,8 @@ class Context:
                         req.next_off = off + n
                         if req.next_off >= req.total:
                             p.send_queue.popleft()
+                        if p.send_queue:
+                            p.cond.notify()  # more chunks: another connection takes the next
                 if req is None:
                     sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0) + payload)
                     continue
@@ -436,12 +449,13 @@ class Context:
                 if kind == KIND_DATA:
                     with self._lock:
                         target, mismatch = self._match_incoming(p, opcode, channel, tag, msgno, total)
+                        buf = None if target is None else target.buf
+                        dest = buf[off:off + length] if buf is not None and length else None
                     if mismatch is not None:
                         self._on_mismatch(*mismatch)
-                    if target is None:  # mismatched or failed receive: drain and drop
+                    if buf is None:  # mismatched or failed receive: drain and drop
+                        target = None
                         dest = self._discard(length)
-                    else:
-                        dest = target.buf[off:off + length] if length else None
                     if length and not _recv_into(sock, dest, length):
                         raise _PeerEOF
                     conn.recv_bytes += length
@@ -585,6 +599,11 @@ class Context:
                     if isinstance(r, Request) and (not only_collective or r.channel == CHANNEL_COLLECTIVE):
                         failed.append(r)
                         p.inflight[key] = _DEAD
+                for staged in p.unexpected.values():
+                    w = staged.waiter
+                    if w is not None and (not only_collective or w.channel == CHANNEL_COLLECTIVE):
+                        failed.append(w)
+                        staged.waiter = None
             if not only_collective:
                 for dq in self._anysource.values():
                     failed.extend(dq)

@@ -32,6 +32,14 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"cannot parse boolean {text!r}: expected 1/0, true/false, yes/no, on/off")
 
 
+def parse_env(env: Mapping[str, str], var: str, parse):
+    """Parse one variable; a bad value raises a ValueError that names the variable."""
+    try:
+        return parse(env[var])
+    except ValueError as e:
+        raise ValueError(f"{var}={env[var]!r}: {e}") from None
+
+
 @dataclasses.dataclass
 class TransportOptions:
     """Settings of one transport context (one per process group)."""
@@ -56,18 +64,15 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
         env = os.environ if env is None else env
         o = cls()
-        if "LINERATE_NSOCKS" in env:
-            o.nsocks = int(env["LINERATE_NSOCKS"])
-        if "LINERATE_SOCKET_IFNAME" in env:
-            o.socket_ifname = env["LINERATE_SOCKET_IFNAME"].strip()
-        if "LINERATE_CHUNK_BYTES" in env:
-            o.chunk_bytes = parse_size(env["LINERATE_CHUNK_BYTES"])
-        if "LINERATE_CONNECT_TIMEOUT" in env:
-            o.connect_timeout = float(env["LINERATE_CONNECT_TIMEOUT"])
-        if "LINERATE_MAX_UNEXPECTED_BYTES" in env:
-            o.max_unexpected_bytes = parse_size(env["LINERATE_MAX_UNEXPECTED_BYTES"])
-        if "LINERATE_PREFER_IPV6" in env:
-            o.prefer_ipv6 = _parse_bool(env["LINERATE_PREFER_IPV6"])
+        parsers = {"LINERATE_NSOCKS": ("nsocks", int),
+                   "LINERATE_SOCKET_IFNAME": ("socket_ifname", str.strip),
+                   "LINERATE_CHUNK_BYTES": ("chunk_bytes", parse_size),
+                   "LINERATE_CONNECT_TIMEOUT": ("connect_timeout", float),
+                   "LINERATE_MAX_UNEXPECTED_BYTES": ("max_unexpected_bytes", parse_size),
+                   "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool)}
+        for var, (field, parse) in parsers.items():
+            if var in env:
+                setattr(o, field, parse_env(env, var, parse))
         for k, v in overrides.items():
             if not hasattr(o, k):
                 raise TypeError(f"unknown transport option {k!r}")

@@ -32,6 +32,8 @@ class Request:
                  opcode: int, desc: str):
         self.is_send = is_send
         self.peer = peer
+        if buf.format != "B" or buf.ndim != 1:
+            buf = buf.cast("B")  # chunks are cut by byte offsets; raises if not contiguous
         self.buf = buf
         self.total = buf.nbytes
         self.channel = channel
