@@ -27,6 +27,8 @@ import socket
 import threading
 import time
 
+import numpy as np
+
 from . import framing, handshake
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .interfaces import listen_addresses
@@ -44,7 +46,8 @@ class _Staged:
     __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter")
 
     def __init__(self, total: int, opcode: int, tag: int):
-        self.buf = memoryview(bytearray(total))
+        # np.empty: no zero-fill under the GIL (the bytes are overwritten anyway)
+        self.buf = memoryview(np.empty(total, np.uint8))
         self.total = total
         self.done_bytes = 0
         self.opcode = opcode
@@ -106,6 +109,7 @@ class Context:
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         self._threads: list[threading.Thread] = []
+        self.staged_messages = 0  # messages that arrived before their receive (copied once)
         self._scratch = threading.local()
         rails = self.options.ifnames
         self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
@@ -345,7 +349,8 @@ class Context:
             else:
                 req._finish(err)
             return
-        req.buf[:] = staged.buf
+        # numpy copies without holding the GIL
+        np.copyto(np.frombuffer(req.buf, np.uint8), np.frombuffer(staged.buf, np.uint8))
         req.done_bytes = staged.total
         req._finish()
 
@@ -522,6 +527,7 @@ class Context:
             raise framing.FrameError(f"unexpected message of {total} bytes exceeds "
                                      f"LINERATE_MAX_UNEXPECTED_BYTES={self.options.max_unexpected_bytes}")
         staged = _Staged(total, opcode, tag)
+        self.staged_messages += 1
         p.unexpected[key] = staged
         p.inflight[key] = staged
         return staged, None

@@ -1,0 +1,598 @@
+"""Every collective of the ``linerate`` process group against Gloo's output on the same inputs.
+
+One spawn per (world size, family of collectives); inside the ranks a loop runs the whole
+matrix of dtypes x ops x sizes on both backends (Gloo is the default group, linerate a group
+of the same ranks) and compares. Inputs are small integers (also for floating point dtypes),
+so every sum and product is exact and results must be bit-identical (``torch.equal``); one
+family uses random normal data and compares with ``allclose`` (the order of a reduction may
+differ from Gloo's).
+
+Sizes: 0, 1, 7 and 1001 elements run the latency-optimal ("direct") paths; BIG (70,001
+elements, > 64 KiB even for 1-byte dtypes) runs the ring/chain paths (LINERATE_SMALL_BYTES is
+64 KiB by default). The ``pipelined`` cases force ring/chain for every size with 4 KiB pieces.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceCoalescedOptions, ReduceScatterOptions
+
+from _harness import run_ranks
+
+R = dist.ReduceOp
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.complex128, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
+BIG = 70_001          # > 64 KiB in every dtype: ring / chain paths
+HUGE = 300_001        # a few larger cases (float32, int64)
+SMALL_SIZES = [0, 1, 7, 1001]
+
+PIPELINED_ENV = {"LINERATE_ALLREDUCE_ALGO": "ring", "LINERATE_ROOTED_ALGO": "chain",
+                 "LINERATE_PIECE_BYTES": "4096", "LINERATE_SMALL_BYTES": "0"}
+PIPELINED_DTYPES = [torch.float32, torch.float16, torch.complex128, torch.int8, torch.int64, torch.bool]
+PIPELINED_SIZES = [0, 1, 7, 1001, 20_001]
+
+
+def ops_for(dtype):
+    if dtype.is_complex:
+        return [R.SUM, R.AVG]
+    if dtype.is_floating_point:
+        return [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
+    return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+
+
+def _name(x) -> str:
+    return str(x).replace("torch.", "").replace("RedOpType.", "")
+
+
+# ----------------------------------------------------------------------------- rank-side helpers
+class Ctx:
+    """What a family needs: rank, size, the linerate group, a case counter, the failures."""
+
+    def __init__(self, rank, P, lr, variant):
+        self.rank, self.P, self.lr, self.variant = rank, P, lr, variant
+        self.fails: list[str] = []
+        self.ncases = 0
+        self._case = itertools.count()
+
+    def gen(self, salt: int = 0, same_on_all_ranks: bool = False) -> torch.Generator:
+        """A generator for the next case; different per rank unless same_on_all_ranks."""
+        k = next(self._case)
+        return torch.Generator().manual_seed(1_000_003 * k + 7919 * salt + (0 if same_on_all_ranks else self.rank + 1))
+
+    def check(self, cid: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        self.ncases += 1
+        if got.dtype != want.dtype or got.shape != want.shape:
+            self.fails.append(f"rank {self.rank}: {cid}: got {got.dtype} {tuple(got.shape)}, "
+                              f"want {want.dtype} {tuple(want.shape)}")
+        elif not torch.equal(got, want):
+            bad = (got != want).nonzero()
+            i = tuple(bad[0].tolist())
+            self.fails.append(f"rank {self.rank}: {cid}: {bad.shape[0]} of {want.numel()} elements differ, "
+                              f"first at {i}: got {got[i].item()} want {want[i].item()}")
+
+    def at(self, cid: str) -> str:
+        """Note the case about to run (named if it raises)."""
+        self.current = cid
+        return cid
+
+    def sizes(self, dtype=None):
+        if self.variant == "pipelined":
+            return PIPELINED_SIZES
+        if self.P >= 8:  # small tensors only on 8 ranks; one > 64 KiB case for the ring paths
+            return SMALL_SIZES + ([20_001] if dtype in (torch.float32, torch.int64) else [])
+        return SMALL_SIZES + [BIG] + ([HUGE] if dtype in (torch.float32, torch.int64) else [])
+
+    def dtypes(self):
+        return PIPELINED_DTYPES if self.variant == "pipelined" else DTYPES
+
+
+def _shape(n: int):
+    return (7, 143) if n == 1001 else (n,)
+
+
+def rand_int(g, dtype, shape, kind="sum", P=1) -> torch.Tensor:
+    """Small integers (any dtype): sums/products of P of them are exact everywhere."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if kind == "prod":  # products of P values stay exact: +-1 and a few 2s only for P <= 4
+        if dtype == torch.uint8:
+            choices = torch.tensor([1, 2] if P <= 4 else [0, 1])
+        else:
+            choices = torch.tensor([-1, 1, 2] if P <= 4 else [-1, 1])
+        v = choices[torch.randint(0, len(choices), shape, generator=g)]
+    else:
+        lo, hi = (0, 3) if dtype == torch.uint8 else (-3, 3)
+        v = torch.randint(lo, hi + 1, shape, generator=g)
+    if dtype.is_complex:
+        im = torch.randint(-3, 4, shape, generator=g)
+        return torch.complex(v.double(), im.double()).to(dtype)
+    return v.to(dtype)
+
+
+def _real(t):
+    """Gloo's gather has no complex support: give it the real view (same bytes)."""
+    if t is None:
+        return None
+    if isinstance(t, list):
+        return [_real(x) for x in t]
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _gloo_op(op):
+    """Gloo's reference for ``op``: AVG is checked as SUM, divided by the group size here."""
+    return R.SUM if op == R.AVG else op
+
+
+def _finish_ref(t, op, P):
+    if op == R.AVG:
+        t.div_(P)
+    return t
+
+
+def _kind(op):
+    return "prod" if op == R.PRODUCT else "sum"
+
+
+# ----------------------------------------------------------------------------- families
+def fam_all_reduce(c: Ctx):
+    for dtype in c.dtypes():
+        for op in ops_for(dtype):
+            for n in c.sizes(dtype):
+                if n >= BIG and op not in (R.SUM, R.AVG, R.MAX, R.BXOR) and c.P > 1:
+                    continue  # big tensors: a subset of the ops (time)
+                cid = c.at(f"all_reduce {_name(dtype)} {_name(op)} n={n}")
+                x = rand_int(c.gen(), dtype, _shape(n), _kind(op), c.P)
+                want = x.clone()
+                dist.all_reduce(want, op=_gloo_op(op))
+                _finish_ref(want, op, c.P)
+                got = x.clone()
+                dist.all_reduce(got, op=op, group=c.lr)
+                c.check(cid, got, want)
+
+
+def fam_rooted(c: Ctx):
+    rr = itertools.count(c.rank * 0)
+    for dtype in c.dtypes():
+        for n in c.sizes(dtype):
+            root = next(rr) % c.P
+            cid = c.at(f"broadcast {_name(dtype)} n={n} root={root}")
+            x = rand_int(c.gen(), dtype, _shape(n), "sum", c.P)
+            want, got = x.clone(), x.clone()
+            dist.broadcast(want, root)
+            dist.broadcast(got, root, group=c.lr)
+            c.check(cid, got, want)
+        for op in ops_for(dtype):
+            for n in c.sizes(dtype):
+                if n >= BIG and op not in (R.SUM, R.AVG, R.MIN, R.BOR) and c.P > 1:
+                    continue
+                root = next(rr) % c.P
+                cid = c.at(f"reduce {_name(dtype)} {_name(op)} n={n} root={root}")
+                x = rand_int(c.gen(), dtype, _shape(n), _kind(op), c.P)
+                want, got = x.clone(), x.clone()
+                dist.reduce(want, root, op=_gloo_op(op))
+                dist.reduce(got, root, op=op, group=c.lr)
+                if c.rank == root:
+                    _finish_ref(want, op, c.P)
+                    c.check(cid, got, want)
+    # Every root, with both the direct (n=7) and the chain (big) algorithm.
+    big = c.sizes(torch.float32)[-1]
+    for root in range(c.P):
+        for dtype, n in ((torch.float32, 7), (torch.int64, 7), (torch.float32, big), (torch.int64, big)):
+            c.at(f"every root {_name(dtype)} n={n} root={root}")
+            x = rand_int(c.gen(), dtype, _shape(n), "sum", c.P)
+            want, got = x.clone(), x.clone()
+            dist.broadcast(want, root)
+            dist.broadcast(got, root, group=c.lr)
+            c.check(f"broadcast (every root) {_name(dtype)} n={n} root={root}", got, want)
+            for op in (R.SUM, R.MAX):
+                want, got = x.clone(), x.clone()
+                dist.reduce(want, root, op=op)
+                dist.reduce(got, root, op=op, group=c.lr)
+                if c.rank == root:
+                    c.check(f"reduce (every root) {_name(dtype)} {_name(op)} n={n} root={root}", got, want)
+
+
+def fam_gathers(c: Ctx):
+    P = c.P
+    rr = itertools.count()
+    for dtype in c.dtypes():
+        for n in c.sizes(dtype):
+            c.at(f"all_gather {_name(dtype)} n={n}")
+            x = rand_int(c.gen(), dtype, _shape(n), "sum", P)
+            # all_gather (list of outputs)
+            want = [torch.full_like(x, 1) for _ in range(P)]
+            got = [torch.full_like(x, 1) for _ in range(P)]
+            dist.all_gather(want, x)
+            dist.all_gather(got, x, group=c.lr)
+            for i in range(P):
+                c.check(f"all_gather {_name(dtype)} n={n} output {i}", got[i], want[i])
+            c.at(f"all_gather_into_tensor {_name(dtype)} n={n}")
+            want = torch.zeros((P * x.shape[0],) + tuple(x.shape[1:]), dtype=dtype)
+            got = torch.zeros_like(want)
+            dist.all_gather_into_tensor(want, x)
+            dist.all_gather_into_tensor(got, x, group=c.lr)
+            c.check(f"all_gather_into_tensor {_name(dtype)} n={n}", got, want)
+            root = next(rr) % P
+            c.at(f"gather {_name(dtype)} n={n} root={root}")
+            want = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
+            got = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
+            dist.gather(_real(x), _real(want), dst=root)
+            dist.gather(x, got, dst=root, group=c.lr)
+            if c.rank == root:
+                for i in range(P):
+                    c.check(f"gather {_name(dtype)} n={n} root={root} output {i}", got[i], want[i])
+    for root in range(P):  # gather from every root
+        c.at(f"gather (every root) root={root}")
+        x = rand_int(c.gen(), torch.int32, (33,), "sum", P)
+        want = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
+        got = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
+        dist.gather(x, want, dst=root)
+        dist.gather(x, got, dst=root, group=c.lr)
+        if c.rank == root:
+            for i in range(P):
+                c.check(f"gather (every root) root={root} output {i}", got[i], want[i])
+    # all_gather_into_tensor coalesced: the group's all_gather_single_coalesced (2.13 name)
+    for dtype in (torch.float32, torch.int8, torch.complex64, torch.bool):
+        for ns in ([3, 0, 1001], [1, c.sizes(dtype)[-1]]):
+            c.at(f"all_gather_single_coalesced {_name(dtype)} sizes={ns}")
+            ins = [rand_int(c.gen(), dtype, (n,), "sum", P) for n in ns]
+            got = [torch.zeros(P * n, dtype=dtype) for n in ns]
+            c.lr.all_gather_single_coalesced(got, ins, AllgatherOptions()).wait()
+            for i, (x, o) in enumerate(zip(ins, got)):
+                want = torch.zeros_like(o)
+                dist.all_gather_into_tensor(want, x)
+                c.check(f"all_gather_single_coalesced {_name(dtype)} sizes={ns} tensor {i}", o, want)
+
+
+def fam_scatters(c: Ctx):
+    P = c.P
+    rr = itertools.count()
+    for dtype in c.dtypes():
+        for n in c.sizes(dtype):
+            root = next(rr) % P
+            c.at(f"scatter {_name(dtype)} n={n} root={root}")
+            g = c.gen()
+            chunks = [rand_int(g, dtype, _shape(n), "sum", P) for _ in range(P)] if c.rank == root else None
+            want = torch.full(_shape(n), 1, dtype=dtype)
+            got = torch.full(_shape(n), 1, dtype=dtype)
+            dist.scatter(want, chunks, src=root)
+            dist.scatter(got, chunks, src=root, group=c.lr)
+            c.check(f"scatter {_name(dtype)} n={n} root={root}", got, want)
+        for op in ops_for(dtype):
+            for n in c.sizes(dtype):
+                if n >= BIG and op not in (R.SUM, R.AVG, R.MAX, R.BAND) and P > 1:
+                    continue
+                seg = max(n // P, 0) if n >= 1001 else n  # per-rank segment
+                g = c.gen()
+                ins = [rand_int(g, dtype, (seg,), _kind(op), P) for _ in range(P)]
+                c.at(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}")
+                want = torch.full((seg,), 1, dtype=dtype)
+                got = torch.full((seg,), 1, dtype=dtype)
+                dist.reduce_scatter(want, [t.clone() for t in ins], op=_gloo_op(op))
+                _finish_ref(want, op, P)
+                dist.reduce_scatter(got, [t.clone() for t in ins], op=op, group=c.lr)
+                c.check(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}", got, want)
+                c.at(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}")
+                flat = torch.cat(ins)
+                want = torch.full((seg,), 1, dtype=dtype)
+                got = torch.full((seg,), 1, dtype=dtype)
+                dist.reduce_scatter_tensor(want, flat.clone(), op=_gloo_op(op))
+                _finish_ref(want, op, P)
+                inp = flat.clone()
+                dist.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
+                c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}", got, want)
+                c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}: input unchanged", inp, flat)
+    for root in range(P):  # scatter from every root
+        c.at(f"scatter (every root) root={root}")
+        g = c.gen()
+        chunks = [rand_int(g, torch.float64, (5, 3), "sum", P) for _ in range(P)] if c.rank == root else None
+        want, got = torch.zeros(5, 3, dtype=torch.float64), torch.zeros(5, 3, dtype=torch.float64)
+        dist.scatter(want, chunks, src=root)
+        dist.scatter(got, chunks, src=root, group=c.lr)
+        c.check(f"scatter (every root) root={root}", got, want)
+    # reduce_scatter_tensor coalesced: the group's reduce_scatter_single_coalesced (2.13 name)
+    for dtype, op in ((torch.float32, R.SUM), (torch.float64, R.AVG), (torch.int32, R.MAX), (torch.bool, R.BOR)):
+        for segs in ([3, 0, 250], [1, c.sizes(dtype)[-1] // P + 1]):
+            c.at(f"reduce_scatter_single_coalesced {_name(dtype)} {_name(op)} segs={segs}")
+            ins = [rand_int(c.gen(), dtype, (P * s,), "sum", P) for s in segs]
+            got = [torch.zeros(s, dtype=dtype) for s in segs]
+            opts = ReduceScatterOptions()
+            opts.reduceOp = op
+            c.lr.reduce_scatter_single_coalesced(got, [x.clone() for x in ins], opts).wait()
+            for i, (x, o) in enumerate(zip(ins, got)):
+                want = torch.zeros_like(o)
+                dist.reduce_scatter_tensor(want, x.clone(), op=_gloo_op(op))
+                _finish_ref(want, op, P)
+                c.check(f"reduce_scatter_single_coalesced {_name(dtype)} {_name(op)} segs={segs} tensor {i}", o, want)
+
+
+def _split_matrix(c: Ctx, kind: str):
+    """S[i][j]: rows rank i sends rank j (the same matrix on every rank)."""
+    P = c.P
+    if kind == "equal":
+        return [[3] * P for _ in range(P)]
+    g = c.gen(same_on_all_ranks=True)
+    S = torch.randint(0, 4, (P, P), generator=g).tolist()
+    for i in range(P):  # some zero-size splits, always
+        S[i][(i + 1) % P] = 0
+    if P > 1:
+        S[0] = [0] * P   # rank 0 sends nothing at all
+        S[P - 1][0] = 5
+    return S
+
+
+def fam_alltoall(c: Ctx):
+    P, r = c.P, c.rank
+    for dtype in c.dtypes():
+        # all_to_all (lists): equal shapes, then uneven shapes incl. zero-size ones
+        for n in c.sizes(dtype):
+            if n >= BIG:
+                n = n // P + 1
+            c.at(f"all_to_all {_name(dtype)} n={n}")
+            ins = [rand_int(c.gen(), dtype, _shape(n), "sum", P) for _ in range(P)]
+            want = [torch.full(_shape(n), 1, dtype=dtype) for _ in range(P)]
+            got = [torch.full(_shape(n), 1, dtype=dtype) for _ in range(P)]
+            dist.all_to_all(want, ins)
+            dist.all_to_all(got, ins, group=c.lr)
+            for i in range(P):
+                c.check(f"all_to_all {_name(dtype)} n={n} output {i}", got[i], want[i])
+        S = _split_matrix(c, "uneven")
+        c.at(f"all_to_all uneven {_name(dtype)} splits={S}")
+        ins = [rand_int(c.gen(), dtype, (S[r][j], 2), "sum", P) for j in range(P)]
+        # Gloo's all_to_all needs equal sizes: the reference is its all_to_all_single
+        flat_want = torch.zeros((sum(S[j][r] for j in range(P)), 2), dtype=dtype)
+        dist.all_to_all_single(flat_want, torch.cat(ins), [S[j][r] for j in range(P)], S[r])
+        want = list(flat_want.split([S[j][r] for j in range(P)]))
+        got = [torch.zeros((S[j][r], 2), dtype=dtype) for j in range(P)]
+        dist.all_to_all(got, ins, group=c.lr)
+        for i in range(P):
+            c.check(f"all_to_all uneven {_name(dtype)} splits={S} output {i}", got[i], want[i])
+        # all_to_all_single: no splits given (equal), equal splits given, uneven splits
+        for n in c.sizes(dtype):
+            rows = n if n < BIG else n // 4
+            c.at(f"all_to_all_single {_name(dtype)} rows={rows}/rank no splits")
+            x = rand_int(c.gen(), dtype, (P * rows, 3), "sum", P)
+            want, got = torch.full_like(x, 1), torch.full_like(x, 1)
+            dist.all_to_all_single(want, x)
+            dist.all_to_all_single(got, x, group=c.lr)
+            c.check(f"all_to_all_single {_name(dtype)} rows={rows}/rank no splits", got, want)
+        for kind in ("equal", "uneven"):
+            S = _split_matrix(c, kind)
+            c.at(f"all_to_all_single {_name(dtype)} {kind} splits={S}")
+            in_splits = S[r]
+            out_splits = [S[j][r] for j in range(P)]
+            x = rand_int(c.gen(), dtype, (sum(in_splits), 4), "sum", P)
+            want = torch.full((sum(out_splits), 4), 1, dtype=dtype)
+            got = torch.full_like(want, 1)
+            dist.all_to_all_single(want, x, out_splits, in_splits)
+            dist.all_to_all_single(got, x, out_splits, in_splits, group=c.lr)
+            c.check(f"all_to_all_single {_name(dtype)} {kind} splits={S}", got, want)
+    # a large uneven all_to_all_single (over 64 KiB per rank)
+    if P > 1:
+        c.at("all_to_all_single big uneven")
+        S = [[(1000 * (i + 2 * j)) % 7001 for j in range(P)] for i in range(P)]
+        for i in range(P):
+            S[i][i] = 0 if i % 2 else S[i][i]
+        x = rand_int(c.gen(), torch.float32, (sum(S[r]), 8), "sum", P)
+        out_splits = [S[j][r] for j in range(P)]
+        want = torch.zeros((sum(out_splits), 8))
+        got = torch.zeros_like(want)
+        dist.all_to_all_single(want, x, out_splits, S[r])
+        dist.all_to_all_single(got, x, out_splits, S[r], group=c.lr)
+        c.check("all_to_all_single big uneven float32", got, want)
+
+
+def fam_misc(c: Ctx):
+    """barrier, the coalesced all-reduces, non-contiguous tensors, async_op, random floats."""
+    P, r = c.P, c.rank
+    c.at("barrier")
+    for _ in range(3):
+        dist.barrier(group=c.lr)
+    w = dist.barrier(group=c.lr, async_op=True)
+    w.wait()
+    assert w.is_completed()
+    # dist.all_reduce_coalesced (one dtype per call, as torch requires)
+    for dtype in c.dtypes():
+        for op in ops_for(dtype):
+            if dtype.is_complex and op != R.SUM:
+                continue  # dist.all_reduce_coalesced refuses complex with other ops? keep SUM
+            c.at(f"all_reduce_coalesced {_name(dtype)} {_name(op)}")
+            shapes = [(3,), (0,), (2, 5), (1001,)] + ([(BIG,)] if op == R.SUM and P <= 4 else [])
+            g = c.gen()
+            xs = [rand_int(g, dtype, s, _kind(op), P) for s in shapes]
+            want = [x.clone() for x in xs]
+            for t in want:
+                dist.all_reduce(t, op=_gloo_op(op))
+                _finish_ref(t, op, P)
+            got = [x.clone() for x in xs]
+            dist.all_reduce_coalesced(got, op=op, group=c.lr)
+            for i in range(len(xs)):
+                c.check(f"all_reduce_coalesced {_name(dtype)} {_name(op)} tensor {i} {shapes[i]}", got[i], want[i])
+    # the group's allreduce_coalesced with mixed dtypes (linerate groups them by dtype)
+    for op in (R.SUM, R.MAX):
+        c.at(f"allreduce_coalesced (method) mixed dtypes {_name(op)}")
+        g = c.gen()
+        xs = [rand_int(g, d, s, "sum", P) for d, s in
+              ((torch.float32, (4, 3)), (torch.int64, (7,)), (torch.float32, (BIG // 2,)),
+               (torch.bfloat16, (0,)), (torch.int64, (1,)), (torch.float16, (11,)))]
+        want = [x.clone() for x in xs]
+        for t in want:
+            dist.all_reduce(t, op=op)
+        got = [x.clone() for x in xs]
+        opts = AllreduceCoalescedOptions()
+        opts.reduceOp = op
+        c.lr.allreduce_coalesced(got, opts).wait()
+        for i in range(len(xs)):
+            c.check(f"allreduce_coalesced (method) mixed dtypes {_name(op)} tensor {i} {xs[i].dtype}",
+                    got[i], want[i])
+    # non-contiguous inputs: all_reduce and broadcast on transposed and strided views.
+    # Gloo mishandles strided views in broadcast, so the reference is computed on a
+    # contiguous copy and written into the same view of a copy of the base tensor.
+    for dtype in (torch.float32, torch.int64, torch.complex64, torch.float16):
+        for n_rows in (5, 300):  # 300 x 70 float32: > 64 KiB (ring/chain)
+            base = rand_int(c.gen(), dtype, (n_rows, 70), "sum", P)
+            views = {"transposed": lambda b: b.t(), "strided slice": lambda b: b[::2, 1::3],
+                     "column": lambda b: b[:, 5]}
+            for vname, view in views.items():
+                for coll in ("all_reduce", "broadcast"):
+                    root = (n_rows + len(vname)) % P
+                    c.at(f"{coll} non-contiguous {vname} {_name(dtype)} rows={n_rows}")
+                    ref_base = base.clone()
+                    ref = view(ref_base).contiguous()
+                    if coll == "all_reduce":
+                        dist.all_reduce(ref)
+                    else:
+                        dist.broadcast(ref, root)
+                    view(ref_base).copy_(ref)
+                    got_base = base.clone()
+                    v = view(got_base)
+                    assert not v.is_contiguous()
+                    if coll == "all_reduce":
+                        dist.all_reduce(v, group=c.lr)
+                    else:
+                        dist.broadcast(v, root, group=c.lr)
+                    c.check(f"{coll} non-contiguous {vname} {_name(dtype)} base {tuple(base.shape)}",
+                            got_base, ref_base)
+    # async_op=True on collectives: wait(), then the same result
+    c.at("all_reduce async_op")
+    x = rand_int(c.gen(), torch.float32, (BIG,), "sum", P)
+    want = x.clone()
+    dist.all_reduce(want)
+    got = x.clone()
+    work = dist.all_reduce(got, group=c.lr, async_op=True)
+    assert work.wait()
+    assert work.is_completed() and work.exception() is None
+    fut_val = work.get_future().wait()
+    c.check("all_reduce async_op", got, want)
+    c.check("all_reduce async_op future value", fut_val[0], want)
+    # random normal float32: allclose against Gloo (reduction order differs), and every rank
+    # must hold bit-identical results
+    for n in (1, 1001, c.sizes(torch.float32)[-1]):
+        for op in (R.SUM, R.AVG):
+            c.at(f"all_reduce randn {_name(op)} n={n}")
+            x = torch.randn(n, generator=c.gen())
+            want = x.clone()
+            dist.all_reduce(want, op=_gloo_op(op))
+            _finish_ref(want, op, P)
+            got = x.clone()
+            dist.all_reduce(got, op=op, group=c.lr)
+            c.ncases += 1
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                c.fails.append(f"rank {r}: all_reduce randn {_name(op)} n={n}: max abs diff "
+                               f"{(got - want).abs().max().item()}")
+            everyone = [torch.zeros_like(got) for _ in range(P)]
+            dist.all_gather(everyone, got)
+            for i in range(P):
+                c.check(f"all_reduce randn {_name(op)} n={n}: rank {i} result bits equal rank {r}'s",
+                        everyone[i], got)
+        c.at(f"reduce_scatter_tensor / reduce randn n={n}")
+        x = torch.randn(P * n, generator=c.gen())
+        want, got = torch.zeros(n), torch.zeros(n)
+        dist.reduce_scatter_tensor(want, x.clone())
+        dist.reduce_scatter_tensor(got, x.clone(), group=c.lr)
+        c.ncases += 1
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            c.fails.append(f"rank {r}: reduce_scatter_tensor randn n={n}: max abs diff "
+                           f"{(got - want).abs().max().item()}")
+        x = torch.randn(n, generator=c.gen())
+        want, got = x.clone(), x.clone()
+        dist.reduce(want, 0)
+        dist.reduce(got, 0, group=c.lr)
+        if r == 0:
+            c.ncases += 1
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                c.fails.append(f"rank {r}: reduce randn n={n}: max abs diff {(got - want).abs().max().item()}")
+
+
+FAMILIES = {"all_reduce": fam_all_reduce, "rooted": fam_rooted, "gathers": fam_gathers,
+            "scatters": fam_scatters, "alltoall": fam_alltoall, "misc": fam_misc}
+
+
+def _rank_fn(rank, P, lr, families, variant):
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    c = Ctx(rank, P, lr, variant)
+    c.current = "(none)"
+    try:
+        for fam in families:
+            FAMILIES[fam](c)
+    except BaseException as e:
+        e.add_note(f"rank {rank}: the last case started was: {c.current}")
+        raise
+    # Both backends must still be in step: one last collective on each.
+    dist.barrier()
+    dist.barrier(group=lr)
+    return c.fails, c.ncases
+
+
+def _run(P, families, variant="default", timeout=120, env=None):
+    results = run_ranks(_rank_fn, P, families, variant, timeout=timeout, env=env)
+    fails = [f for fs, _ in results for f in fs]
+    ncases = sum(n for _, n in results)
+    assert ncases > 0
+    assert not fails, f"{len(fails)} mismatches against Gloo:\n" + "\n".join(fails[:40])
+
+
+# ----------------------------------------------------------------------------- tests
+WORLD_SIZES = [1, 2, 3, 4, 8]
+# Families grouped per spawn: a spawn costs ~2 s per rank on 2 cores.
+GROUPS = {
+    1: [("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc")],
+    2: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
+    3: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
+    4: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
+    8: [("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc")],
+}
+CASES = [pytest.param(P, fams, id=f"P{P}-{'+'.join(fams)}") for P in WORLD_SIZES for fams in GROUPS[P]]
+
+TIMEOUT = 150
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P,families", CASES)
+def test_collectives_match_gloo(P, families):
+    _run(P, families, timeout=TIMEOUT)
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_collectives_pipelined_ring_chain(P):
+    """LINERATE_ALLREDUCE_ALGO=ring, LINERATE_ROOTED_ALGO=chain, 4 KiB pieces and
+    LINERATE_SMALL_BYTES=0: every size runs the pipelined algorithms with many pieces."""
+    _run(P, ("all_reduce", "rooted", "gathers", "scatters"), variant="pipelined",
+         timeout=TIMEOUT, env=PIPELINED_ENV)
+
+
+# ----------------------------------------------------------------------------- all_gather_coalesced
+def _ag_coalesced_fn(rank, P, lr):
+    """dist.all_gather_coalesced: output_tensor_lists[i][j] is rank i's input j (torch docs)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    fails = []
+    for ninputs in (1, 2, 3):
+        ins = [torch.full((j + 2,), 100 * rank + j, dtype=torch.int64) for j in range(ninputs)]
+        want = [[torch.zeros(j + 2, dtype=torch.int64) for j in range(ninputs)] for _ in range(P)]
+        dist.all_gather_coalesced(want, ins)
+        got = [[torch.zeros(j + 2, dtype=torch.int64) for j in range(ninputs)] for _ in range(P)]
+        try:
+            dist.all_gather_coalesced(got, ins, group=lr)
+        except Exception as e:  # noqa: BLE001 - a refusal is a failure of this case
+            fails.append(f"ninputs={ninputs}: {type(e).__name__}: {e}")
+            continue
+        for i in range(P):
+            for j in range(ninputs):
+                if not torch.equal(got[i][j], want[i][j]):
+                    fails.append(f"ninputs={ninputs}: output[{i}][{j}] = {got[i][j].tolist()}, "
+                                 f"Gloo {want[i][j].tolist()}")
+    return fails
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_all_gather_coalesced(P):
+    if P == 1:  # one rank: the two layouts coincide only for one input; see the xfail below
+        pass
+    fails = [f for fs in run_ranks(_ag_coalesced_fn, P, timeout=60) for f in fs]
+    assert not fails, "\n".join(fails[:20])
