@@ -674,6 +674,15 @@ class Context:
                 ls.close()
             except OSError:
                 pass
+        # The sockets are shut down, so the receivers end now: wait for them. A receiver's
+        # frame may hold the last reference to a tensor (a memoryview of a receive buffer),
+        # and a daemon thread that frees a tensor during interpreter finalization aborts the
+        # process (torch releases the GIL in the tensor's dealloc; taking it back then calls
+        # pthread_exit through noexcept C++ frames: "terminate called without an active
+        # exception").
+        for t in self._threads:
+            if t.name.startswith("linerate-recv") and t is not me:
+                t.join(max(0.5, deadline - time.monotonic()))
         self._set_broken(TransportError(f"rank {self.rank}: the process group was shut down"))
 
 
