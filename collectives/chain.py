@@ -13,6 +13,7 @@ from .reduce_ops import reduce_into
 
 
 def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
@@ -20,37 +21,38 @@ def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
     nxt = (r + 1) % P if pos < P - 1 else None
     parts = pieces(t, comm.piece_elems(t))
     if pos == 0:
-        comm.wait_all([comm.isend(nxt, x) for x in parts])
+        comm.wait_all([comm.isend(nxt, x, base | k) for k, x in enumerate(parts)])
         return
     prev = (r - 1) % P
-    recvs = [comm.irecv(prev, x) for x in parts]
+    recvs = [comm.irecv(prev, x, base | k) for k, x in enumerate(parts)]
     sends = []
-    for x, q in zip(parts, recvs):
+    for k, (x, q) in enumerate(zip(parts, recvs)):
         comm.wait(q)
         if nxt is not None:
-            sends.append(comm.isend(nxt, x))
+            sends.append(comm.isend(nxt, x, base | k))
     comm.wait_all(sends)
 
 
 def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
     """Result in ``flat`` on the root; other ranks' ``flat`` is not modified."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
     pos = (r - root) % P
     pe = comm.piece_elems(flat)
     if pos == P - 1:  # head of the chain: just send
-        comm.wait_all([comm.isend((r - 1) % P, x) for x in pieces(flat, pe)])
+        comm.wait_all([comm.isend((r - 1) % P, x, base | k) for k, x in enumerate(pieces(flat, pe))])
         return
     acc = flat if pos == 0 else flat.clone()
     tmp = torch.empty_like(acc)
     acc_parts, tmp_parts = pieces(acc, pe), pieces(tmp, pe)
     src = (r + 1) % P
-    recvs = [comm.irecv(src, b) for b in tmp_parts]
+    recvs = [comm.irecv(src, b, base | k) for k, b in enumerate(tmp_parts)]
     sends = []
-    for x, b, q in zip(acc_parts, tmp_parts, recvs):
+    for k, (x, b, q) in enumerate(zip(acc_parts, tmp_parts, recvs)):
         comm.wait(q)
         reduce_into(x, b, op)
         if pos != 0:
-            sends.append(comm.isend((r - 1) % P, x))
+            sends.append(comm.isend((r - 1) % P, x, base | k))
     comm.wait_all(sends)

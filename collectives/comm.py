@@ -48,23 +48,48 @@ class Comm:
         self.deadline = time.monotonic() + timeout
         self.piece_bytes = piece_bytes
         self._desc = f"{op} #{seq}"
+        self._block = 0
 
     def piece_elems(self, t: torch.Tensor) -> int:
         return max(1, self.piece_bytes // max(1, t.element_size()))
 
-    def isend(self, peer: int, t: torch.Tensor) -> Request:
-        return self.ctx.isend(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode, self._desc)
+    def block(self) -> int:
+        """Reserve a block of message slots for one algorithm run within this op.
 
-    def irecv(self, peer: int, t: torch.Tensor) -> Request:
-        return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode, self._desc)
+        Every message of an op has a slot, and a receive gets the message with its slot
+        whatever order the two sides post in (algorithms post receives early and out of
+        order). Each algorithm run takes a fresh block, so runs within one op (coalesced
+        tensors) never share a slot. Every rank must call block() the same number of times.
+        Slots: block << 44 | phase << 40 | step << 20 | piece."""
+        self._block += 1
+        return self._block << 44
+
+    @staticmethod
+    def slot(base: int, phase: int = 0, step: int = 0, piece: int = 0) -> int:
+        return base | (phase << 40) | (step << 20) | piece
+
+    def isend(self, peer: int, t: torch.Tensor, slot: int) -> Request:
+        return self.ctx.isend(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
+                              self._desc, slot)
+
+    def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
+        return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
+                              self._desc, slot)
 
     def wait(self, req: Request) -> None:
         left = self.deadline - time.monotonic()
         try:
             req.wait(max(left, 0.0))
         except TimeoutError as e:
+            hint = ""
+            if req.peer is not None:
+                other = [f"{name} #{seq}" for seq, name in self.ctx.staged_collectives(req.peer)
+                         if seq != self.seq]
+                if other:
+                    hint = (f"; rank {req.peer} has sent data of {', '.join(other)} instead: the "
+                            f"ranks called different collectives")
             raise OpTimeout(f"rank {self.rank}: {self._desc} did not complete within the "
-                            f"{self.timeout:.1f}s timeout: {e}") from None
+                            f"{self.timeout:.1f}s timeout: {e}{hint}") from None
 
     def wait_all(self, reqs) -> None:
         for r in reqs:

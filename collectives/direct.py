@@ -18,12 +18,13 @@ def _fold_in_rank_order(acc: torch.Tensor, contributions: list[torch.Tensor], op
 def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     """Every rank sends its tensor to every other rank, then folds all of them: one round,
     for small messages."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
     buf = torch.empty((P, flat.numel()), dtype=flat.dtype)
-    recvs = [comm.irecv(p, buf[p]) for p in range(P) if p != r]
-    sends = [comm.isend((r + k) % P, flat) for k in range(1, P)]
+    recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
+    sends = [comm.isend((r + k) % P, flat, base) for k in range(1, P)]
     buf[r].copy_(flat)
     comm.wait_all(recvs)
     comm.wait_all(sends)  # the sends read flat, which the fold overwrites
@@ -32,45 +33,49 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
 
 def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
     """Every rank sends to the root, which folds in rank order into ``flat``."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
     if r != root:
-        comm.wait(comm.isend(root, flat))
+        comm.wait(comm.isend(root, flat, base))
         return
     buf = torch.empty((P, flat.numel()), dtype=flat.dtype)
-    recvs = [comm.irecv(p, buf[p]) for p in range(P) if p != r]
+    recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
     buf[r].copy_(flat)
     comm.wait_all(recvs)
     _fold_in_rank_order(flat, list(buf), op)
 
 
 def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
     if r == root:
-        comm.wait_all([comm.isend((root + k) % P, t) for k in range(1, P)])
+        comm.wait_all([comm.isend((root + k) % P, t, base) for k in range(1, P)])
     else:
-        comm.wait(comm.irecv(root, t))
+        comm.wait(comm.irecv(root, t, base))
 
 
 def gather(comm: Comm, t: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
+    base = comm.block()
     P, r = comm.size, comm.rank
     if r != root:
-        comm.wait(comm.isend(root, t))
+        comm.wait(comm.isend(root, t, base))
         return
-    recvs = [comm.irecv(p, outs[p]) for p in range(P) if p != r]
+    recvs = [comm.irecv(p, outs[p], base) for p in range(P) if p != r]
     outs[r].copy_(t)
     comm.wait_all(recvs)
 
 
 def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+    base = comm.block()
     P, r = comm.size, comm.rank
     if r != root:
-        comm.wait(comm.irecv(root, out))
+        comm.wait(comm.irecv(root, out, base))
         return
-    sends = [comm.isend((r + k) % P, ins[(r + k) % P]) for k in range(1, P)]
+    sends = [comm.isend((r + k) % P, ins[(r + k) % P], base) for k in range(1, P)]
     out.copy_(ins[r])
     comm.wait_all(sends)
 
@@ -78,9 +83,10 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
 def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
     """outs[p] receives rank p's ins[me]. Sends start at the right neighbour and go round, so
     that at any time every rank sends to a different rank."""
+    base = comm.block()
     P, r = comm.size, comm.rank
-    recvs = [comm.irecv(p, outs[p]) for p in range(P) if p != r]
-    sends = [comm.isend((r + k) % P, ins[(r + k) % P]) for k in range(1, P)]
+    recvs = [comm.irecv(p, outs[p], base) for p in range(P) if p != r]
+    sends = [comm.isend((r + k) % P, ins[(r + k) % P], base) for k in range(1, P)]
     outs[r].copy_(ins[r])
     comm.wait_all(recvs)
     comm.wait_all(sends)
@@ -91,30 +97,33 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 def barrier(comm: Comm) -> None:
     """Dissemination barrier: ceil(log2 P) rounds of empty messages."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     d = 1
     while d < P:
-        q = comm.irecv((r - d) % P, _EMPTY)
-        comm.wait(comm.isend((r + d) % P, _EMPTY))
+        q = comm.irecv((r - d) % P, _EMPTY, comm.slot(base, step=d))
+        comm.wait(comm.isend((r + d) % P, _EMPTY, comm.slot(base, step=d)))
         comm.wait(q)
         d *= 2
 
 
 def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
     """Rank r's segs[r] goes to every rank in one round (small messages)."""
+    base = comm.block()
     P, r = comm.size, comm.rank
-    recvs = [comm.irecv(p, segs[p]) for p in range(P) if p != r]
-    sends = [comm.isend((r + k) % P, segs[r]) for k in range(1, P)]
+    recvs = [comm.irecv(p, segs[p], base) for p in range(P) if p != r]
+    sends = [comm.isend((r + k) % P, segs[r], base) for k in range(1, P)]
     comm.wait_all(recvs)
     comm.wait_all(sends)
 
 
 def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
     """Rank p receives everyone's segs[p] and folds them in rank order into ``out``."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     buf = torch.empty((P, out.numel()), dtype=out.dtype)
-    recvs = [comm.irecv(p, buf[p]) for p in range(P) if p != r]
-    sends = [comm.isend((r + k) % P, segs[(r + k) % P]) for k in range(1, P)]
+    recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
+    sends = [comm.isend((r + k) % P, segs[(r + k) % P], base) for k in range(1, P)]
     buf[r].copy_(segs[r])
     comm.wait_all(recvs)
     _fold_in_rank_order(out, list(buf), op)

@@ -23,6 +23,7 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None) 
 
     ``on_step_sent(step)`` is called once the sends of a step have completed, i.e. once
     segment (r-step-1) may be overwritten (all_reduce posts its all-gather receives there)."""
+    base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
         return
@@ -36,58 +37,69 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None) 
         # on at step s+1; after P-1 steps segment r is complete here.
         mine = pieces(segs[(r - step - 2) % P], pe)
         bufs, reqs, off = [], [], 0
-        for x in mine:
+        for k, x in enumerate(mine):
             b = tmp[step % 2][off:off + x.numel()]
             off += x.numel()
             bufs.append(b)
-            reqs.append(comm.irecv(left, b))
+            reqs.append(comm.irecv(left, b, comm.slot(base, 0, step, k)))
         return mine, bufs, reqs
 
     nxt = post(0)
-    sends = [[comm.isend(right, x) for x in pieces(segs[(r - 1) % P], pe)]]
+    sends = [[comm.isend(right, x, comm.slot(base, 0, 0, k))
+              for k, x in enumerate(pieces(segs[(r - 1) % P], pe))]]
     for step in range(P - 1):
         mine, bufs, reqs = nxt
         last = step == P - 2
         if not last:
             nxt = post(step + 1)
             sends.append([])
-        for x, b, q in zip(mine, bufs, reqs):
+        for k, (x, b, q) in enumerate(zip(mine, bufs, reqs)):
             comm.wait(q)
             reduce_into(x, b, op)
             if not last:
-                sends[step + 1].append(comm.isend(right, x))
+                sends[step + 1].append(comm.isend(right, x, comm.slot(base, 0, step + 1, k)))
         comm.wait_all(sends[step])  # issued one step ago: normally complete already
         if on_step_sent is not None:
             on_step_sent(step)
 
 
-def all_gather(comm: Comm, segs: list[torch.Tensor], recvs=None) -> None:
-    """Rank i provides ``segs[i]``; afterwards every rank has every segment. Segments are
-    1-D and may differ in length (all ranks must agree on the lengths). ``recvs``: receives
-    already posted by ``post_all_gather_step`` (all_reduce posts them early)."""
-    P, r = comm.size, comm.rank
-    if P == 1:
-        return
-    if recvs is None:
-        recvs = []
-        for step in range(P - 1):  # all destinations are final: post every receive at once
-            recvs.extend(post_all_gather_step(comm, segs, step))
-    right = (r + 1) % P
-    pe = comm.piece_elems(segs[0])
-    sends = [comm.isend(right, x) for x in pieces(segs[r], pe)]
-    for step, x, q in recvs:
-        comm.wait(q)
-        if step < P - 2:
-            sends.append(comm.isend(right, x))
-    comm.wait_all(sends)
+class AllGather:
+    """Ring all-gather. Rank i provides ``segs[i]``; afterwards every rank has every segment.
+    Segments are 1-D and may differ in length (all ranks must agree on the lengths).
+    Receives can be posted step by step ahead of ``run`` (all_reduce does)."""
+
+    def __init__(self, comm: Comm, segs: list[torch.Tensor]):
+        self.comm, self.segs = comm, segs
+        self.base = comm.block()
+        self.pe = comm.piece_elems(segs[0])
+        self.recvs: list = []
+
+    def post_step(self, step: int) -> None:
+        """Post the receives of step ``step``: segment (r-step-1) from the left, in place."""
+        c = self.comm
+        left = (c.rank - 1) % c.size
+        for k, x in enumerate(pieces(self.segs[(c.rank - step - 1) % c.size], self.pe)):
+            self.recvs.append((step, k, x, c.irecv(left, x, c.slot(self.base, 0, step, k))))
+
+    def run(self) -> None:
+        c = self.comm
+        P, r = c.size, c.rank
+        if P == 1:
+            return
+        for step in range(len({s for s, *_ in self.recvs}), P - 1):
+            self.post_step(step)
+        right = (r + 1) % P
+        sends = [c.isend(right, x, c.slot(self.base, 0, 0, k))
+                 for k, x in enumerate(pieces(self.segs[r], self.pe))]
+        for step, k, x, q in self.recvs:
+            c.wait(q)
+            if step < P - 2:  # forward at once what was received
+                sends.append(c.isend(right, x, c.slot(self.base, 0, step + 1, k)))
+        c.wait_all(sends)
 
 
-def post_all_gather_step(comm: Comm, segs: list[torch.Tensor], step: int) -> list:
-    """Post the receives of all-gather step ``step``: segment (r-step-1) from the left."""
-    P, r = comm.size, comm.rank
-    left = (r - 1) % P
-    return [(step, x, comm.irecv(left, x))
-            for x in pieces(segs[(r - step - 1) % P], comm.piece_elems(segs[0]))]
+def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
+    AllGather(comm, segs).run()
 
 
 def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
@@ -101,9 +113,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         segs.append(flat[off:off + k])
         off += k
     # All-gather step s receives into segment (r-s-1), the one reduce-scatter step s sent:
-    # post those receives as soon as that send is done, so that no all-gather data arrives
-    # before its receive (it would be staged and copied).
-    early = []
-    reduce_scatter(comm, segs, op,
-                   on_step_sent=lambda step: early.extend(post_all_gather_step(comm, segs, step)))
-    all_gather(comm, segs, early)
+    # post those receives as soon as that send is done, so that all-gather data finds its
+    # receive posted (no staging copy).
+    ag = AllGather(comm, segs)
+    reduce_scatter(comm, segs, op, on_step_sent=ag.post_step)
+    ag.run()

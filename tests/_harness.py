@@ -34,7 +34,9 @@ from datetime import timedelta
 __all__ = ["run_ranks", "RankError", "RankTimeout"]
 
 _ERROR_GRACE = 5.0   # after one rank failed, how long the others may still report
-_STACK_CHARS = 6000  # per rank, in a timeout message
+_STACK_CHARS = 12000  # per rank, in a timeout message
+# Threads that idle in these functions are left out of a timeout's stack dump.
+_IDLE_MARKERS = (" in _send_loop", " in _recv_loop", "concurrent/futures/thread.py")
 
 
 class RankError(AssertionError):
@@ -103,7 +105,19 @@ def _read_stack(path: str) -> str:
         return "(no stack)"
     if not text.strip():
         return "(no stack dumped)"
-    return text[-_STACK_CHARS:]
+    blocks, cur = [], []
+    for line in text.splitlines():
+        if (line.startswith("Thread 0x") or line.startswith("Current thread")) and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append(line)
+    if cur:
+        blocks.append(cur)
+    keep = [b for b in blocks if not any(m in line for line in b for m in _IDLE_MARKERS)]
+    out = "\n".join("\n".join(b) for b in keep)
+    if len(keep) < len(blocks):
+        out += f"\n({len(blocks) - len(keep)} idle transport/pool threads not shown)"
+    return out[-_STACK_CHARS:]
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | None = None,

@@ -88,9 +88,10 @@ class _Peer:
 
 
 def _match_key(channel: int, tag: int, msgno: int):
-    # The collective channel has one ordered stream per peer (the tag, i.e. the op's sequence
-    # number, is checked, not matched); point-to-point has one stream per user tag.
-    return (channel, 0 if channel == CHANNEL_COLLECTIVE else tag, msgno)
+    # A message is identified by its channel, its tag (collective: the op's sequence number;
+    # point-to-point: the user's tag) and its number: an explicit slot that the algorithm
+    # gives, or the count of earlier messages on that (peer, channel, tag).
+    return (channel, tag, msgno)
 
 
 class Context:
@@ -245,8 +246,12 @@ class Context:
 
     # ------------------------------------------------------------------ posting
     def isend(self, peer: int, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "") -> Request:
-        """Send the bytes of ``buf`` to ``peer``; the buffer must stay untouched until done."""
+              desc: str = "", slot: int | None = None) -> Request:
+        """Send the bytes of ``buf`` to ``peer``; the buffer must stay untouched until done.
+
+        ``slot`` names the message within its (channel, tag): the receive with the same slot
+        gets it, whatever order either side posts in. Without a slot, messages on one
+        (peer, channel, tag) match in posting order."""
         req = Request(True, peer, buf, channel, tag, opcode, desc)
         p = self._peer(peer)
         chunk = self.options.chunk_bytes
@@ -254,9 +259,7 @@ class Context:
         with self._lock:
             err = self._refusal(channel) or p.failure
             if err is None:
-                key = (channel, tag if channel == CHANNEL_P2P else 0)
-                req.msgno = p.send_counters.get(key, 0)
-                p.send_counters[key] = req.msgno + 1
+                req.msgno = slot if slot is not None else _next(p.send_counters, (channel, tag))
         if err is not None:
             req._finish(_wrap(err))
             return req
@@ -266,11 +269,11 @@ class Context:
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "") -> Request:
+              desc: str = "", slot: int | None = None) -> Request:
         """Receive a message of exactly ``buf.nbytes`` bytes from ``peer`` (None: any rank,
         point-to-point only) into ``buf``."""
-        if peer is None and channel != CHANNEL_P2P:
-            raise ValueError("receive from any source is point-to-point only")
+        if peer is None and (channel != CHANNEL_P2P or slot is not None):
+            raise ValueError("receive from any source is point-to-point only, without a slot")
         req = Request(False, peer, buf, channel, tag, opcode, desc)
         p = None if peer is None else self._peer(peer)
         staged = None
@@ -281,9 +284,7 @@ class Context:
                 if err is None and req.peer is not None:
                     staged = self._claim_unexpected(self.peers[req.peer], req)
             elif err is None:
-                key = (channel, tag if channel == CHANNEL_P2P else 0)
-                req.msgno = p.recv_counters.get(key, 0)
-                p.recv_counters[key] = req.msgno + 1
+                req.msgno = slot if slot is not None else _next(p.recv_counters, (channel, tag))
                 staged = self._claim_unexpected(p, req)
                 if staged is None and p.failure is not None:
                     # nothing arrived before the peer failed, and nothing more will
@@ -326,6 +327,9 @@ class Context:
         key = _match_key(req.channel, req.tag, req.msgno)
         staged = p.unexpected.pop(key, None)
         if staged is None:
+            if key in p.posted or key in p.inflight:
+                raise ValueError(f"rank {self.rank}: a receive for message {key} from rank {p.rank} "
+                                 f"is already posted")
             p.posted[key] = req
             return None
         err = self._check_match(p.rank, req, staged.opcode, staged.tag, staged.total)
@@ -367,6 +371,15 @@ class Context:
                 f"{what}{' op #' + str(req.tag) if req.channel == CHANNEL_COLLECTIVE else ''}: "
                 f"the ranks passed tensors of different sizes or dtypes{self._where()}")
         return None
+
+    def staged_collectives(self, peer: int) -> list[tuple[int, str]]:
+        """(op sequence number, op name) of collective messages from ``peer`` that arrived and
+        wait for a receive: after a timeout they show which op the peer is in."""
+        p = self._peer(peer)
+        with self._lock:
+            seen = {(k[1], self._opname(st.opcode)) for k, st in p.unexpected.items()
+                    if k[0] == CHANNEL_COLLECTIVE}
+        return sorted(seen)
 
     def _opname(self, opcode: int) -> str:
         return self.opnames.get(opcode, f"op {opcode}")
@@ -702,6 +715,12 @@ class _DeadTarget:
 
 
 _DEAD = _DeadTarget()
+
+
+def _next(counters: dict, key) -> int:
+    n = counters.get(key, 0)
+    counters[key] = n + 1
+    return n
 
 
 def _wrap(err: BaseException) -> BaseException:
