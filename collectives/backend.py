@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transport import CHANNEL_P2P, Context, TransportError
 
 from . import chain, direct, ring
-from .comm import OPNAMES, Comm, OpTimeout, byte_view
+from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
 from .work import Work, as_dist_error
@@ -103,6 +103,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._scratch = Scratch()
         self._shut = False
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
@@ -194,7 +195,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 if broken is not None:
                     raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
                                          f"earlier: {broken}")
-                comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes)
+                comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
                 fn(comm)
                 stage.finish()
             except BaseException as e:  # every failure reaches the Work, and the peers

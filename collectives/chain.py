@@ -45,7 +45,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
         comm.wait_all([comm.isend((r - 1) % P, x, base | k) for k, x in enumerate(pieces(flat, pe))])
         return
     acc = flat if pos == 0 else flat.clone()
-    tmp = torch.empty_like(acc)
+    tmp = comm.scratch.get(0, acc.numel(), acc.dtype)
     acc_parts, tmp_parts = pieces(acc, pe), pieces(tmp, pe)
     src = (r + 1) % P
     recvs = [comm.irecv(src, b, base | k) for k, b in enumerate(tmp_parts)]

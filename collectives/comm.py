@@ -34,10 +34,33 @@ class OpTimeout(TransportError):
     pass
 
 
+class Scratch:
+    """Reusable scratch buffers of a group (its collectives run one at a time).
+
+    Fresh large allocations are fresh pages: every op would pay a page fault and a page
+    zeroing per 4 KiB while the kernel copies received bytes in (measured: a 64 MB ring
+    reduce-scatter on 2 ranks took 50 ms with per-op buffers). Buffers are kept per index
+    and only grow."""
+
+    def __init__(self):
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def get(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(index)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[index] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def release(self) -> None:
+        self._bufs.clear()
+
+
 class Comm:
     """One collective's view of the group: rank, size, send, recv, deadline."""
 
-    def __init__(self, ctx: Context, op: str, seq: int, timeout: float, piece_bytes: int):
+    def __init__(self, ctx: Context, op: str, seq: int, timeout: float, piece_bytes: int,
+                 scratch: Scratch | None = None):
         self.ctx = ctx
         self.rank = ctx.rank
         self.size = ctx.size
@@ -49,6 +72,7 @@ class Comm:
         self.piece_bytes = piece_bytes
         self._desc = f"{op} #{seq}"
         self._block = 0
+        self.scratch = scratch or Scratch()
 
     def piece_elems(self, t: torch.Tensor) -> int:
         return max(1, self.piece_bytes // max(1, t.element_size()))

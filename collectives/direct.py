@@ -22,7 +22,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     P, r = comm.size, comm.rank
     if P == 1:
         return
-    buf = torch.empty((P, flat.numel()), dtype=flat.dtype)
+    buf = comm.scratch.get(0, P * flat.numel(), flat.dtype).view(P, -1)
     recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
     sends = [comm.isend((r + k) % P, flat, base) for k in range(1, P)]
     buf[r].copy_(flat)
@@ -40,7 +40,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
     if r != root:
         comm.wait(comm.isend(root, flat, base))
         return
-    buf = torch.empty((P, flat.numel()), dtype=flat.dtype)
+    buf = comm.scratch.get(0, P * flat.numel(), flat.dtype).view(P, -1)
     recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
     buf[r].copy_(flat)
     comm.wait_all(recvs)
@@ -121,7 +121,7 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) 
     """Rank p receives everyone's segs[p] and folds them in rank order into ``out``."""
     base = comm.block()
     P, r = comm.size, comm.rank
-    buf = torch.empty((P, out.numel()), dtype=out.dtype)
+    buf = comm.scratch.get(0, P * out.numel(), out.dtype).view(P, -1)
     recvs = [comm.irecv(p, buf[p], base) for p in range(P) if p != r]
     sends = [comm.isend((r + k) % P, segs[(r + k) % P], base) for k in range(1, P)]
     buf[r].copy_(segs[r])

@@ -17,12 +17,15 @@ from .comm import Comm, pieces
 from .reduce_ops import reduce_into
 
 
-def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None) -> None:
+def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None,
+                   on_final_piece=None) -> None:
     """Reduce segment i over all ranks into ``segs[i]`` of rank i (in place; the other
     segments of a rank are left holding partial results). ``segs`` are 1-D, one dtype.
 
     ``on_step_sent(step)`` is called once the sends of a step have completed, i.e. once
-    segment (r-step-1) may be overwritten (all_reduce posts its all-gather receives there)."""
+    segment (r-step-1) may be overwritten (all_reduce posts its all-gather receives there).
+    ``on_final_piece(k, piece)`` is called as each piece of this rank's own segment is
+    complete (all_reduce starts sending it on at once: the two phases overlap)."""
     base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
@@ -30,7 +33,7 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None) 
     right, left = (r + 1) % P, (r - 1) % P
     pe = comm.piece_elems(segs[0])
     longest = max(s.numel() for s in segs)
-    tmp = [torch.empty(longest, dtype=segs[0].dtype), torch.empty(longest, dtype=segs[0].dtype)]
+    tmp = [comm.scratch.get(0, longest, segs[0].dtype), comm.scratch.get(1, longest, segs[0].dtype)]
 
     def post(step: int):
         # At step s a rank receives segment (r-s-2) from the left, reduces it, and sends it
@@ -58,6 +61,8 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None) 
             reduce_into(x, b, op)
             if not last:
                 sends[step + 1].append(comm.isend(right, x, comm.slot(base, 0, step + 1, k)))
+            elif on_final_piece is not None:
+                on_final_piece(k, x)
         comm.wait_all(sends[step])  # issued one step ago: normally complete already
         if on_step_sent is not None:
             on_step_sent(step)
@@ -73,6 +78,7 @@ class AllGather:
         self.base = comm.block()
         self.pe = comm.piece_elems(segs[0])
         self.recvs: list = []
+        self.sends: list = []
 
     def post_step(self, step: int) -> None:
         """Post the receives of step ``step``: segment (r-step-1) from the left, in place."""
@@ -80,6 +86,11 @@ class AllGather:
         left = (c.rank - 1) % c.size
         for k, x in enumerate(pieces(self.segs[(c.rank - step - 1) % c.size], self.pe)):
             self.recvs.append((step, k, x, c.irecv(left, x, c.slot(self.base, 0, step, k))))
+
+    def send_own(self, k: int, x: torch.Tensor) -> None:
+        """Send piece k of this rank's own segment now (step 0), before ``run``."""
+        c = self.comm
+        self.sends.append(c.isend((c.rank + 1) % c.size, x, c.slot(self.base, 0, 0, k)))
 
     def run(self) -> None:
         c = self.comm
@@ -89,8 +100,10 @@ class AllGather:
         for step in range(len({s for s, *_ in self.recvs}), P - 1):
             self.post_step(step)
         right = (r + 1) % P
-        sends = [c.isend(right, x, c.slot(self.base, 0, 0, k))
-                 for k, x in enumerate(pieces(self.segs[r], self.pe))]
+        own = pieces(self.segs[r], self.pe)
+        for k in range(len(self.sends), len(own)):
+            self.send_own(k, own[k])
+        sends = self.sends
         for step, k, x, q in self.recvs:
             c.wait(q)
             if step < P - 2:  # forward at once what was received
@@ -114,7 +127,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         off += k
     # All-gather step s receives into segment (r-s-1), the one reduce-scatter step s sent:
     # post those receives as soon as that send is done, so that all-gather data finds its
-    # receive posted (no staging copy).
+    # receive posted (no staging copy). Each piece of this rank's segment goes out as soon as
+    # it is reduced, so the all-gather overlaps the end of the reduce-scatter.
     ag = AllGather(comm, segs)
-    reduce_scatter(comm, segs, op, on_step_sent=ag.post_step)
+    reduce_scatter(comm, segs, op, on_step_sent=ag.post_step, on_final_piece=ag.send_own)
     ag.run()

@@ -38,6 +38,7 @@ from .request import MismatchError, PeerFailure, Request, TransportError
 log = logging.getLogger("linerate.transport")
 
 _STORE_PREFIX = "linerate/"
+_STAGE_KEEP_BYTES = 64 << 20  # staging buffers kept for reuse, per context
 
 
 class _Staged:
@@ -45,9 +46,8 @@ class _Staged:
 
     __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter")
 
-    def __init__(self, total: int, opcode: int, tag: int):
-        # np.empty: no zero-fill under the GIL (the bytes are overwritten anyway)
-        self.buf = memoryview(np.empty(total, np.uint8))
+    def __init__(self, buf: memoryview, total: int, opcode: int, tag: int):
+        self.buf = buf
         self.total = total
         self.done_bytes = 0
         self.opcode = opcode
@@ -111,6 +111,8 @@ class Context:
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         self._threads: list[threading.Thread] = []
         self.staged_messages = 0  # messages that arrived before their receive (copied once)
+        self._stage_free: dict[int, list] = {}
+        self._stage_kept = 0
         self._scratch = threading.local()
         rails = self.options.ifnames
         self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
@@ -356,6 +358,7 @@ class Context:
         # numpy copies without holding the GIL
         np.copyto(np.frombuffer(req.buf, np.uint8), np.frombuffer(staged.buf, np.uint8))
         req.done_bytes = staged.total
+        self._recycle(staged.buf)
         req._finish()
 
     def _check_match(self, peer: int, req: Request, opcode: int, tag: int, total: int):
@@ -539,11 +542,27 @@ class Context:
         if total > self.options.max_unexpected_bytes:
             raise framing.FrameError(f"unexpected message of {total} bytes exceeds "
                                      f"LINERATE_MAX_UNEXPECTED_BYTES={self.options.max_unexpected_bytes}")
-        staged = _Staged(total, opcode, tag)
+        staged = _Staged(self._stage_buffer(total), total, opcode, tag)
         self.staged_messages += 1
         p.unexpected[key] = staged
         p.inflight[key] = staged
         return staged, None
+
+    def _stage_buffer(self, n: int) -> memoryview:
+        """With the lock held: a buffer for an unexpected message. Kept buffers are reused:
+        fresh pages would cost a fault and a zeroing per 4 KiB on the receive path."""
+        free = self._stage_free.get(n)
+        if free:
+            self._stage_kept -= n
+            return free.pop()
+        return memoryview(np.empty(n, np.uint8))  # no zero-fill: the bytes are overwritten
+
+    def _recycle(self, buf: memoryview) -> None:
+        n = buf.nbytes
+        with self._lock:
+            if self._stage_kept + n <= _STAGE_KEEP_BYTES:
+                self._stage_free.setdefault(n, []).append(buf)
+                self._stage_kept += n
 
     def _on_mismatch(self, req: Request, err: BaseException) -> None:
         req._finish(err)
