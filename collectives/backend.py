@@ -92,9 +92,6 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                  options: Options | None = None, group_name: str = ""):
         super().__init__(rank, size)
         self._options = options or Options.from_env()
-        import os, sys
-        if os.environ.get("LINERATE_SWITCH_INTERVAL"):
-            sys.setswitchinterval(float(os.environ["LINERATE_SWITCH_INTERVAL"]))
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""

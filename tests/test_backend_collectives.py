@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -34,23 +35,6 @@ PIPELINED_ENV = {"LINERATE_ALLREDUCE_ALGO": "ring", "LINERATE_ROOTED_ALGO": "cha
                  "LINERATE_PIECE_BYTES": "4096", "LINERATE_SMALL_BYTES": "0"}
 PIPELINED_DTYPES = [torch.float32, torch.float16, torch.complex128, torch.int8, torch.int64, torch.bool]
 PIPELINED_SIZES = [0, 1, 7, 1001, 20_001]
-
-
-# ----------------------------------------------------------------------------- known bugs
-# Bug 1 (collectives/ring.py all_reduce): the all-gather receives are posted from the
-# reduce-scatter's on_step_sent callback, i.e. between the reduce-scatter receives of later
-# steps, on the same (channel, tag) key from the same left neighbour. Messages match in posted
-# order, so with 4 or more ranks all-gather step 0's receive takes reduce-scatter step 2's
-# message: "rank 3 sent 20004 bytes but rank 0 expects 20000 bytes" when segment sizes differ,
-# a deadlock until the group timeout when they are equal. Every all_reduce that takes the ring
-# path (more than LINERATE_SMALL_BYTES, or LINERATE_ALLREDUCE_ALGO=ring) on P >= 4 is affected
-# (also all_reduce_coalesced); it breaks the group, so those cases are left out of the matrix
-# and checked by test_ring_all_reduce_four_or_more_ranks (xfail) instead.
-SMALL_BYTES = 64 * 1024
-
-
-def ring_all_reduce_bug(P: int, nbytes: int, variant: str) -> bool:
-    return P >= 4 and (variant == "pipelined" or nbytes > SMALL_BYTES)
 
 
 def ops_for(dtype):
@@ -73,7 +57,6 @@ class Ctx:
         self.rank, self.P, self.lr, self.variant = rank, P, lr, variant
         self.fails: list[str] = []
         self.ncases = 0
-        self.left_out: list[str] = []  # cases left out because of a known bug
         self._case = itertools.count()
 
     def gen(self, salt: int = 0, same_on_all_ranks: bool = False) -> torch.Generator:
@@ -171,9 +154,6 @@ def fam_all_reduce(c: Ctx):
                     continue  # big tensors: a subset of the ops (time)
                 cid = c.at(f"all_reduce {_name(dtype)} {_name(op)} n={n}")
                 x = rand_int(c.gen(), dtype, _shape(n), _kind(op), c.P)
-                if ring_all_reduce_bug(c.P, x.numel() * x.element_size(), c.variant):
-                    c.left_out.append(cid)
-                    continue
                 want = x.clone()
                 dist.all_reduce(want, op=_gloo_op(op))
                 _finish_ref(want, op, c.P, real_view=True)
@@ -429,12 +409,7 @@ def fam_misc(c: Ctx):
             if dtype.is_complex and op != R.SUM:
                 continue  # dist.all_reduce_coalesced refuses complex with other ops? keep SUM
             c.at(f"all_reduce_coalesced {_name(dtype)} {_name(op)}")
-            shapes = [(3,), (0,), (2, 5), (1001,)]
-            if op == R.SUM and P <= 4:
-                if ring_all_reduce_bug(P, BIG * 16, c.variant):
-                    c.left_out.append(f"all_reduce_coalesced {_name(dtype)} with a {BIG}-element tensor")
-                else:
-                    shapes.append((BIG,))
+            shapes = [(3,), (0,), (2, 5), (1001,)] + ([(BIG,)] if op == R.SUM and P <= 4 else [])
             g = c.gen()
             xs = [rand_int(g, dtype, s, _kind(op), P) for s in shapes]
             want = [x.clone() for x in xs]
@@ -449,10 +424,7 @@ def fam_misc(c: Ctx):
     for op in (R.SUM, R.MAX):
         c.at(f"allreduce_coalesced (method) mixed dtypes {_name(op)}")
         g = c.gen()
-        big_part = (BIG // 2,)
-        if ring_all_reduce_bug(P, 4 * BIG // 2, c.variant):
-            c.left_out.append("allreduce_coalesced (method): the float32 group over 64 KiB")
-            big_part = (1000,)
+        big_part = (BIG // 2,)  # the float32 group is > 64 KiB: ring
         xs = [rand_int(g, d, s, "sum", P) for d, s in
               ((torch.float32, (4, 3)), (torch.int64, (7,)), (torch.float32, big_part),
                (torch.bfloat16, (0,)), (torch.int64, (1,)), (torch.float16, (11,)))]
@@ -488,9 +460,6 @@ def fam_misc(c: Ctx):
                     got_base = base.clone()
                     v = view(got_base)
                     assert not v.is_contiguous()
-                    if coll == "all_reduce" and ring_all_reduce_bug(P, v.numel() * v.element_size(), c.variant):
-                        c.left_out.append(c.current)
-                        continue
                     if coll == "all_reduce":
                         dist.all_reduce(v, group=c.lr)
                     else:
@@ -499,8 +468,7 @@ def fam_misc(c: Ctx):
                             got_base, ref_base)
     # async_op=True on collectives: wait(), then the same result
     c.at("all_reduce async_op")
-    n_async = 1001 if ring_all_reduce_bug(P, BIG * 4, c.variant) else BIG
-    x = rand_int(c.gen(), torch.float32, (n_async,), "sum", P)
+    x = rand_int(c.gen(), torch.float32, (BIG,), "sum", P)
     want = x.clone()
     dist.all_reduce(want)
     got = x.clone()
@@ -514,9 +482,6 @@ def fam_misc(c: Ctx):
     # must hold bit-identical results
     for n in (1, 1001, c.sizes(torch.float32)[-1]):
         for op in (R.SUM, R.AVG):
-            if ring_all_reduce_bug(P, 4 * n, c.variant):
-                c.left_out.append(f"all_reduce randn {_name(op)} n={n}")
-                continue
             c.at(f"all_reduce randn {_name(op)} n={n}")
             x = torch.randn(n, generator=c.gen())
             want = x.clone()
@@ -569,13 +534,13 @@ def _rank_fn(rank, P, lr, families, variant):
     # Both backends must still be in step: one last collective on each.
     dist.barrier()
     dist.barrier(group=lr)
-    return c.fails, c.ncases, c.left_out
+    return c.fails, c.ncases
 
 
 def _run(P, families, variant="default", timeout=120, env=None):
     results = run_ranks(_rank_fn, P, families, variant, timeout=timeout, env=env)
-    fails = [f for fs, _, _ in results for f in fs]
-    ncases = sum(n for _, n, _ in results)
+    fails = [f for fs, _ in results for f in fs]
+    ncases = sum(n for _, n in results)
     assert ncases > 0
     assert not fails, f"{len(fails)} mismatches against Gloo:\n" + "\n".join(fails[:40])
 
@@ -611,28 +576,24 @@ def test_collectives_pipelined_ring_chain(P):
 
 
 # ----------------------------------------------------------------------------- known bugs: tests
-def _ring_all_reduce_fn(rank, P, lr, cases):
-    """Ring all_reduce (> 64 KiB) on P ranks; a Work.wait timeout turns a deadlock into an error."""
-    from datetime import timedelta
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    for n, env_ring in cases:
+def _ring_all_reduce_fn(rank, P, lr, sizes):
+    """Ring all_reduce (> 64 KiB) on P ranks, with segment lengths equal and unequal; a
+    Work.wait timeout turns a hang into an error. (Regression: on 4+ ranks the early all-gather
+    receives once matched reduce-scatter messages: size mismatch errors or a deadlock.)"""
+    for n in sizes:
         x = torch.arange(n, dtype=torch.float32) % 5 + rank
         want = x.clone()
         dist.all_reduce(want)
         got = x.clone()
-        dist.all_reduce(got, group=lr, async_op=True).wait(timeout=timedelta(seconds=15))
+        dist.all_reduce(got, group=lr, async_op=True).wait(timeout=timedelta(seconds=20))
         assert torch.equal(got, want), f"n={n}: wrong result"
     return True
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: ring.all_reduce posts the all-gather receives (on_step_sent) between the "
-    "reduce-scatter receives of later steps on the same (channel, tag) key: with P >= 4 they "
-    "match the wrong messages (size mismatch error, or deadlock when segments are equal)"))
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("P,n", [(4, 20_001), (4, 20_008), (8, 20_001)])
-def test_ring_all_reduce_four_or_more_ranks(P, n):
-    run_ranks(_ring_all_reduce_fn, P, [(n, False)], timeout=60)
+@pytest.mark.parametrize("P", [4, 5, 8])
+def test_ring_all_reduce_many_ranks(P):
+    run_ranks(_ring_all_reduce_fn, P, [20_001, 20_008, 40_000 + P - 1, 17_000 * P], timeout=60)
 
 
 @pytest.mark.xfail(strict=True, reason=(
