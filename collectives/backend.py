@@ -415,18 +415,23 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                             list(outs), stage, self._op_timeout(opts))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """``output_lists[i][j]`` receives rank i's ``input_tensors[j]`` (torch's layout)."""
         what = "all_gather_coalesced"
-        if len(output_lists) != len(input_tensors):
-            raise ValueError(f"rank {self.rank()}: {what}: {len(output_lists)} output lists for "
-                             f"{len(input_tensors)} inputs")
+        P = self.size()
+        if len(output_lists) != P or any(len(o) != len(input_tensors) for o in output_lists):
+            raise ValueError(f"rank {self.rank()}: {what}: expected {P} output lists (one per "
+                             f"rank) of {len(input_tensors)} tensors each")
         stage = _Stage()
         jobs = []
-        for t, outs in zip(input_tensors, output_lists):
+        for j, t in enumerate(input_tensors):
             self._check_tensor(t, what)
-            if len(outs) != self.size():
-                raise ValueError(f"rank {self.rank()}: {what}: expected {self.size()} outputs per input")
+            outs = [output_lists[i][j] for i in range(P)]
             for o in outs:
-                self._check_same(t, o, f"{what} output")
+                self._check_tensor(o, what)
+                if o.dtype != t.dtype:
+                    raise ValueError(f"rank {self.rank()}: {what}: output dtype {o.dtype} != input "
+                                     f"{j}'s {t.dtype}")
+            self._check_same(t, outs[self.rank()], f"{what} output for input {j}")
             jobs.append(self._gather_segs(stage, t, outs))
 
         def run(comm: Comm):

@@ -121,9 +121,12 @@ def _read_stack(path: str) -> str:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | None = None,
-              backend: str = "gloo"):
+              backend: str = "gloo", error_grace: float = _ERROR_GRACE):
     """Run ``fn(rank, world_size, lr, *args)`` on ``world_size`` spawned ranks; return the list
-    of their return values (see the module docstring)."""
+    of their return values (see the module docstring). ``env``: variables set in every rank
+    before any group is created. ``backend``: the default group's backend ("linerate" makes
+    ``lr`` the default group). ``error_grace``: after a rank failed, seconds the others may
+    still take to report before they are killed."""
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
@@ -182,7 +185,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
                     errors[r] = msg[1]
                 pending.discard(r)
                 if errors:  # the others may be stuck in a collective: give them a moment
-                    deadline = min(deadline, time.monotonic() + _ERROR_GRACE)
+                    deadline = min(deadline, time.monotonic() + error_grace)
 
         if pending:
             for r in pending:
@@ -193,11 +196,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
         _kill_all(procs)
 
         if errors:
-            first = min(errors)
-            parts = [f"rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+            first = next(iter(errors))  # the first to report (dicts keep insertion order)
+            parts = [f"rank {r} failed:\n{errors[r]}" for r in [first] + sorted(set(errors) - {first})]
             if pending:
                 parts.append(f"ranks still running when they were killed: {sorted(pending)}")
-            raise RankError(f"rank {first} of {world_size} failed\n" + "\n".join(parts))
+            raise RankError(f"rank {first} of {world_size} failed first ({len(errors)} failed)\n" + "\n".join(parts))
         if timed_out:
             stacks = "\n".join(f"--- rank {r} stacks:\n{_read_stack(os.path.join(tmpdir.name, f'stack-{r}.txt'))}"
                                for r in sorted(pending))

@@ -596,10 +596,6 @@ def test_ring_all_reduce_many_ranks(P):
     run_ranks(_ring_all_reduce_fn, P, [20_001, 20_008, 40_000 + P - 1, 17_000 * P], timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: ProcessGroupLinerate.allgather_coalesced reads output_lists as [input][rank]; torch "
-    "(and Gloo) pass output_tensor_lists[rank][input]: refused (ValueError) when the number of "
-    "inputs differs from the group size or shapes differ, silently transposed otherwise"))
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_all_gather_coalesced(P):
