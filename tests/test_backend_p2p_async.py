@@ -152,6 +152,15 @@ def _irecv_first_fn(rank, P, lr):
         dist.send(_payload(11, 10, rank), peer, group=lr, tag=11)
         r.wait()
     assert torch.equal(t, _payload(11, 10, peer))
+    # non-contiguous send and receive buffers (Gloo refuses these; linerate stages them)
+    src = _payload(12, 12, rank).reshape(3, 4).t()
+    base = torch.zeros(4, 6)
+    r = dist.irecv(base[:, ::2], peer, group=lr, tag=12)
+    dist.isend(src, peer, group=lr, tag=12).wait()
+    r.wait()
+    want = torch.zeros(4, 6)
+    want[:, ::2] = _payload(12, 12, peer).reshape(3, 4).t()
+    assert torch.equal(base, want), "non-contiguous send/recv"
     return True
 
 
