@@ -236,6 +236,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _small(self, nbytes: int) -> bool:
         return nbytes <= self._options.small_bytes
 
+    def _rooted_module(self, t: torch.Tensor):
+        """The broadcast/reduce algorithm for this tensor: direct (one round) or chain."""
+        algo = self._options.rooted_algo
+        if algo == "direct" or (algo == "auto" and self._small(t.numel() * t.element_size())):
+            return direct
+        return chain
+
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -299,16 +306,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_root(root, what)
         stage = _Stage()
         buf = stage.out(t, keep=(self.rank() == root))
-        small = self._small(t.numel() * t.element_size())
-        algo = self._options.rooted_algo
-
-        def run(comm: Comm):
-            if algo == "direct" or (algo == "auto" and small):
-                direct.broadcast(comm, _flat(buf), root)
-            else:
-                chain.broadcast(comm, _flat(buf), root)
-
-        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+        algo = self._rooted_module(t)
+        return self._submit(what, lambda comm: algo.broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts))
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -321,15 +320,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         is_root = self.rank() == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
-        small = self._small(t.numel() * t.element_size())
-        algo = self._options.rooted_algo
+        algo = self._rooted_module(t)
 
         def run(comm: Comm):
             flat = _flat(buf)
-            if algo == "direct" or (algo == "auto" and small):
-                direct.reduce(comm, flat, op, root)
-            else:
-                chain.reduce(comm, flat, op, root)
+            algo.reduce(comm, flat, op, root)
             if is_root:
                 finish_avg(flat, op, comm.size)
 

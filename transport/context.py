@@ -440,7 +440,6 @@ class Context:
                     sock.sendall(hdr)
                 conn.sent_bytes += n
                 with self._lock:
-                    req.done_bytes += n
                     req.chunks_left -= 1
                     done = req.chunks_left == 0
                 if done:
@@ -459,8 +458,7 @@ class Context:
         sock = conn.sock
         hbuf = bytearray(framing.HEADER_SIZE)
         hview = memoryview(hbuf)
-        max_chunk = max(self.options.chunk_bytes, 1 << 20)
-        max_chunk = max(max_chunk, 1 << 24)  # peers may run another chunk size
+        max_chunk = max(self.options.chunk_bytes, 1 << 24)  # peers may run another chunk size
         unpack = framing.unpack_header
         try:
             while True:
@@ -726,14 +724,8 @@ class _PeerEOF(Exception):
     pass
 
 
-class _DeadTarget:
-    """Placeholder for a message whose receive failed: its remaining chunks are dropped."""
-    buf = None
-    total = 1 << 62
-    done_bytes = 0
-
-
-_DEAD = _DeadTarget()
+#: Stands in the inflight map for a message whose receive failed: its chunks are dropped.
+_DEAD = object()
 
 
 def _next(counters: dict, key) -> int:
