@@ -17,6 +17,8 @@ DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 DEFAULT_NPROC = 2
 #: Seconds the launcher waits beyond --timeout, so a rank's own timeout message comes first.
 LAUNCH_GRACE_S = 15.0
+DEFAULT_RAW_STREAMS = 4
+DEFAULT_RAW_SECONDS = 2.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 try:
@@ -66,6 +68,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="write every result to FILE")
     parser.add_argument("--check", action="store_true",
                         help="verify each size's first result and count wrong elements")
+    parser.add_argument("--raw", action=argparse.BooleanOptionalAction, default=None,
+                        help="first measure the raw TCP capacity of the ring links (tools."
+                             "linkprobe) and add a util column, busbw / capacity (default: on "
+                             "when the ranks are on different hosts or LINERATE_SOCKET_IFNAME is "
+                             "set; loopback has no line rate)")
+    parser.add_argument("--raw-streams", type=_positive_int, default=DEFAULT_RAW_STREAMS,
+                        help=f"parallel TCP streams per link for --raw (default "
+                             f"{DEFAULT_RAW_STREAMS})")
+    parser.add_argument("--raw-seconds", type=_positive_float, default=DEFAULT_RAW_SECONDS,
+                        help=f"seconds per link (and rail) for --raw (default "
+                             f"{DEFAULT_RAW_SECONDS:g})")
+    parser.add_argument("--raw-sequential", action="store_true",
+                        help="with --raw, measure one link at a time instead of the whole ring "
+                             "at once")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw busbw (Gbit/s) against size for each backend, with the raw "
+                             "capacity as a line (needs matplotlib)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before every rank is killed (default 300)")
     parser.set_defaults(func=run)
@@ -78,6 +97,13 @@ def run(args: argparse.Namespace) -> int:
     args.sizes = sizes(args.min_bytes, args.max_bytes, args.factor)
     if args.json:
         args.json = os.path.abspath(args.json)
+    if args.plot:
+        from tools.bench_plot import matplotlib_missing
+        missing = matplotlib_missing()
+        if missing:
+            print(f"linerate bench: error: --plot {missing}", file=sys.stderr)
+            return 2
+        args.plot = os.path.abspath(args.plot)
     if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
         from tools.bench_worker import run_worker  # imports torch: only in ranks
         return run_worker(args)
@@ -105,6 +131,13 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--json", args.json]
     if args.check:
         argv.append("--check")
+    if args.raw is not None:
+        argv.append("--raw" if args.raw else "--no-raw")
+    argv += ["--raw-streams", str(args.raw_streams), "--raw-seconds", repr(args.raw_seconds)]
+    if args.raw_sequential:
+        argv.append("--raw-sequential")
+    if args.plot:
+        argv += ["--plot", args.plot]
     return argv
 
 
@@ -123,6 +156,13 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return n
+
+
+def _positive_float(text: str) -> float:
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return x
 
 
 def _factor(text: str) -> int:

@@ -42,11 +42,22 @@ _LEFT = (("size(B)", 12), ("count", 12), ("type", 9), ("op", 15))
 _SEP = " |"
 
 
+def utilization(busbw_gbps: float, capacity_gbit_s: float | None) -> float | None:
+    """busbw (GB/s) as a fraction of the raw link capacity (Gbit/s)."""
+    if not capacity_gbit_s:
+        return None
+    return busbw_gbps * 8 / capacity_gbit_s
+
+
 class Table:
-    def __init__(self, labels: list[str], check: bool):
+    def __init__(self, labels: list[str], check: bool, capacity_gbit_s: float | None = None):
+        """``capacity_gbit_s`` (from --raw) adds busbw in Gbit/s and util = busbw / capacity."""
         self.labels = labels
         self.check = check
+        self.capacity = capacity_gbit_s
         self.per = [("time(us)", 10), ("algbw(GB/s)", 12), ("busbw(GB/s)", 12)]
+        if capacity_gbit_s:
+            self.per += [("busbw(Gb/s)", 12), ("util", 7)]
         if check:
             self.per.append(("#wrong", 7))
         self.with_ratio = len(labels) == 2
@@ -69,6 +80,9 @@ class Table:
         line = f"{row.size_bytes:>12}{row.count:>12}{row.dtype:>9}{row.op:>15}"
         for r in row.results:
             line += _SEP + f"{r.time_us:>10.1f}{r.algbw_gbps:>12.3f}{r.busbw_gbps:>12.3f}"
+            if self.capacity:
+                util = utilization(r.busbw_gbps, self.capacity)
+                line += f"{r.busbw_gbps * 8:>12.2f}{util:>7.1%}"
             if self.check:
                 line += f"{r.wrong:>7}"
         if self.with_ratio:
@@ -80,8 +94,13 @@ class Table:
         avgs = average_busbw(self.labels, rows)
         pair = "/".join(self.labels)
         width = max(len(label) for label in self.labels + ([pair] if self.with_ratio else []))
-        lines = [f"# avg bus bandwidth  {label:<{width}} : {avgs[label]:.3f} GB/s"
-                 for label in self.labels]
+        lines = []
+        for label in self.labels:
+            line = f"# avg bus bandwidth  {label:<{width}} : {avgs[label]:.3f} GB/s"
+            if self.capacity:
+                line += (f" = {avgs[label] * 8:.2f} Gbit/s, "
+                         f"{utilization(avgs[label], self.capacity):.1%} of the raw link capacity")
+            lines.append(line)
         if self.with_ratio and avgs[self.labels[1]] > 0:
             a, b = self.labels
             lines.append(f"# avg busbw ratio    {pair:<{width}} : {avgs[a] / avgs[b]:.2f}")
@@ -129,14 +148,30 @@ def link_lines(label: str, per_rank: list[dict]) -> list[str]:
     return lines
 
 
-def write_json(path: str, meta: dict, labels: list[str], rows: list[Row], links: list[dict]) -> None:
+def write_json(path: str, meta: dict, labels: list[str], rows: list[Row], links: list[dict],
+               raw: dict | None = None) -> None:
+    """``raw``: the link probe's result (``ProbeResult.to_dict()``), when --raw ran; then every
+    backend figure also has busbw_gbit_s and util (busbw / raw capacity, a fraction)."""
+    capacity = raw["capacity_gbit_s"] if raw else None
+
+    def figures(r: Result) -> dict:
+        d = asdict(r)
+        if raw is not None:
+            d["busbw_gbit_s"] = r.busbw_gbps * 8
+            d["util"] = utilization(r.busbw_gbps, capacity)
+        return d
+
     doc = dict(meta)
+    doc["raw_link"] = raw
     doc["results"] = [
         {"op": row.op, "size_bytes": row.size_bytes, "count": row.count, "dtype": row.dtype,
-         "backends": {label: asdict(r) for label, r in zip(labels, row.results)},
+         "backends": {label: figures(r) for label, r in zip(labels, row.results)},
          "ratio": row.ratio}
         for row in rows]
     doc["avg_busbw_gbps"] = average_busbw(labels, rows)
+    if raw is not None:
+        doc["avg_util"] = {label: utilization(v, capacity)
+                           for label, v in doc["avg_busbw_gbps"].items()}
     doc["links"] = links
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)

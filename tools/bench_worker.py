@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tools import __version__
 from tools.bench_ops import OPS, Collective, element_count
 from tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
+from tools.linkprobe import LinkProbeError, ProbeResult, format_lines, probe_ring
 
 #: With automatic iteration counts: seconds of timed iterations per size and backend.
 TARGET_S = 0.3
@@ -94,12 +95,14 @@ def _start_watchdog(timeout: float, rank: int) -> threading.Timer:
 def _bench(args, rank: int, world: int) -> int:
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
+    raw, raw_lines = _raw_capacity(args, world, hosts)  # before any group opens connections
+    capacity = raw.capacity_gbit_s if raw else None
     columns = _make_columns(args.backends, rank, args.timeout)
     labels = [c.label for c in columns]
     sweep = Sweep(args.ops, args.sizes, args.dtype, args.warmup, args.iters, args.check)
-    table = Table(labels, args.check)
+    table = Table(labels, args.check, capacity)
     if rank == 0:
-        _print(*_header_lines(args, world, hosts, columns), *table.header())
+        _print(*_header_lines(args, world, hosts, columns), *raw_lines, *table.header())
 
     for c in columns:
         c.stats_before = _connection_stats(c.group)
@@ -117,14 +120,52 @@ def _bench(args, rank: int, world: int) -> int:
         for label in dict.fromkeys(entry["label"] for entry in links):
             _print(*link_lines(label, [e for e in links if e["label"] == label]))
         if args.json:
-            write_json(args.json, _meta(args, world, hosts, columns), labels, sweep.rows, links)
+            write_json(args.json, _meta(args, world, hosts, columns), labels, sweep.rows, links,
+                       raw.to_dict() if raw else None)
             _print(f"# results written to {args.json}")
+        if args.plot:
+            _plot(args, world, labels, sweep.rows, capacity)
     dist.barrier()
     return 1 if total_wrong(sweep.rows) else 0
 
 
 def _print(*lines: str) -> None:
     print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------- raw capacity
+def _raw_capacity(args, world: int, hosts: list[str]) -> tuple[ProbeResult | None, list[str]]:
+    """Run the link probe if --raw is on (by default: several hosts, or LINERATE_SOCKET_IFNAME
+    set); every rank must agree, so the decision is the max over ranks."""
+    auto = args.raw is None
+    wanted = args.raw if not auto else (len(set(hosts)) > 1
+                                        or bool(os.environ.get("LINERATE_SOCKET_IFNAME", "").strip()))
+    agreed = torch.tensor([int(wanted)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if not agreed.item() or world < 2:
+        note = ("off (all ranks on one host, loopback has no line rate; --raw measures it "
+                "anyway)" if auto else "off (--no-raw)")
+        return None, [f"# raw link capacity: {note}" if world > 1 else
+                      "# raw link capacity: none (a single rank has no links)"]
+    try:
+        result = probe_ring(streams=args.raw_streams, seconds=args.raw_seconds,
+                            simultaneous=not args.raw_sequential,
+                            timeout=min(args.timeout, 60.0))
+    except LinkProbeError as e:
+        raise BenchError(f"--raw: {e} (--no-raw skips the link probe)") from None
+    return result, format_lines(result) + [
+        "# busbw(Gb/s) = busbw(GB/s) * 8; util = busbw / raw link capacity"]
+
+
+def _plot(args, world: int, labels: list[str], rows: list[Row], capacity: float | None) -> None:
+    from tools.bench_plot import plot_busbw
+    title = (f"linerate bench: {world} ranks, {args.dtype}"
+             + (f", raw link capacity {capacity:.2f} Gbit/s" if capacity else ""))
+    try:
+        plot_busbw(args.plot, labels, rows, capacity, title)
+    except RuntimeError as e:
+        raise BenchError(str(e)) from None
+    _print(f"# plot written to {args.plot}")
 
 
 # ---------------------------------------------------------------------------- groups
@@ -287,7 +328,7 @@ def _meta(args, world: int, hosts: list[str], columns: list[Column]) -> dict:
         "tool": "linerate bench", "version": __version__, "torch": torch.__version__,
         "world_size": world, "hosts": hosts, "dtype": args.dtype, "ops": args.ops,
         "sizes": args.sizes, "warmup": args.warmup, "iters": args.iters or "auto",
-        "check": args.check,
+        "check": args.check, "raw": args.raw,
         "backends": [{"label": c.label, "requested": c.requested, "actual": c.actual,
                       "note": c.note} for c in columns],
     }
