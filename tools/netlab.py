@@ -1,0 +1,655 @@
+"""``linerate netlab``: an emulated cluster on one machine, made of network namespaces.
+
+Each host is a network namespace ``lr-<name>-h<i>`` with one veth interface per rail
+(``eth0`` .. ``eth<K-1>``); rail ``k`` is a fabric of its own (addresses ``10.77.<k>.<i+1>/24``).
+The bridges live in a separate "switch" namespace ``lr-<name>-sw``, so the machine's own
+network is never touched. Every veth end is shaped with a ``tbf`` qdisc on egress, i.e. both
+directions of every link are limited to ``--rate``. With ``--nodes M --inter-rate R`` the hosts
+are split into M nodes: the hosts of a node share a node bridge, and each node bridge reaches
+the core bridge through one uplink veth pair shaped at R both ways (a two-tier cluster).
+
+Subcommands: ``up``, ``down``, ``status``, ``exec HOST CMD...``, ``run --nproc N script.py``
+(or ``-m module``), ``probe SRC DST`` (a single-TCP-flow throughput measurement).
+
+Python API for other tools: :func:`load`, :func:`run_ranks`, :func:`check_prereqs`,
+:func:`up`, :func:`down`, :func:`probe`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("LINERATE_NETLAB_STATE", "/run/linerate-netlab"))
+PREFIX = "lr-"
+#: Subnet of rail k is 10.77.k.0/24; host i is .i+1.
+SUBNET_BASE = (10, 77)
+MAX_HOSTS = 250
+MAX_RAILS = 16
+
+EXIT_UNAVAILABLE = 2
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+FAIL_GRACE_S = 3.0
+KILL_GRACE_S = 5.0
+
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,19}$")
+
+
+# ----------------------------------------------------------------------------- rates, tbf
+
+_RATE_UNITS = {  # tc's units: bit-based and byte-based (bps = bytes per second)
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
+}
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000 (bits per second), tc's units; a bare number is bit/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"bad rate {text!r} (e.g. 1gbit, 200mbit)")
+    unit = m.group(2).lower() or "bit"
+    if unit not in _RATE_UNITS:
+        raise ValueError(f"bad rate unit {m.group(2)!r} in {text!r} (bit, kbit, mbit, gbit, ...)")
+    bps = int(float(m.group(1)) * _RATE_UNITS[unit])
+    if bps < 8000:
+        raise ValueError(f"rate {text!r} too small")
+    return bps
+
+
+def format_rate(bps: int | None) -> str:
+    if not bps:
+        return "-"
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps}bit"
+
+
+def tbf_params(rate_bps: int) -> list[str]:
+    """tc arguments of the token bucket shaping one direction of a link at ``rate_bps``.
+
+    burst: 1 ms worth of bytes, at least 64 KiB -- veth hands tbf GSO super-packets of up to
+    64 KiB, and a bucket smaller than a packet makes tbf segment or drop it; a bucket a few
+    timer ticks deep keeps the link busy between dequeues. latency: 20 ms of queue -- enough to
+    hold a single TCP flow's window (the fabric's own RTT is microseconds), so one flow fills
+    the link; more only adds bufferbloat.
+    """
+    burst = max(64 * 1024, rate_bps // 8 // 1000)
+    return ["tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "20ms"]
+
+
+# ----------------------------------------------------------------------------- model
+
+@dataclass
+class Host:
+    name: str              # "h0"
+    index: int
+    netns: str             # "lr-lab-h0"
+    addrs: list[str]       # one per rail, without prefix length
+    ifnames: list[str]     # "eth0", ...
+    node: int = 0
+
+
+@dataclass
+class Lab:
+    name: str
+    hosts: list[Host]
+    rails: int
+    rate_bps: int
+    inter_rate_bps: int | None = None
+    nodes: int = 1
+    switch_netns: str = ""
+    prefixlen: int = 24
+    created: float = field(default_factory=time.time)
+
+    def host(self, which: str | int) -> Host:
+        """A host by index (``1``, ``"1"``), short name (``"h1"``) or namespace name."""
+        for h in self.hosts:
+            if str(which) in (str(h.index), h.name, h.netns):
+                return h
+        raise KeyError(f"lab {self.name!r} has no host {which!r} "
+                       f"(hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Lab":
+        data = dict(data)
+        data["hosts"] = [Host(**h) for h in data["hosts"]]
+        return cls(**data)
+
+
+def netns_prefix(name: str) -> str:
+    return f"{PREFIX}{name}-"
+
+
+def state_path(name: str) -> Path:
+    return STATE_DIR / f"{name}.json"
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"bad lab name {name!r}: letters, digits, '_' and '.', up to 20")
+
+
+# ----------------------------------------------------------------------------- system
+
+def check_prereqs() -> str | None:
+    """None when netlab can work here, else a one-line reason."""
+    if not sys.platform.startswith("linux"):
+        return "netlab needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "netlab needs root (network namespaces, veth, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"netlab needs iproute2: no '{tool}' on PATH"
+    probe_ns = f"{PREFIX}probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe_ns], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"netlab cannot create network namespaces: {r.stderr.strip() or r.returncode}"
+    try:
+        r = subprocess.run(["ip", "-n", probe_ns, "link", "add", "p0", "type", "veth",
+                            "peer", "name", "p1"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"netlab cannot create veth pairs: {r.stderr.strip()}"
+        r = subprocess.run(["tc", "-n", probe_ns, "qdisc", "add", "dev", "p0", "root",
+                            *tbf_params(10 ** 9)], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"netlab cannot shape with tc tbf: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe_ns], capture_output=True)
+    return None
+
+
+def _sh(*argv: str, input: str | None = None) -> str:
+    r = subprocess.run(list(argv), capture_output=True, text=True, input=input)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}: "
+                           f"{(r.stderr or r.stdout).strip()}")
+    return r.stdout
+
+
+def _batch(tool: str, netns: str, lines: list[str]) -> None:
+    """Run ``ip``/``tc`` commands in ``netns`` in one process (``-batch -``)."""
+    if lines:
+        _sh(tool, "-n", netns, "-batch", "-", input="\n".join(lines) + "\n")
+
+
+def list_netns() -> list[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def lab_netns(name: str) -> list[str]:
+    """The namespaces that belong to lab ``name`` (by name, whatever the state file says)."""
+    pat = re.compile(rf"^{re.escape(netns_prefix(name))}(h[0-9]+|sw)$")
+    return [ns for ns in list_netns() if pat.match(ns)]
+
+
+# ----------------------------------------------------------------------------- up / down
+
+def plan(name: str, hosts: int, rails: int, rate_bps: int, nodes: int = 1,
+         inter_rate_bps: int | None = None) -> Lab:
+    _check_name(name)
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"--hosts must be 1..{MAX_HOSTS}")
+    if not 1 <= rails <= MAX_RAILS:
+        raise ValueError(f"--rails must be 1..{MAX_RAILS}")
+    if not 1 <= nodes <= hosts:
+        raise ValueError("--nodes must be 1..--hosts")
+    if nodes > 1 and not inter_rate_bps:
+        raise ValueError("--nodes needs --inter-rate")
+    per_node = -(-hosts // nodes)
+    hl = []
+    for i in range(hosts):
+        hl.append(Host(name=f"h{i}", index=i, netns=f"{netns_prefix(name)}h{i}",
+                       addrs=[f"{SUBNET_BASE[0]}.{SUBNET_BASE[1]}.{k}.{i + 1}" for k in range(rails)],
+                       ifnames=[f"eth{k}" for k in range(rails)], node=i // per_node))
+    return Lab(name=name, hosts=hl, rails=rails, rate_bps=rate_bps,
+               inter_rate_bps=inter_rate_bps if nodes > 1 else None,
+               nodes=max(h.node for h in hl) + 1, switch_netns=f"{netns_prefix(name)}sw")
+
+
+def up(name: str = "lab", hosts: int = 2, rate: str | int = "1gbit", rails: int = 1,
+       nodes: int = 1, inter_rate: str | int | None = None) -> Lab:
+    """Create the lab (after removing any older lab of that name) and return it."""
+    rate_bps = rate if isinstance(rate, int) else parse_rate(rate)
+    inter_bps = (inter_rate if isinstance(inter_rate, int) or inter_rate is None
+                 else parse_rate(inter_rate))
+    lab = plan(name, hosts, rails, rate_bps, nodes, inter_bps)
+    down(name)
+    try:
+        _build(lab)
+    except BaseException:
+        down(name)
+        raise
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = state_path(name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(lab.to_json(), indent=1))
+    tmp.replace(state_path(name))
+    return lab
+
+
+def _build(lab: Lab) -> None:
+    sw = lab.switch_netns
+    for ns in [sw] + [h.netns for h in lab.hosts]:
+        _sh("ip", "netns", "add", ns)
+    two_tier = lab.nodes > 1
+    sw_ip = ["link set lo up"]
+    sw_tc = []
+    for k in range(lab.rails):
+        # Bridges: one per rail; two-tier: one per node per rail plus a core per rail.
+        if two_tier:
+            sw_ip += [f"link add c{k} type bridge", f"link set c{k} up"]
+            for n in range(lab.nodes):
+                br, up_sw, up_core = f"n{n}r{k}", f"u{n}r{k}", f"v{n}r{k}"
+                sw_ip += [f"link add {br} type bridge", f"link set {br} up",
+                          f"link add {up_sw} type veth peer name {up_core}",
+                          f"link set {up_sw} master {br}", f"link set {up_core} master c{k}",
+                          f"link set {up_sw} up", f"link set {up_core} up"]
+                sw_tc += [f"qdisc add dev {dev} root {' '.join(tbf_params(lab.inter_rate_bps))}"
+                          for dev in (up_sw, up_core)]
+        else:
+            sw_ip += [f"link add r{k} type bridge", f"link set r{k} up"]
+    _batch("ip", sw, sw_ip)
+    # Host veths are created in the switch namespace with their peer moved into the host.
+    sw_ip = []
+    for h in lab.hosts:
+        for k, ifname in enumerate(h.ifnames):
+            port = f"h{h.index}e{k}"
+            br = f"n{h.node}r{k}" if two_tier else f"r{k}"
+            sw_ip += [f"link add {port} type veth peer name {ifname} netns {h.netns}",
+                      f"link set {port} master {br}", f"link set {port} up"]
+            sw_tc.append(f"qdisc add dev {port} root {' '.join(tbf_params(lab.rate_bps))}")
+    _batch("ip", sw, sw_ip)
+    _batch("tc", sw, sw_tc)
+    for h in lab.hosts:
+        lines = ["link set lo up"]
+        for k, ifname in enumerate(h.ifnames):
+            lines += [f"addr add {h.addrs[k]}/{lab.prefixlen} dev {ifname}",
+                      f"link set {ifname} up"]
+        _batch("ip", h.netns, lines)
+        _batch("tc", h.netns, [f"qdisc add dev {ifname} root {' '.join(tbf_params(lab.rate_bps))}"
+                               for ifname in h.ifnames])
+
+
+def down(name: str = "lab") -> list[str]:
+    """Delete every namespace of lab ``name`` (and so its veths and bridges) and its state.
+
+    Idempotent; works from the namespace names alone, so also after a crash. Returns the
+    namespaces deleted.
+    """
+    _check_name(name)
+    gone = []
+    for ns in lab_netns(name):
+        r = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+        if r.returncode == 0:
+            gone.append(ns)
+        else:
+            print(f"netlab: could not delete {ns}: {r.stderr.strip()}", file=sys.stderr)
+    try:
+        state_path(name).unlink()
+    except FileNotFoundError:
+        pass
+    return gone
+
+
+def load(name: str = "lab") -> Lab:
+    """The lab ``name`` as recorded by ``up``; FileNotFoundError if there is none."""
+    _check_name(name)
+    try:
+        data = json.loads(state_path(name).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no netlab {name!r} (run: linerate netlab up --name {name})") \
+            from None
+    return Lab.from_json(data)
+
+
+def is_up(lab: Lab) -> bool:
+    present = set(list_netns())
+    return lab.switch_netns in present and all(h.netns in present for h in lab.hosts)
+
+
+# ----------------------------------------------------------------------------- exec / probe
+
+def netns_argv(host: Host, argv: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", host.netns, *argv]
+
+
+_RECEIVER = r"""
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+buf = bytearray(1 << 20); n = 0; t0 = None; t_last = None
+while True:
+    k = c.recv_into(buf)
+    if not k: break
+    now = time.perf_counter()
+    if t0 is None: t0 = now
+    else: n += k
+    t_last = now
+print(n, (t_last - t0) if t0 is not None and t_last else 0.0, flush=True)
+"""
+
+_SENDER = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+data = bytes(1 << 20); end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    c.sendall(data)
+c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+"""
+
+
+def probe(lab: Lab, src: str | int, dst: str | int, seconds: float = 2.0, rail: int = 0) -> float:
+    """Throughput in bit/s of one TCP flow from host ``src`` to host ``dst`` over ``rail``."""
+    s, d = lab.host(src), lab.host(dst)
+    addr = d.addrs[rail]
+    rx = subprocess.Popen(netns_argv(d, [sys.executable, "-c", _RECEIVER, addr]),
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        port = rx.stdout.readline().strip()
+        if not port:
+            raise RuntimeError(f"probe receiver on {d.name} did not start")
+        subprocess.run(netns_argv(s, [sys.executable, "-c", _SENDER, addr, port, str(seconds)]),
+                       check=True, timeout=seconds + 60)
+        out = rx.communicate(timeout=30)[0].split()
+        nbytes, elapsed = int(out[0]), float(out[1])
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    return nbytes * 8 / elapsed if elapsed > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------- run ranks
+
+def free_port_in(host: Host) -> int:
+    out = _sh(*netns_argv(host, [sys.executable, "-c",
+                                 "import socket; s=socket.socket(); s.bind(('',0)); "
+                                 "print(s.getsockname()[1])"]))
+    return int(out.strip())
+
+
+def rank_env(lab: Lab, rank: int, nproc: int, port: int,
+             env: dict[str, str] | None = None) -> dict[str, str]:
+    base = dict(os.environ if env is None else env)
+    host = lab.hosts[rank]
+    base.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                GROUP_RANK=str(rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                MASTER_ADDR=lab.hosts[0].addrs[0], MASTER_PORT=str(port),
+                LINERATE_NETLAB=lab.name, LINERATE_NETLAB_HOST=host.name)
+    base.setdefault("LINERATE_SOCKET_IFNAME", ",".join(host.ifnames))
+    base.setdefault("GLOO_SOCKET_IFNAME", host.ifnames[0])
+    base.setdefault("OMP_NUM_THREADS", "1")
+    path = base.get("PYTHONPATH")
+    base["PYTHONPATH"] = _SOURCE_ROOT + (os.pathsep + path if path else "")
+    return base
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, b""):
+        try:
+            out.buffer.write(prefix.encode() + line if line.endswith(b"\n")
+                             else prefix.encode() + line + b"\n")
+            out.flush()
+        except (ValueError, OSError):
+            pass
+    stream.close()
+
+
+def run_ranks(lab: Lab, nproc: int, argv: list[str], env: dict[str, str] | None = None,
+              timeout: float | None = None, prefix_output: bool = True) -> int:
+    """Run ``python <argv>`` as rank i on host i, i < nproc; return 0 if all ranks succeed.
+
+    ``argv`` is what follows ``python``: ``["script.py", ...]`` or ``["-m", "module", ...]``.
+    Output lines are prefixed with ``[rank i]``. The first failing rank's exit code is returned
+    (after the others had FAIL_GRACE_S to report); 124 on timeout, 130 on Ctrl-C. Every rank
+    runs in a session of its own and is terminated (then killed) before this returns.
+    """
+    if not 1 <= nproc <= len(lab.hosts):
+        raise ValueError(f"--nproc must be 1..{len(lab.hosts)} (hosts of lab {lab.name!r})")
+    if not is_up(lab):
+        raise RuntimeError(f"netlab {lab.name!r} is not up (run: linerate netlab up)")
+    port = free_port_in(lab.hosts[0])
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for rank in range(nproc):
+            p = subprocess.Popen(netns_argv(lab.hosts[rank], [sys.executable, *argv]),
+                                 env=rank_env(lab, rank, nproc, port, env),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+            procs.append(p)
+            pfx = f"[rank {rank}] " if prefix_output else ""
+            t = threading.Thread(target=_pump, args=(p.stdout, pfx, sys.stdout), daemon=True)
+            t.start()
+            pumps.append(t)
+        return _wait(procs, timeout)
+    except KeyboardInterrupt:
+        print("netlab: interrupted, stopping all ranks", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _Stopped as e:
+        print(f"netlab: got {e}, stopping all ranks", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        _reap(procs)
+        for t in pumps:
+            t.join(timeout=2)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float | None) -> int:
+    deadline = None if not timeout else time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return 0
+        first = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if first:
+            _grace(procs, FAIL_GRACE_S)
+            rank, code = first
+            others = [r for r, p in enumerate(procs) if r != rank and p.poll() not in (None, 0)]
+            also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
+            print(f"netlab: rank {rank} {_describe(code)}{also}; stopping all ranks",
+                  file=sys.stderr)
+            return code if code > 0 else 1
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"netlab: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(0.05)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the rank's own session: reaches what it started too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    _grace(procs, KILL_GRACE_S)
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+        p.wait()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _cmd_up(args) -> int:
+    lab = up(args.name, args.hosts, args.rate, args.rails, args.nodes, args.inter_rate)
+    print(f"netlab {lab.name}: up, {len(lab.hosts)} hosts, {lab.rails} rail(s) at "
+          f"{format_rate(lab.rate_bps)}"
+          + (f", {lab.nodes} nodes, uplinks at {format_rate(lab.inter_rate_bps)}"
+             if lab.nodes > 1 else ""))
+    return 0
+
+
+def _cmd_down(args) -> int:
+    gone = down(args.name)
+    print(f"netlab {args.name}: down" + (f" (deleted {len(gone)} namespaces)" if gone
+                                         else " (nothing to delete)"))
+    return 0
+
+
+def _cmd_status(args) -> int:
+    try:
+        lab = load(args.name)
+    except FileNotFoundError as e:
+        stray = lab_netns(args.name)
+        print(f"netlab {args.name}: not up" + (f"; stray namespaces {', '.join(stray)} "
+                                               f"(linerate netlab down --name {args.name})"
+                                               if stray else ""))
+        return 1 if stray else 0 if args.quiet_ok else 1
+    state = "up" if is_up(lab) else "DOWN (namespaces missing; run up again)"
+    if args.json:
+        print(json.dumps({**lab.to_json(), "up": is_up(lab)}, indent=1))
+        return 0
+    print(f"netlab {lab.name}: {state}")
+    print(f"  rails {lab.rails} at {format_rate(lab.rate_bps)} per link, "
+          f"switch namespace {lab.switch_netns}")
+    if lab.nodes > 1:
+        print(f"  {lab.nodes} nodes, uplinks at {format_rate(lab.inter_rate_bps)}")
+    for h in lab.hosts:
+        addrs = "  ".join(f"{i}={a}/{lab.prefixlen}" for i, a in zip(h.ifnames, h.addrs))
+        node = f" node {h.node}" if lab.nodes > 1 else ""
+        print(f"  {h.name:<4} {h.netns:<16}{node}  {addrs}")
+    return 0 if state == "up" else 1
+
+
+def _cmd_exec(args) -> int:
+    lab = load(args.name)
+    if not args.argv:
+        print("netlab exec: give a command", file=sys.stderr)
+        return 2
+    try:
+        host = lab.host(args.host)
+    except KeyError as e:
+        print(f"netlab: {e.args[0]}", file=sys.stderr)
+        return 2
+    return subprocess.call(netns_argv(host, args.argv))
+
+
+def _cmd_run(args) -> int:
+    lab = load(args.name)
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if args.module is not None:
+        if not args.module:
+            print("netlab run: -m needs a module name", file=sys.stderr)
+            return 2
+        argv = ["-m", *args.module]
+    if not argv:
+        print("netlab run: give a script (or -m module)", file=sys.stderr)
+        return 2
+    nproc = args.nproc or len(lab.hosts)
+    return run_ranks(lab, nproc, argv, timeout=args.timeout or None)
+
+
+def _cmd_probe(args) -> int:
+    lab = load(args.name)
+    bps = probe(lab, args.src, args.dst, args.seconds, args.rail)
+    print(f"{lab.host(args.src).name} -> {lab.host(args.dst).name} rail {args.rail}: "
+          f"{bps / 1e6:.1f} Mbit/s (one TCP flow)")
+    return 0
+
+
+def _main(args) -> int:
+    reason = check_prereqs()
+    if reason:
+        print(f"netlab: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    try:
+        return args.netlab_func(args)
+    except (ValueError, RuntimeError, FileNotFoundError, KeyError) as e:
+        print(f"netlab: {e}", file=sys.stderr)
+        return 1
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("netlab", help="emulated cluster: hosts as network namespaces "
+                              "joined by shaped links",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="netlab_command", metavar="ACTION", required=True)
+
+    def action(name, func, help):
+        a = sub.add_parser(name, help=help)
+        a.add_argument("--name", default="lab", help="lab name (default: lab)")
+        a.set_defaults(func=_main, netlab_func=func)
+        return a
+
+    a = action("up", _cmd_up, "create the lab (replacing one of the same name)")
+    a.add_argument("--hosts", type=int, required=True)
+    a.add_argument("--rate", default="1gbit", help="rate of every host link, each way")
+    a.add_argument("--rails", type=int, default=1, help="interfaces (fabrics) per host")
+    a.add_argument("--nodes", type=int, default=1, help="split the hosts into this many nodes")
+    a.add_argument("--inter-rate", default=None, help="rate of each node's uplink, each way")
+    action("down", _cmd_down, "delete the lab (idempotent)")
+    a = action("status", _cmd_status, "show hosts, addresses, rates")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(quiet_ok=False)
+    a = action("exec", _cmd_exec, "run a command in a host's namespace")
+    a.add_argument("host", help="h0, 0 or lr-<name>-h0")
+    a.add_argument("argv", nargs=argparse.REMAINDER)
+    a = action("run", _cmd_run, "run one rank per host with the torchrun environment")
+    a.add_argument("--nproc", type=int, default=0, help="ranks (default: one per host)")
+    a.add_argument("--timeout", type=float, default=0, help="seconds (default: none)")
+    a.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
+                   metavar="MODULE ARGS", help="run a module, like python -m (the rest of the "
+                   "line is its arguments)")
+    a.add_argument("argv", nargs=argparse.REMAINDER, help="script.py args...")
+    a = action("probe", _cmd_probe, "measure one TCP flow between two hosts")
+    a.add_argument("src")
+    a.add_argument("dst")
+    a.add_argument("--rail", type=int, default=0)
+    a.add_argument("--seconds", type=float, default=2.0)
