@@ -85,6 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw busbw (Gbit/s) against size for each backend, with the raw "
                              "capacity as a line (needs matplotlib)")
+    parser.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
+                        help="run one rank per host of a running `linerate netlab` (default "
+                             "lab name: lab); --nproc defaults to every host")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before every rank is killed (default 300)")
     parser.set_defaults(func=run)
@@ -104,6 +107,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"linerate bench: error: --plot {missing}", file=sys.stderr)
             return 2
         args.plot = os.path.abspath(args.plot)
+    if args.netlab is not None:
+        from tools import netlab
+        reason = netlab.check_prereqs()
+        if reason:
+            print(f"linerate bench: --netlab: {reason}", file=sys.stderr)
+            return 2
+        lab = netlab.load(args.netlab)
+        return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
+                                ["-m", "tools.bench"] + rank_argv(args),
+                                timeout=args.timeout + LAUNCH_GRACE_S, prefix_output=False)
     if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
         from tools.bench_worker import run_worker  # imports torch: only in ranks
         return run_worker(args)
