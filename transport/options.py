@@ -51,7 +51,8 @@ class TransportOptions:
     #: interface that routes to MASTER_ADDR (or the hostname's address).
     socket_ifname: str = ""
     #: Bytes per chunk: a message is cut into chunks that are striped over the connections.
-    chunk_bytes: int = 512 * 1024
+    #: 1 MiB measured better than 512 KiB with 4 MiB pieces (README "Performance").
+    chunk_bytes: int = 1 << 20
     #: Seconds allowed to build the full mesh of connections at group creation.
     connect_timeout: float = 300.0
     #: Largest message (bytes) a peer may announce before a matching receive is posted; larger
