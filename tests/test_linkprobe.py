@@ -97,7 +97,8 @@ def test_table_util_column():
 @pytest.mark.timeout(120)
 def test_bench_raw_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["bench", "--nproc", "2", "--raw", "--raw-seconds", "0.5", "--ops", "all_reduce",
+    argv = ["bench", "--nproc", "2", "--raw", "--raw-tool", "socket", "--raw-seconds", "0.5",
+            "--ops", "all_reduce",
             "--min-bytes", "1M", "--max-bytes", "1M", "--backends", "gloo", "--json", str(out)]
     if HAVE_MATPLOTLIB:
         argv += ["--plot", str(png)]

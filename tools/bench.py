@@ -79,6 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw-seconds", type=_positive_float, default=DEFAULT_RAW_SECONDS,
                         help=f"seconds per link (and rail) for --raw (default "
                              f"{DEFAULT_RAW_SECONDS:g})")
+    parser.add_argument("--raw-tool", choices=("auto", "socket", "iperf3"), default="auto",
+                        help="link probe: iperf3 when installed on every rank (auto), or "
+                             "linerate's own parallel TCP streams (socket)")
     parser.add_argument("--raw-sequential", action="store_true",
                         help="with --raw, measure one link at a time instead of the whole ring "
                              "at once")
@@ -147,6 +150,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     if args.raw is not None:
         argv.append("--raw" if args.raw else "--no-raw")
     argv += ["--raw-streams", str(args.raw_streams), "--raw-seconds", repr(args.raw_seconds)]
+    argv += ["--raw-tool", args.raw_tool]
     if args.raw_sequential:
         argv.append("--raw-sequential")
     if args.plot:

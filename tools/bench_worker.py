@@ -148,7 +148,7 @@ def _raw_capacity(args, world: int, hosts: list[str]) -> tuple[ProbeResult | Non
         return None, [f"# raw link capacity: {note}" if world > 1 else
                       "# raw link capacity: none (a single rank has no links)"]
     try:
-        result = probe_ring(streams=args.raw_streams, seconds=args.raw_seconds,
+        result = probe_ring(streams=args.raw_streams, seconds=args.raw_seconds, tool=args.raw_tool,
                             simultaneous=not args.raw_sequential,
                             timeout=min(args.timeout, 60.0))
     except LinkProbeError as e:
