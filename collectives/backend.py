@@ -14,7 +14,6 @@ import logging
 import math
 import queue
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -25,8 +24,8 @@ from transport import CHANNEL_P2P, Context, TransportError
 from . import chain, direct, ring
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
-from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
-from .work import Work, as_dist_error
+from .reduce_ops import check_dtype, check_op, finish_avg, op_type
+from .work import Work
 
 log = logging.getLogger("linerate")
 
@@ -565,7 +564,6 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
-        P = self.size()
         self._check_tensor(output, what)
         self._check_tensor(input, what)
         if output.dtype != input.dtype:

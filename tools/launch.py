@@ -65,6 +65,21 @@ def _raise_stopped(signum, frame):
 def launch_local(module: str, argv: list[str], nproc: int, timeout: float) -> int:
     """Run ``nproc`` ranks; return 0 if all succeed, else a nonzero code with a message on stderr."""
     port = free_port()
+
+    def start(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", module, *argv],
+                                env=rank_env(rank, nproc, port), start_new_session=True)
+
+    return supervise(start, nproc, timeout, "linerate")
+
+
+def supervise(start, nproc: int, timeout: float | None, label: str, cleanup=None) -> int:
+    """Start ranks with ``start(rank) -> Popen`` (each in a session of its own) and watch them.
+
+    Returns 0 when all succeed; else the first failing rank's exit code (after the others had
+    FAIL_GRACE_S to report), EXIT_TIMEOUT, EXIT_INTERRUPTED or 128+signal. Whatever happens,
+    every rank's session is terminated, then killed, and reaped before this returns;
+    ``cleanup()`` runs after that (e.g. joining output pumps)."""
     procs: list[subprocess.Popen] = []
     # The ranks run in sessions of their own (a Ctrl-C reaches only us), so whatever stops this
     # process must stop them too.
@@ -73,24 +88,24 @@ def launch_local(module: str, argv: list[str], nproc: int, timeout: float) -> in
         previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank in range(nproc):
-            procs.append(subprocess.Popen([sys.executable, "-m", module, *argv],
-                                          env=rank_env(rank, nproc, port),
-                                          start_new_session=True))
-        return _wait(procs, timeout)
+            procs.append(start(rank))
+        return _wait(procs, timeout, label)
     except KeyboardInterrupt:
-        print("linerate: interrupted, stopping all ranks", file=sys.stderr)
+        print(f"{label}: interrupted, stopping all ranks", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _Stopped as e:
-        print(f"linerate: got {e}, stopping all ranks", file=sys.stderr)
+        print(f"{label}: got {e}, stopping all ranks", file=sys.stderr)
         return 128 + e.signum
     finally:
         _reap(procs)
+        if cleanup is not None:
+            cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> int:
-    deadline = time.monotonic() + timeout
+def _wait(procs: list[subprocess.Popen], timeout: float | None, label: str) -> int:
+    deadline = None if not timeout else time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
@@ -102,13 +117,13 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> int:
             others = [r for r, p in enumerate(procs) if r != rank and p.poll() not in (None, 0)]
             also = (f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
                     "failed too)") if others else ""
-            print(f"linerate: rank {rank} {_describe(code)}{also}; stopping all ranks",
+            print(f"{label}: rank {rank} {_describe(code)}{also}; stopping all ranks",
                   file=sys.stderr)
             return code if code > 0 else 1
-        if time.monotonic() > deadline:
-            print(f"linerate: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"{label}: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)
             return EXIT_TIMEOUT
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def _describe(code: int) -> str:
@@ -123,15 +138,22 @@ def _describe(code: int) -> str:
 def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the rank's own session: reaches what it started too
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _reap(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            _signal_group(p, signal.SIGTERM)
     _grace(procs, KILL_GRACE_S)
     for p in procs:
         if p.poll() is None:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
         p.wait()

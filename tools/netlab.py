@@ -21,13 +21,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from tools.launch import supervise
 
 STATE_DIR = Path(os.environ.get("LINERATE_NETLAB_STATE", "/run/linerate-netlab"))
 PREFIX = "lr-"
@@ -37,10 +38,6 @@ MAX_HOSTS = 250
 MAX_RAILS = 16
 
 EXIT_UNAVAILABLE = 2
-EXIT_TIMEOUT = 124
-EXIT_INTERRUPTED = 130
-FAIL_GRACE_S = 3.0
-KILL_GRACE_S = 5.0
 
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,19}$")
@@ -405,16 +402,6 @@ def rank_env(lab: Lab, rank: int, nproc: int, port: int,
     return base
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame):
-    raise _Stopped(signum)
-
-
 def _pump(stream, prefix: str, out) -> None:
     for line in iter(stream.readline, b""):
         try:
@@ -440,89 +427,24 @@ def run_ranks(lab: Lab, nproc: int, argv: list[str], env: dict[str, str] | None 
     if not is_up(lab):
         raise RuntimeError(f"netlab {lab.name!r} is not up (run: linerate netlab up)")
     port = free_port_in(lab.hosts[0])
-    procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        for rank in range(nproc):
-            p = subprocess.Popen(netns_argv(lab.hosts[rank], [sys.executable, *argv]),
-                                 env=rank_env(lab, rank, nproc, port, env),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-            procs.append(p)
-            pfx = f"[rank {rank}] " if prefix_output else ""
-            t = threading.Thread(target=_pump, args=(p.stdout, pfx, sys.stdout), daemon=True)
-            t.start()
-            pumps.append(t)
-        return _wait(procs, timeout)
-    except KeyboardInterrupt:
-        print("netlab: interrupted, stopping all ranks", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except _Stopped as e:
-        print(f"netlab: got {e}, stopping all ranks", file=sys.stderr)
-        return 128 + e.signum
-    finally:
-        _reap(procs)
+
+    def start(rank: int) -> subprocess.Popen:
+        p = subprocess.Popen(netns_argv(lab.hosts[rank], [sys.executable, *argv]),
+                             env=rank_env(lab, rank, nproc, port, env),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        pfx = f"[rank {rank}] " if prefix_output else ""
+        t = threading.Thread(target=_pump, args=(p.stdout, pfx, sys.stdout), daemon=True)
+        t.start()
+        pumps.append(t)
+        return p
+
+    def join_pumps() -> None:
         for t in pumps:
             t.join(timeout=2)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
-
-def _wait(procs: list[subprocess.Popen], timeout: float | None) -> int:
-    deadline = None if not timeout else time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            return 0
-        first = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-        if first:
-            _grace(procs, FAIL_GRACE_S)
-            rank, code = first
-            others = [r for r, p in enumerate(procs) if r != rank and p.poll() not in (None, 0)]
-            also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
-            print(f"netlab: rank {rank} {_describe(code)}{also}; stopping all ranks",
-                  file=sys.stderr)
-            return code if code > 0 else 1
-        if deadline is not None and time.monotonic() > deadline:
-            print(f"netlab: timed out after {timeout:g} s; killing all ranks", file=sys.stderr)
-            return EXIT_TIMEOUT
-        time.sleep(0.05)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # the rank's own session: reaches what it started too
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _reap(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
-    _grace(procs, KILL_GRACE_S)
-    for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
-        p.wait()
+    return supervise(start, nproc, timeout, "netlab", cleanup=join_pumps)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -546,7 +468,7 @@ def _cmd_down(args) -> int:
 def _cmd_status(args) -> int:
     try:
         lab = load(args.name)
-    except FileNotFoundError as e:
+    except FileNotFoundError:
         stray = lab_netns(args.name)
         print(f"netlab {args.name}: not up" + (f"; stray namespaces {', '.join(stray)} "
                                                f"(linerate netlab down --name {args.name})"
