@@ -14,14 +14,15 @@ import logging
 import math
 import queue
 import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from transport import CHANNEL_P2P, Context, TransportError
+from transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, ring
+from . import chain, direct, ring, stats
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_type
@@ -88,7 +89,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     """A torch.distributed process group over linerate's striped TCP transport."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta | None = None,
-                 options: Options | None = None, group_name: str = ""):
+                 options: Options | None = None, group_name: str = "",
+                 global_ranks: list[int] | None = None):
         super().__init__(rank, size)
         self._options = options or Options.from_env()
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
@@ -96,6 +98,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._group_desc = ""
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
                             label=group_name or "")
+        if global_ranks and len(global_ranks) == size:
+            self._ctx.global_ranks = list(global_ranks)
+        metrics.set_info(nsocks=self._options.transport.nsocks,
+                         algorithm=self._options.allreduce_algo)
+        metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
+                                   else rank))
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -168,8 +176,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return t.total_seconds()
         return self._timeout
 
-    def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float) -> Work:
-        """Queue ``fn(comm)`` to run as the group's next collective."""
+    def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float,
+                nbytes: int | None = None) -> Work:
+        """Queue ``fn(comm)`` to run as the group's next collective. ``nbytes`` is its size
+        for the metrics (default: from ``result``, see collectives.stats.message_bytes)."""
         if self._shut:
             raise RuntimeError(f"linerate: {op} on a process group that was shut down")
         with self._seq_lock:
@@ -177,7 +187,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
         work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})", result,
                     stage.devices)
-        self._queue.put((op, seq, fn, stage, timeout, work))
+        if nbytes is None and metrics.enabled():
+            nbytes = stats.message_bytes(op, result, self.size())
+        self._queue.put((op, seq, fn, stage, timeout, work, nbytes or 0))
         return work
 
     def _run_worker(self) -> None:
@@ -185,15 +197,17 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             item = self._queue.get()
             if item is None:
                 return
-            op, seq, fn, stage, timeout, work = item
+            op, seq, fn, stage, timeout, work, nbytes = item
             try:
                 broken = self._ctx.broken
                 if broken is not None:
                     raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
                                          f"earlier: {broken}")
                 comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
+                t0 = time.perf_counter()
                 fn(comm)
                 stage.finish()
+                stats.record(op, comm.algorithm, nbytes, time.perf_counter() - t0, self.size())
             except BaseException as e:  # every failure reaches the Work, and the peers
                 if isinstance(e, OpTimeout):
                     self._ctx.report_error(str(e))
@@ -351,7 +365,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             direct.gather(comm, _flat(src), outs, root)
 
         result = list(output_lists[0]) if output_lists else []
-        return self._submit(what, run, result, stage, self._op_timeout(opts))
+        return self._submit(what, run, result, stage, self._op_timeout(opts),
+                            nbytes=t.numel() * t.element_size() * self.size())
 
     def scatter(self, output_tensors, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -692,5 +707,6 @@ def create_process_group(dist_opts, backend_options=None) -> ProcessGroupLinerat
     timeout = getattr(dist_opts, "timeout", None)
     name = str(getattr(dist_opts, "group_id", "") or "")
     options = backend_options if isinstance(backend_options, Options) else None
+    ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
     return ProcessGroupLinerate(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                timeout, options, group_name=name)
+                                timeout, options, group_name=name, global_ranks=ranks or None)

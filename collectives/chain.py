@@ -13,6 +13,7 @@ from .reduce_ops import reduce_into
 
 
 def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    comm.algorithm = "chain"
     base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
@@ -35,6 +36,7 @@ def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
 
 def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
     """Result in ``flat`` on the root; other ranks' ``flat`` is not modified."""
+    comm.algorithm = "chain"
     base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:

@@ -77,6 +77,8 @@ class Comm:
         self._desc = f"{op} #{seq}"
         self._block = 0
         self.scratch = scratch or Scratch()
+        #: The algorithm that ran (set by the algorithm; the metrics label).
+        self.algorithm = "direct"
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).

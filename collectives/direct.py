@@ -97,6 +97,7 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 def barrier(comm: Comm) -> None:
     """Dissemination barrier: ceil(log2 P) rounds of empty messages."""
+    comm.algorithm = "dissemination"
     base = comm.block()
     P, r = comm.size, comm.rank
     d = 1

@@ -26,6 +26,7 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None,
     segment (r-step-1) may be overwritten (all_reduce posts its all-gather receives there).
     ``on_final_piece(k, piece)`` is called as each piece of this rank's own segment is
     complete (all_reduce starts sending it on at once: the two phases overlap)."""
+    comm.algorithm = "ring"
     base = comm.block()
     P, r = comm.size, comm.rank
     if P == 1:
@@ -112,11 +113,13 @@ class AllGather:
 
 
 def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
+    comm.algorithm = "ring"
     AllGather(comm, segs).run()
 
 
 def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     """Reduce-scatter then all-gather on a contiguous 1-D tensor, in place."""
+    comm.algorithm = "ring"
     P = comm.size
     n = flat.numel()
     base, extra = divmod(n, P)

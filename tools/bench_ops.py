@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
+from collectives.stats import bus_factor
+
 # torch 2.13 renamed the tensor forms; keep working with the older names (torch >= 2.4).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,8 +46,8 @@ class Collective(ABC):
     split = False
 
     def bus_factor(self, world: int) -> float:
-        """busbw = algbw * bus_factor (nccl-tests' definitions)."""
-        return (world - 1) / world
+        """busbw = algbw * bus_factor (nccl-tests' definitions, shared with the metrics)."""
+        return bus_factor(self.name, world)
 
     @abstractmethod
     def buffers(self, count: int, dtype: torch.dtype, rank: int, world: int):
@@ -66,9 +68,6 @@ class Collective(ABC):
 
 class AllReduce(Collective):
     name = "all_reduce"
-
-    def bus_factor(self, world):
-        return 2 * (world - 1) / world
 
     def buffers(self, count, dtype, rank, world):
         t = _addends(0, count, rank, dtype)
@@ -115,9 +114,6 @@ class ReduceScatter(Collective):
 class Broadcast(Collective):
     name = "broadcast"
     root = 0
-
-    def bus_factor(self, world):
-        return 1.0
 
     def buffers(self, count, dtype, rank, world):
         t = _tagged(0, count, rank, dtype) if rank == self.root else torch.zeros(count, dtype=dtype)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tools.launch import supervise
+from transport.options import parse_rate  # noqa: F401 - part of netlab's API
 
 STATE_DIR = Path(os.environ.get("LINERATE_NETLAB_STATE", "/run/linerate-netlab"))
 PREFIX = "lr-"
@@ -44,27 +45,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,19}$")
 
 
 # ----------------------------------------------------------------------------- rates, tbf
-
-_RATE_UNITS = {  # tc's units: bit-based and byte-based (bps = bytes per second)
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
-}
-
-
-def parse_rate(text: str) -> int:
-    """``"1gbit"`` -> 1_000_000_000 (bits per second), tc's units; a bare number is bit/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m:
-        raise ValueError(f"bad rate {text!r} (e.g. 1gbit, 200mbit)")
-    unit = m.group(2).lower() or "bit"
-    if unit not in _RATE_UNITS:
-        raise ValueError(f"bad rate unit {m.group(2)!r} in {text!r} (bit, kbit, mbit, gbit, ...)")
-    bps = int(float(m.group(1)) * _RATE_UNITS[unit])
-    if bps < 8000:
-        raise ValueError(f"rate {text!r} too small")
-    return bps
-
 
 def format_rate(bps: int | None) -> str:
     if not bps:

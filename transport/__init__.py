@@ -7,6 +7,7 @@ from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P
 from .options import TransportOptions, parse_size
 from .request import MismatchError, PeerFailure, Request, TransportError
 from .context import Context
+from . import metrics
 
 __all__ = ["Context", "TransportOptions", "Request", "TransportError", "PeerFailure",
-           "MismatchError", "CHANNEL_COLLECTIVE", "CHANNEL_P2P", "parse_size"]
+           "MismatchError", "CHANNEL_COLLECTIVE", "CHANNEL_P2P", "parse_size", "metrics"]

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from . import framing, handshake
+from . import framing, handshake, metrics
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .interfaces import listen_addresses
 from .options import TransportOptions
@@ -120,8 +120,11 @@ class Context:
         self.nconns = self.options.nsocks * self.nrails
         self.peers: dict[int, _Peer] = {p: _Peer(p, self.nconns) for p in range(size) if p != rank}
         self._mesh_cond = threading.Condition(self._lock)
+        #: Global rank of each group rank (for metrics labels); None: the same numbers.
+        self.global_ranks: list[int] | None = None
         if size > 1:
             self._build_mesh(store)
+        metrics.track(self)
 
     # ------------------------------------------------------------------ set-up
     def _build_mesh(self, store) -> None:
@@ -691,6 +694,7 @@ class Context:
         for t in self._threads:
             if t.name.startswith("linerate-send") and t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))
+        metrics.retire(self)  # final byte counts, before the sockets go
         for p in self.peers.values():
             for c in p.conns:
                 if c is not None:

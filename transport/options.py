@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Mapping
 
 _SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
@@ -21,6 +22,27 @@ def parse_size(text: str) -> int:
     if suffix not in _SIZE_SUFFIXES or not digits:
         raise ValueError(f"cannot parse size {text!r}: expected a number with an optional K/M/G suffix")
     return int(float(digits) * _SIZE_SUFFIXES[suffix])
+
+
+_RATE_UNITS = {  # tc's units: bit-based and byte-based (bps = bytes per second)
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
+}
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000 (bits per second), tc's units; a bare number is bit/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"bad rate {text!r} (e.g. 1gbit, 200mbit)")
+    unit = m.group(2).lower() or "bit"
+    if unit not in _RATE_UNITS:
+        raise ValueError(f"bad rate unit {m.group(2)!r} in {text!r} (bit, kbit, mbit, gbit, ...)")
+    bps = int(float(m.group(1)) * _RATE_UNITS[unit])
+    if bps < 8000:
+        raise ValueError(f"rate {text!r} too small")
+    return bps
 
 
 def _parse_bool(text: str) -> bool:
