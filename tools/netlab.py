@@ -376,6 +376,10 @@ def rank_env(lab: Lab, rank: int, nproc: int, port: int,
                 LINERATE_NETLAB=lab.name, LINERATE_NETLAB_HOST=host.name)
     base.setdefault("LINERATE_SOCKET_IFNAME", ",".join(host.ifnames))
     base.setdefault("GLOO_SOCKET_IFNAME", host.ifnames[0])
+    # veth reports 10 Gbit/s whatever tbf allows: tell the metrics the shaped rate.
+    base.setdefault("LINERATE_LINK_CAPACITY",
+                    ",".join(f"{n}={lab.rate_bps}bit" for n in host.ifnames))
+    base.setdefault("LINERATE_METRICS_HOST", host.name)
     base.setdefault("OMP_NUM_THREADS", "1")
     path = base.get("PYTHONPATH")
     base["PYTHONPATH"] = _SOURCE_ROOT + (os.pathsep + path if path else "")
