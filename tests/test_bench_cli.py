@@ -2,6 +2,7 @@
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -182,10 +183,17 @@ def test_bench_gloo_vs_gloo(tmp_path):
 def test_bench_linerate_vs_gloo(tmp_path):
     out = tmp_path / "bench.json"
     ops = list(bench.OP_NAMES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = run_cli("bench", "--nproc", "2", "--ops", ",".join(ops), "--min-bytes", "4K",
                    "--max-bytes", "64K", "--iters", "5", "--warmup", "1", "--backends",
-                   "linerate,gloo", "--check", "--json", str(out))
+                   "linerate,gloo", "--check", "--json", str(out), "--metrics-port", str(port))
     doc = _check_run(proc, out, ["linerate", "gloo"], ops, [4096, 16384, 65536], 2)
+    # --metrics-port: every rank served metrics; rank 0 prints where, and a sample.
+    assert f"linerate top localhost:{port}-{port + 1}" in proc.stdout, proc.stdout
+    assert '#   linerate_info{' in proc.stdout
+    assert 'linerate_bus_bandwidth_bytes_per_second{host=' in proc.stdout
     assert doc["backends"][0]["actual"] == "linerate"
     for entry in doc["links"]:  # present when the linerate group has connection_stats()
         assert entry["label"] == "linerate"

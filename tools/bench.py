@@ -91,6 +91,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
                         help="run one rank per host of a running `linerate netlab` (default "
                              "lab name: lab); --nproc defaults to every host")
+    parser.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                        help="serve Prometheus metrics: rank i on PORT + its local rank "
+                             "(LINERATE_METRICS_PORT); watch with `linerate top`")
+    parser.add_argument("--loop", action="store_true",
+                        help="after the first sweep, repeat the linerate sweep until "
+                             "interrupted (a live demo for Grafana / linerate top)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before every rank is killed (default 300)")
     parser.set_defaults(func=run)
@@ -119,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
         lab = netlab.load(args.netlab)
         return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
                                 ["-m", "tools.bench"] + rank_argv(args),
-                                timeout=args.timeout + LAUNCH_GRACE_S, prefix_output=False)
+                                timeout=None if args.loop else args.timeout + LAUNCH_GRACE_S,
+                                prefix_output=False)
     if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
         from tools.bench_worker import run_worker  # imports torch: only in ranks
         return run_worker(args)
     return launch_local("tools.bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
-                        args.timeout + LAUNCH_GRACE_S)
+                        None if args.loop else args.timeout + LAUNCH_GRACE_S)
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -155,6 +162,10 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--raw-sequential")
     if args.plot:
         argv += ["--plot", args.plot]
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port)]
+    if args.loop:
+        argv.append("--loop")
     return argv
 
 
@@ -173,6 +184,13 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return n
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return v
 
 
 def _positive_float(text: str) -> float:

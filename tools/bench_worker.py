@@ -62,11 +62,13 @@ class Sweep:
 def run_worker(args) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     watchdog = _start_watchdog(args.timeout, rank)
+    if getattr(args, "metrics_port", None):
+        os.environ["LINERATE_METRICS_PORT"] = str(args.metrics_port)  # read by the backend
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=args.timeout))
         try:
-            return _bench(args, rank, world)
+            return _bench(args, rank, world, watchdog)
         finally:
             dist.destroy_process_group()
     except BenchError as e:
@@ -92,7 +94,7 @@ def _start_watchdog(timeout: float, rank: int) -> threading.Timer:
     return timer
 
 
-def _bench(args, rank: int, world: int) -> int:
+def _bench(args, rank: int, world: int, watchdog: threading.Timer | None = None) -> int:
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     raw, raw_lines = _raw_capacity(args, world, hosts)  # before any group opens connections
@@ -125,8 +127,55 @@ def _bench(args, rank: int, world: int) -> int:
             _print(f"# results written to {args.json}")
         if args.plot:
             _plot(args, world, labels, sweep.rows, capacity)
+        if getattr(args, "metrics_port", None):
+            _print(*_metrics_lines(args.metrics_port))
+    if getattr(args, "loop", False):
+        if watchdog is not None:
+            watchdog.cancel()  # runs until interrupted
+        _loop(sweep, [c for c in columns if c.requested == "linerate"] or columns[:1], rank,
+              world, capacity)
     dist.barrier()
     return 1 if total_wrong(sweep.rows) else 0
+
+
+def _loop(sweep: Sweep, columns: list[Column], rank: int, world: int,
+          capacity: float | None) -> None:
+    """--loop: the sweep again and again on one backend (a live load for the metrics)."""
+    table = Table([c.label for c in columns], sweep.check, capacity)
+    passes = 0
+    while True:
+        passes += 1
+        if rank == 0:
+            _print(f"# --loop: pass {passes}", *table.header())
+        for name in sweep.ops:
+            for size in sweep.sizes:
+                row = _measure_row(OPS[name], size, sweep, columns, rank, world, flip=False)
+                if row is not None and rank == 0:
+                    _print(table.row(row))
+                if row is not None and total_wrong([row]):
+                    raise BenchError(f"--loop pass {passes}: wrong results in {name} of {size} B")
+
+
+def _metrics_lines(base_port: int) -> list[str]:
+    """Where the metrics are, and a sample of rank 0's exposition."""
+    from prometheus_client import generate_latest
+
+    from transport import metrics
+    ports = metrics.exporter_ports()
+    if not ports:
+        return [f"# metrics: rank 0 could not serve on port {base_port} (see the warning above)"]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    last = base_port + local - 1
+    lines = [f"# metrics: every rank serves Prometheus metrics at http://{socket.gethostname()}:"
+             f"{base_port}+LOCAL_RANK/metrics (here ports {base_port}..{last}); watch live with: "
+             f"linerate top localhost:{base_port}-{last}",
+             "# a sample of rank 0's /metrics:"]
+    keep = ("linerate_info", "linerate_sent_bytes_total", "linerate_link_capacity",
+            "linerate_link_utilization", "linerate_bus_bandwidth", "linerate_collective_bytes_total",
+            "linerate_tcp_retransmits_total")
+    text = generate_latest(metrics.REGISTRY).decode()
+    lines += [f"#   {line}" for line in text.splitlines() if line.startswith(keep)]
+    return lines
 
 
 def _print(*lines: str) -> None:

@@ -18,7 +18,7 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
 fi
 "$VPY" -m pip install -q -e ".[test]"
 case "$job" in
-  bench) exec .venv/bin/linerate bench --nproc 4 "$@" ;;
+  bench) exec .venv/bin/linerate bench --nproc 4 --metrics-port 9400 "$@" ;;
   test)  exec "$VPY" -m pytest -q "$@" ;;
   *) echo "usage: bash tools/quickstart.sh bench|test [options]" >&2; exit 2 ;;
 esac

@@ -391,6 +391,9 @@ class _Collector:
             hist = {k: list(v) for k, v in _hist.items()}
             op_bytes = dict(_op_bytes)
             busbw = dict(_busbw)
+            for op, (bus_bytes, seconds) in _win_bus.items():  # ran only in the open window
+                if op not in busbw and seconds > 0:
+                    busbw[op] = bus_bytes / seconds
             retrans = dict(_retired_retrans)
             live = list(_contexts)
         for (ifname, direction), v in sorted(util_now.items()):

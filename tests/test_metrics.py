@@ -1,0 +1,177 @@
+"""The Prometheus exporter (transport/metrics.py): names, labels, values against what the
+transport counted, histogram and busbw arithmetic, settings and their errors."""
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from _harness import run_ranks
+from transport import metrics
+
+# Prometheus naming: base units and the suffix that says so (node_exporter's style).
+_NAME_RULES = {
+    "counter": re.compile(r"^linerate_[a-z_]+_total$"),
+    "gauge": re.compile(r"^linerate_(info|[a-z_]+(_bytes|_ratio|_bytes_per_second))$"),
+    "histogram": re.compile(r"^linerate_[a-z_]+_seconds$"),
+}
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def samples(text: str, name: str) -> list:
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- in this process
+def test_size_bucket():
+    assert metrics.size_bucket(0) == "4KiB"
+    assert metrics.size_bucket(4096) == "4KiB"
+    assert metrics.size_bucket(4097) == "64KiB"
+    assert metrics.size_bucket(16 << 20) == "16MiB"
+    assert metrics.size_bucket((256 << 20) + 1) == "inf"
+
+
+def test_link_capacity_from_env(monkeypatch):
+    monkeypatch.delenv("LINERATE_LINK_CAPACITY", raising=False)
+    assert metrics.link_capacity("lo") is None  # loopback reports no speed
+    monkeypatch.setenv("LINERATE_LINK_CAPACITY", "10gbit")
+    assert metrics.link_capacity("lo") == pytest.approx(1.25e9)
+    monkeypatch.setenv("LINERATE_LINK_CAPACITY", "eth0=1gbit, eth1=250mbit")
+    assert metrics.link_capacity("eth1") == pytest.approx(250e6 / 8)
+    assert metrics.link_capacity("lo") is None
+    monkeypatch.setenv("LINERATE_LINK_CAPACITY", "eth0=fast")
+    with pytest.raises(ValueError, match="LINERATE_LINK_CAPACITY.*eth0=fast"):
+        metrics.link_capacity("eth0")
+
+
+def test_bad_settings_name_the_variable(monkeypatch):
+    monkeypatch.setenv("LINERATE_METRICS_PORT", "http")
+    with pytest.raises(ValueError, match="LINERATE_METRICS_PORT"):
+        metrics.start_from_env()
+    monkeypatch.setenv("LINERATE_METRICS_PORT", "70000")
+    with pytest.raises(ValueError, match="LINERATE_METRICS_PORT"):
+        metrics.start_from_env()
+    monkeypatch.setenv("LINERATE_METRICS_WINDOW", "-1")
+    with pytest.raises(ValueError, match="LINERATE_METRICS_WINDOW"):
+        metrics._window()
+
+
+def test_port_in_use_is_logged_not_raised(monkeypatch, caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        monkeypatch.setenv("LINERATE_METRICS_PORT", str(port - 1))
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("LINERATE_METRICS_ADDR", "127.0.0.1")
+        with caplog.at_level(logging.WARNING, logger="linerate.metrics"):
+            assert metrics.start_from_env() is None
+    assert f"127.0.0.1:{port}" in caplog.text and "LOCAL_RANK=1" in caplog.text
+
+
+def test_histogram_bytes_and_busbw(monkeypatch):
+    monkeypatch.setattr(metrics, "_hist", {})
+    monkeypatch.setattr(metrics, "_op_bytes", {})
+    monkeypatch.setattr(metrics, "_win_bus", {})
+    monkeypatch.setattr(metrics, "_busbw", {})
+    monkeypatch.setattr(metrics, "_enabled", True)
+    # 3 all_reduces of 1 MiB on 4 ranks (bus factor 1.5): 0.002 s, 0.002 s, 0.008 s.
+    for secs in (0.002, 0.002, 0.008):
+        metrics.record_collective("all_reduce", "ring", 1 << 20, secs, 1.5)
+    metrics.sample(None)
+    text = generate_latest(metrics.REGISTRY).decode()
+    labels = {"op": "all_reduce", "algorithm": "ring", "size_bucket": "1MiB"}
+    buckets = {s.labels["le"]: s.value for s in samples(text, "linerate_collective_seconds_bucket")
+               if all(s.labels.get(k) == v for k, v in labels.items())}
+    assert buckets["0.001"] == 0 and buckets["0.0025"] == 2 and buckets["0.005"] == 2
+    assert buckets["0.01"] == 3 and buckets["+Inf"] == 3
+    (count,) = [s.value for s in samples(text, "linerate_collective_seconds_count")
+                if s.labels.get("op") == "all_reduce"]
+    (total,) = [s.value for s in samples(text, "linerate_collective_seconds_sum")
+                if s.labels.get("op") == "all_reduce"]
+    assert count == 3 and total == pytest.approx(0.012)
+    (nbytes,) = [s.value for s in samples(text, "linerate_collective_bytes_total")]
+    assert nbytes == 3 << 20
+    (busbw,) = [s.value for s in samples(text, "linerate_bus_bandwidth_bytes_per_second")]
+    assert busbw == pytest.approx(3 * (1 << 20) * 1.5 / 0.012)
+
+
+def test_names_follow_prometheus_conventions():
+    fams = families(generate_latest(metrics.REGISTRY).decode())
+    assert "linerate_info" in fams and "linerate_sent_bytes" in fams
+    for name, fam in fams.items():
+        full = name + "_total" if fam.type == "counter" else name
+        assert _NAME_RULES[fam.type].match(full), (name, fam.type)
+
+
+# ----------------------------------------------------------------------------- real ranks
+def _exchange(rank, world, lr, base, sub_ranks):
+    import torch
+    import torch.distributed as dist
+    metrics.start_exporter(base + rank, "127.0.0.1")
+    t = torch.full((300_001,), float(rank))
+    for _ in range(3):
+        dist.all_reduce(t, group=lr)
+    dist.broadcast(t, 0, group=lr)
+    sub = dist.new_group(ranks=sub_ranks, backend="linerate")
+    if rank in sub_ranks:
+        x = torch.ones(1000)
+        dist.all_reduce(x, group=sub)
+        assert x[0].item() == len(sub_ranks)
+    dist.barrier(group=lr)
+    own = {}
+    for g in (lr, sub) if rank in sub_ranks else (lr,):
+        be = g._get_backend(torch.device("cpu"))
+        for c in be.connection_stats():
+            peer = dist.get_global_rank(g, c["peer"])
+            own[peer] = own.get(peer, 0) + c["sent_bytes"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=5).read().decode()
+    dist.destroy_process_group(sub) if rank in sub_ranks else None
+    after = urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=5).read().decode()
+    return own, text, after
+
+
+@pytest.mark.timeout(90)
+def test_exported_counts_match_the_transport():
+    base = free_port()
+    out = run_ranks(_exchange, 3, base, [1, 2], timeout=80, env={"LINERATE_METRICS_HOST": "hostA"})
+    for rank, (own, text, after) in enumerate(out):
+        sent = samples(text, "linerate_sent_bytes_total")
+        assert sent and all(s.labels["rank"] == str(rank) and s.labels["host"] == "hostA"
+                            for s in sent)
+        assert {s.labels["interface"] for s in sent} == {"lo"}
+        by_peer: dict[int, float] = {}
+        for s in sent:
+            by_peer[int(s.labels["peer"])] = by_peer.get(int(s.labels["peer"]), 0) + s.value
+        # Peers are global ranks, the subgroup's bytes included.
+        assert by_peer == {p: float(n) for p, n in own.items()}, (by_peer, own)
+        assert rank not in by_peer
+        ops = {s.labels["op"]: s.value for s in samples(text, "linerate_collective_seconds_count")
+               if s.labels["algorithm"] in ("ring", "direct", "chain", "dissemination")}
+        assert ops.get("barrier", 0) >= 1 and ops.get("broadcast", 0) >= 1
+        counted = sum(s.value for s in samples(text, "linerate_collective_seconds_count")
+                      if s.labels["op"] == "all_reduce")
+        assert counted == (4 if rank in (1, 2) else 3)
+        (ar_bytes,) = [s.value for s in samples(text, "linerate_collective_bytes_total")
+                       if s.labels["op"] == "all_reduce"]
+        assert ar_bytes == 3 * 300_001 * 4 + (4000 if rank in (1, 2) else 0)
+        # A destroyed group's bytes stay in the counters (they never go back).
+        total = sum(s.value for s in sent)
+        assert sum(s.value for s in samples(after, "linerate_sent_bytes_total")) >= total
+        (info,) = samples(text, "linerate_info")
+        assert info.labels["transport"] == "tcp" and info.labels["nsocks"] == "2"
+        assert [s.labels["peer"] for s in samples(text, "linerate_send_queue_bytes")]
