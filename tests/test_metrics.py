@@ -175,3 +175,20 @@ def test_exported_counts_match_the_transport():
         (info,) = samples(text, "linerate_info")
         assert info.labels["transport"] == "tcp" and info.labels["nsocks"] == "2"
         assert [s.labels["peer"] for s in samples(text, "linerate_send_queue_bytes")]
+
+
+def test_bad_capacity_fails_at_start_and_never_breaks_a_scrape(monkeypatch, caplog):
+    monkeypatch.setenv("LINERATE_LINK_CAPACITY", "fast")
+    with pytest.raises(ValueError, match="LINERATE_LINK_CAPACITY"):
+        metrics.start_exporter(free_port(), "127.0.0.1")
+    with caplog.at_level(logging.WARNING, logger="linerate.metrics"):
+        assert metrics._capacity_or_none("eth0") is None  # set after start: logged, skipped
+        text = generate_latest(metrics.REGISTRY).decode()
+    assert "linerate_info" in text and "LINERATE_LINK_CAPACITY" in caplog.text
+
+
+def test_port_zero_returns_the_bound_port():
+    port = metrics.start_exporter(0, "127.0.0.1")
+    assert port > 0 and port in metrics.exporter_ports()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "linerate_info{" in text

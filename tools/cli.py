@@ -13,7 +13,7 @@ import sys
 from tools import __version__
 
 #: Modules that register a subcommand, in the order ``--help`` lists them.
-SUBCOMMANDS = ("tools.bench", "tools.netlab")
+SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,18 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
 "$VPY" -m pip install -q -e ".[test]"
+if [ "$job" = test ] && ! command -v prometheus >/dev/null 2>&1; then
+  # The metrics test scrapes a real run with Debian's Prometheus (skipped without it).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 &&
+        apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } ||
+      echo "quickstart: could not install prometheus; its test will be skipped" >&2
+  else
+    echo "quickstart: prometheus is not installed (needs root and apt-get); its test will be skipped" >&2
+  fi
+fi
 case "$job" in
   bench) exec .venv/bin/linerate bench --nproc 4 --metrics-port 9400 "$@" ;;
   test)  exec "$VPY" -m pytest -q "$@" ;;

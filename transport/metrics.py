@@ -246,6 +246,21 @@ def link_capacity(ifname: str) -> float | None:
     return mbit * 1e6 / 8.0 if mbit > 0 else None
 
 
+def _capacity_or_none(ifname: str) -> float | None:
+    """link_capacity for the scrape path: a setting changed to something bad is logged once
+    and the capacity left out, so that the other series still export."""
+    try:
+        return link_capacity(ifname)
+    except ValueError as e:
+        if str(e) not in _warned:
+            _warned.add(str(e))
+            log.warning("linerate metrics: %s", e)
+        return None
+
+
+_warned: set[str] = set()
+
+
 def tcp_info(sock: socket.socket) -> dict | None:
     """A few fields of the kernel's TCP_INFO for a connection (None if it is closed)."""
     try:
@@ -330,7 +345,7 @@ def sample(prev: tuple | None) -> tuple:
         dt = now - t0
         util = {}
         for key, n in totals.items():
-            cap = link_capacity(key[0])
+            cap = _capacity_or_none(key[0])
             if cap and dt > 0:
                 util[key] = max(0, n - before.get(key, 0)) / dt / cap
         with _lock:
@@ -343,7 +358,7 @@ def _sample_loop() -> None:
     prev = None
     while True:
         try:
-            prev = sample(prev)
+            prev = sample(prev) if _enabled else None
             time.sleep(_window())
         except Exception:  # noqa: BLE001 - metrics must never take the job down
             log.exception("linerate metrics sampler")
@@ -379,7 +394,7 @@ class _Collector:
                                 "Link rate (driver speed or LINERATE_LINK_CAPACITY)",
                                 labels=base + ["interface"])
         for ifname in sorted(ifaces):
-            c = link_capacity(ifname)
+            c = _capacity_or_none(ifname)
             if c:
                 cap.add_metric(ids + [ifname], c)
         yield cap
@@ -462,14 +477,19 @@ REGISTRY.register(_Collector())
 
 
 def start_exporter(port: int, addr: str = "0.0.0.0") -> int:
-    """Serve ``/metrics`` on ``addr:port`` (idempotent per port); returns the port."""
+    """Serve ``/metrics`` on ``addr:port`` (idempotent per port; 0: any free port); returns
+    the bound port. A bad
+    LINERATE_LINK_CAPACITY or LINERATE_METRICS_WINDOW raises here, before anything runs."""
+    _capacity_env()
+    _window()
     enable()
     with _lock:
         if port in _servers:
             return port
-    result = start_http_server(port, addr=addr, registry=REGISTRY)
+    server, _ = start_http_server(port, addr=addr, registry=REGISTRY)
+    port = server.server_port  # the one bound, also when port 0 asked for any free one
     with _lock:
-        _servers[port] = result
+        _servers[port] = server
     log.info("linerate metrics at http://%s:%d/metrics", addr, port)
     return port
 

@@ -1,0 +1,230 @@
+"""End to end with a real Prometheus: 4 linerate ranks on loopback export metrics, Prometheus
+scrapes them every second, and every query of the Grafana dashboard must return data.
+
+Needs the ``prometheus`` binary on PATH (tools/quickstart.sh installs it on CI machines); the
+test is skipped without it. Only the standard library talks to Prometheus (urllib).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from _harness import run_ranks
+from test_dashboard import dashboard_exprs
+
+WORLD = 4
+TRAFFIC_S = 6.0      # all_reduce loop
+KEEP_ALIVE_S = 3.0   # ranks keep serving /metrics this long after the traffic stopped
+SCRAPE_S = 1
+SIZES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)  # bytes per all_reduce, cycled
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+# ----------------------------------------------------------------------------- rank side
+def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
+    """Serve metrics on base_port + rank, all_reduce for ``traffic_s`` seconds (rank 0
+    decides when to stop), then keep serving. Returns what this rank knows it did."""
+    import torch
+    import torch.distributed as dist
+
+    from transport import metrics
+
+    # The harness gives every rank the same environment (no per-rank LOCAL_RANK), so the
+    # exporter is started here rather than through LINERATE_METRICS_PORT.
+    metrics.start_exporter(base_port + rank, "127.0.0.1")
+    pg = lr._get_backend(torch.device("cpu"))
+    expected = world_size * (world_size + 1) / 2
+    deadline = time.monotonic() + traffic_s
+    iters = payload = 0
+    go = torch.zeros(1, dtype=torch.int32)
+    while True:
+        nbytes = SIZES[iters % len(SIZES)]
+        t = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
+        dist.all_reduce(t, group=lr)
+        if not bool((t == expected).all()):
+            raise AssertionError(f"rank {rank}: wrong all_reduce result in iteration {iters}")
+        go.fill_(1 if (rank == 0 and time.monotonic() < deadline) else 0)
+        dist.all_reduce(go, group=lr)  # every rank runs the same number of iterations
+        iters += 1
+        payload += nbytes + go.numel() * go.element_size()
+        if int(go.item()) == 0:
+            break
+    dist.barrier(group=lr)
+    end = time.time()
+    time.sleep(keep_alive_s)  # a few scrapes of the final values
+    sent = sum(c["sent_bytes"] for c in pg.connection_stats())
+    return {"rank": rank, "sent": sent, "iters": iters, "payload": payload, "end": end}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_range(n: int) -> int:
+    """A base port such that base .. base+n-1 are free right now."""
+    for _ in range(50):
+        base = _free_port()
+        if base + n > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _get(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def _query(api: str, expr: str, at: float) -> list[dict]:
+    q = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+    try:
+        doc = _get(f"{api}/api/v1/query?{q}")
+    except urllib.error.HTTPError as e:  # 400 with Prometheus' own message on a bad expr
+        raise AssertionError(f"{expr!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+    assert doc["status"] == "success", doc
+    assert doc["data"]["resultType"] == "vector", doc
+    return doc["data"]["result"]
+
+
+def _substitute(expr: str) -> str:
+    """Grafana's variables as the dashboard would send them for this job."""
+    expr = expr.replace("$__rate_interval", "5s").replace("$__interval", "1s")
+    expr = expr.replace("${datasource}", "prometheus")
+    expr = re.sub(r"\$job\b", "linerate", expr)
+    return re.sub(r"\$host\b", ".*", expr)
+
+
+def _wait_ready(api: str, proc: subprocess.Popen, log_path: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{f.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{api}/-/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"prometheus not ready after {timeout}s")
+
+
+def _targets_report(api: str) -> str:
+    with contextlib.suppress(Exception):
+        doc = _get(f"{api}/api/v1/targets")
+        return "; ".join(f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}"
+                         for t in doc["data"]["activeTargets"])
+    return "(no target report)"
+
+
+# ----------------------------------------------------------------------------- the test
+@pytest.mark.skipif(PROMETHEUS is None,
+                    reason="prometheus is not on PATH (tools/quickstart.sh installs it; "
+                           "Debian/Ubuntu: apt-get install prometheus)")
+@pytest.mark.timeout(120)
+def test_dashboard_queries_against_real_prometheus(tmp_path):
+    t_start = time.monotonic()
+    base = _free_port_range(WORLD)
+    prom_port = _free_port()
+    api = f"http://127.0.0.1:{prom_port}"
+    targets = ", ".join(f'"127.0.0.1:{base + r}"' for r in range(WORLD))
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n"
+        f"  scrape_interval: {SCRAPE_S}s\n"
+        f"  evaluation_interval: {SCRAPE_S}s\n"
+        "scrape_configs:\n"
+        "  - job_name: linerate\n"
+        f"    scrape_interval: {SCRAPE_S}s\n"
+        f"    scrape_timeout: {SCRAPE_S}s\n"
+        "    static_configs:\n"
+        f"      - targets: [{targets}]\n")
+    log_path = str(tmp_path / "prometheus.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_ready(api, proc, log_path)
+        env = {"LINERATE_LINK_CAPACITY": "10gbit",  # loopback reports no speed
+               "LINERATE_METRICS_WINDOW": "1"}
+        results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, timeout=50,
+                            env=env, backend="linerate")
+        ends = [r["end"] for r in results]
+        # Evaluate while every exporter was still up, after the final values were scraped.
+        at = min(ends) + KEEP_ALIVE_S - 0.4
+        assert at >= max(ends) + 2 * SCRAPE_S, f"ranks ended too far apart: {ends}"
+        iters = {r["iters"] for r in results}
+        assert len(iters) == 1, results
+        n_iters = iters.pop()
+        assert n_iters >= 4, f"only {n_iters} iterations in {TRAFFIC_S}s"
+
+        # (a) every query of the dashboard returns at least one series
+        empty = []
+        for title, expr in dashboard_exprs():
+            promql = _substitute(expr)
+            if not _query(api, promql, at):
+                empty.append(f"{title}: {promql}")
+        assert not empty, ("dashboard queries without data:\n  " + "\n  ".join(empty)
+                           + f"\ntargets: {_targets_report(api)}")
+
+        # (b) the exported byte counters are the transport's own
+        series = _query(api, 'sum by (rank) (linerate_sent_bytes_total{job="linerate"})', at)
+        exported = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
+        assert sorted(exported) == list(range(WORLD)), (series, _targets_report(api))
+        for r in results:
+            assert r["sent"] > 0
+            assert math.isclose(exported[r["rank"]], r["sent"], rel_tol=0.01), \
+                f"rank {r['rank']}: exported {exported[r['rank']]:.0f} B, transport counted {r['sent']} B"
+
+        # collectives: the histogram counted every all_reduce, the bytes counter their sizes
+        series = _query(api, 'sum by (rank) (linerate_collective_seconds_count'
+                             '{job="linerate", op="all_reduce"})', at)
+        counts = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
+        assert counts == {r: 2.0 * n_iters for r in range(WORLD)}, counts
+        series = _query(api, 'sum by (rank) (linerate_collective_bytes_total'
+                             '{job="linerate", op="all_reduce"})', at)
+        op_bytes = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
+        assert op_bytes == {r["rank"]: float(r["payload"]) for r in results}, op_bytes
+
+        # (c) the send rate over the run is plausible
+        moved = sum(r["sent"] for r in results)
+        window = int(TRAFFIC_S + KEEP_ALIVE_S + 20)
+        (peak,) = _query(api, f'max_over_time(sum(rate(linerate_sent_bytes_total{{job="linerate"}}'
+                              f'[5s]))[{window}s:1s])', at)
+        peak_rate = float(peak["value"][1])
+        assert 0 < peak_rate < moved / 1.0, (peak_rate, moved)
+        # the busiest 5 s held most of the traffic: the peak is not far below the average
+        assert peak_rate > 0.2 * moved / TRAFFIC_S, (peak_rate, moved)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert time.monotonic() - t_start < 60, "the test should stay under a minute"
