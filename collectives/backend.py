@@ -187,9 +187,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
         work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})", result,
                     stage.devices)
-        if nbytes is None and metrics.enabled():
-            nbytes = stats.message_bytes(op, result, self.size())
-        self._queue.put((op, seq, fn, stage, timeout, work, nbytes or 0))
+        self._queue.put((op, seq, fn, stage, timeout, work, result, nbytes))
         return work
 
     def _run_worker(self) -> None:
@@ -197,7 +195,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             item = self._queue.get()
             if item is None:
                 return
-            op, seq, fn, stage, timeout, work, nbytes = item
+            op, seq, fn, stage, timeout, work, result, nbytes = item
             try:
                 broken = self._ctx.broken
                 if broken is not None:
@@ -207,7 +205,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 t0 = time.perf_counter()
                 fn(comm)
                 stage.finish()
-                stats.record(op, comm.algorithm, nbytes, time.perf_counter() - t0, self.size())
+                seconds = time.perf_counter() - t0
             except BaseException as e:  # every failure reaches the Work, and the peers
                 if isinstance(e, OpTimeout):
                     self._ctx.report_error(str(e))
@@ -217,6 +215,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 work._complete(e)
             else:
                 work._complete()
+                if metrics.enabled():  # after the caller was released: off its critical path
+                    if nbytes is None:
+                        nbytes = stats.message_bytes(op, result, self.size())
+                    stats.record(op, comm.algorithm, nbytes, seconds, self.size())
 
     # ------------------------------------------------------------------ checks
     def _check_tensor(self, t, what: str) -> None:
