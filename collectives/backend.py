@@ -81,6 +81,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
+def _dts(tensors) -> str:
+    """dtype[numel] of each tensor, for the agreement check."""
+    return ",".join(f"{str(t.dtype).replace('torch.', '')}[{t.numel()}]" for t in tensors)
+
+
+def _rop(op) -> str:
+    return getattr(op, "name", str(op))
+
+
 def _desc(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
 
@@ -177,9 +186,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return self._timeout
 
     def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float,
-                nbytes: int | None = None) -> Work:
-        """Queue ``fn(comm)`` to run as the group's next collective. ``nbytes`` is its size
-        for the metrics (default: from ``result``, see collectives.stats.message_bytes)."""
+                nbytes: int | None = None, desc: str = "") -> Work:
+        """Queue ``fn(comm)`` to run as the group's next collective. ``desc`` is what every
+        rank must agree on (dtypes, sizes, reduce op, root: checked against the neighbour's);
+        ``nbytes`` its size for the metrics (default: from ``result``)."""
         if self._shut:
             raise RuntimeError(f"linerate: {op} on a process group that was shut down")
         with self._seq_lock:
@@ -187,7 +197,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
         work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})", result,
                     stage.devices)
-        self._queue.put((op, seq, fn, stage, timeout, work, result, nbytes))
+        self._queue.put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
         return work
 
     def _run_worker(self) -> None:
@@ -195,7 +205,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             item = self._queue.get()
             if item is None:
                 return
-            op, seq, fn, stage, timeout, work, result, nbytes = item
+            op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+            comm = None
             try:
                 broken = self._ctx.broken
                 if broken is not None:
@@ -203,6 +214,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                          f"earlier: {broken}")
                 comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
                 t0 = time.perf_counter()
+                comm.set_call(desc)
                 fn(comm)
                 stage.finish()
                 seconds = time.perf_counter() - t0
@@ -212,8 +224,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 elif not isinstance(e, TransportError):
                     log.exception("rank %d: %s #%d failed", self.rank(), op, seq)
                     self._ctx.report_error(f"rank {self.rank()}: {op} #{seq} failed: {e}")
+                if (comm is not None and desc and isinstance(e, TransportError)
+                        and desc not in str(e)):  # say what this rank called, beside the peer's
+                    wrapped = TransportError(f"{e} [rank {self.rank()} was in {op} #{seq} ({desc})]")
+                    wrapped.__cause__ = e
+                    e = wrapped
+                if comm is not None:
+                    comm.end()
                 work._complete(e)
             else:
+                comm.end()
                 work._complete()
                 if metrics.enabled():  # after the caller was released: off its critical path
                     if nbytes is None:
@@ -275,7 +295,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for b in bufs:
                 self._allreduce_flat(comm, _flat(b), op, algo)
 
-        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
+                            desc=f"{_dts(tensors)} op={_rop(op)}")
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
         if algo == "direct" or (algo == "auto" and self._small(flat.numel() * flat.element_size())):
@@ -310,7 +331,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         _flat(b).copy_(flat[off:off + n])
                         off += n
 
-        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
+                            desc=f"{_dts(tensors)} op={_rop(op)}")
 
     # ------------------------------------------------------------------ rooted ops
     def broadcast(self, tensors, opts=None):
@@ -322,7 +344,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         buf = stage.out(t, keep=(self.rank() == root))
         algo = self._rooted_module(t)
-        return self._submit(what, lambda comm: algo.broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts))
+        return self._submit(what, lambda comm: algo.broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts),
+                            desc=f"{_dts([t])} root={root}")
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -343,7 +366,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if is_root:
                 finish_avg(flat, op, comm.size)
 
-        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts))
+        return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
+                            desc=f"{_dts([t])} op={_rop(op)} root={root}")
 
     def gather(self, output_lists, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
@@ -368,7 +392,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
-                            nbytes=t.numel() * t.element_size() * self.size())
+                            nbytes=t.numel() * t.element_size() * self.size(),
+                            desc=f"{_dts([t])} root={root}")
 
     def scatter(self, output_tensors, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -391,7 +416,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         def run(comm: Comm):
             direct.scatter(comm, _flat(out), ins, root)
 
-        return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts))
+        return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
+                            desc=f"{_dts([t])} root={root}")
 
     # ------------------------------------------------------------------ gathers
     def _gather_segs(self, stage: _Stage, inp: torch.Tensor, outs: list[torch.Tensor]):
@@ -423,7 +449,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         src, segs = self._gather_segs(stage, t, outs)
         return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
-                            list(outs), stage, self._op_timeout(opts))
+                            list(outs), stage, self._op_timeout(opts),
+                            desc=_dts([t]))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """``output_lists[i][j]`` receives rank i's ``input_tensors[j]`` (torch's layout)."""
@@ -450,7 +477,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._run_all_gather(comm, src, segs)
 
         result = [o for outs in output_lists for o in outs]
-        return self._submit(what, run, result, stage, self._op_timeout(opts))
+        return self._submit(what, run, result, stage, self._op_timeout(opts),
+                            desc=_dts(input_tensors))
 
     def _single_gather_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
         self._check_tensor(out, what)
@@ -465,7 +493,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         src, segs = self._single_gather_job(stage, output, input, what)
         return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
-                            [output], stage, self._op_timeout(opts))
+                            [output], stage, self._op_timeout(opts),
+                            desc=_dts([input]))
 
     _allgather_base = all_gather_single
 
@@ -480,7 +509,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for src, segs in jobs:
                 self._run_all_gather(comm, src, segs)
 
-        return self._submit("all_gather_coalesced", run, list(outputs), stage, self._op_timeout(opts))
+        return self._submit("all_gather_coalesced", run, list(outputs), stage, self._op_timeout(opts),
+                            desc=_dts(inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -522,7 +552,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
         return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
-                            [out], stage, self._op_timeout(opts))
+                            [out], stage, self._op_timeout(opts),
+                            desc=f"{_dts([out])} op={_rop(op)}")
 
     def _single_scatter_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
         self._check_tensor(out, what)
@@ -539,7 +570,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
         return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
-                            [output], stage, self._op_timeout(opts))
+                            [output], stage, self._op_timeout(opts),
+                            desc=f"{_dts([output])} op={_rop(op)}")
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -556,7 +588,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for segs, o in jobs:
                 self._run_reduce_scatter(comm, segs, o, op)
 
-        return self._submit("reduce_scatter_coalesced", run, list(outputs), stage, self._op_timeout(opts))
+        return self._submit("reduce_scatter_coalesced", run, list(outputs), stage, self._op_timeout(opts),
+                            desc=f"{_dts(outputs)} op={_rop(op)}")
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -577,7 +610,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
         return self._submit(what, lambda comm: direct.all_to_all(comm, outs, ins),
-                            list(output_tensors), stage, self._op_timeout(opts))
+                            list(output_tensors), stage, self._op_timeout(opts),
+                            desc=str(ref.dtype).replace("torch.", ""))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
@@ -596,7 +630,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             raise ValueError(f"rank {self.rank()}: {what}: this rank sends itself "
                              f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
         return self._submit("all_to_all", lambda comm: direct.all_to_all(comm, outs, ins),
-                            [output], stage, self._op_timeout(opts))
+                            [output], stage, self._op_timeout(opts),
+                            desc=str(input.dtype).replace("torch.", ""))
 
     alltoall_base = all_to_all_single
 
@@ -627,7 +662,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", direct.barrier, [], _Stage(), self._op_timeout(opts))
+        return self._submit("barrier", direct.barrier, [], _Stage(), self._op_timeout(opts),
+                            desc="")
 
     # ------------------------------------------------------------------ point to point
     def _check_p2p(self, tensors, peer, tag, what: str) -> torch.Tensor:
@@ -640,7 +676,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return t
 
     def _p2p_work(self, desc: str, result: list, stage: _Stage, req) -> Work:
-        work = Work(desc, result, stage.devices)
+        work = Work(desc, result, stage.devices, timeout=self._timeout)
 
         def done(r):
             if r.error is None:
@@ -691,7 +727,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if self._shut and self._ctx._closing:
             return
         self._shut = True
-        self._ctx.close(timeout=0.0)
+        self._ctx.close(timeout=0.0, reason="aborted")
         self._queue.put(None)
 
     def __del__(self):

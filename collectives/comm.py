@@ -2,6 +2,7 @@
 collective, with the op's sequence number, opcode and deadline attached to every transfer."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -79,6 +80,9 @@ class Comm:
         self.scratch = scratch or Scratch()
         #: The algorithm that ran (set by the algorithm; the metrics label).
         self.algorithm = "direct"
+        self.call = 0
+        self.call_text = ""
+        self._req_desc = self._desc
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
@@ -91,6 +95,19 @@ class Comm:
         n = t.numel() if span is None else span
         target = min(self.piece_bytes, max(MIN_PIECE_BYTES, n * es // MIN_PIECES))
         return max(1, target // es)
+
+    def set_call(self, desc: str) -> None:
+        """The call's arguments that every rank must agree on (dtypes, sizes, reduce op,
+        root), as text. Its digest travels in every frame of the op; a receiving rank whose
+        own digest differs fails the op and tells every peer (transport: MismatchError)."""
+        self.call_text = desc
+        self.call = int.from_bytes(hashlib.blake2b(f"{self.op}({desc})".encode(),
+                                                   digest_size=8).digest(), "little")
+        self._req_desc = f"{self._desc} [{desc}]" if desc else self._desc
+        self.ctx.begin_call(self.seq, self.call, self._req_desc)
+
+    def end(self) -> None:
+        self.ctx.end_call(self.seq)
 
     def block(self) -> int:
         """Reserve a block of message slots for one algorithm run within this op.
@@ -109,17 +126,17 @@ class Comm:
 
     def isend(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.isend(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._desc, slot)
+                              self._req_desc, slot, self.call)
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._desc, slot)
+                              self._req_desc, slot, self.call)
 
     def wait(self, req: Request) -> None:
         left = self.deadline - time.monotonic()
         try:
             req.wait(max(left, 0.0))
-        except TimeoutError as e:
+        except TimeoutError:
             hint = ""
             if req.peer is not None:
                 other = [f"{name} #{seq}" for seq, name in self.ctx.staged_collectives(req.peer)
@@ -127,8 +144,19 @@ class Comm:
                 if other:
                     hint = (f"; rank {req.peer} has sent data of {', '.join(other)} instead: the "
                             f"ranks called different collectives")
+            who = "any rank" if req.peer is None else f"rank {req.peer}"
+            if req.is_send:
+                what = f"to send {req.total} bytes to it"
+            else:
+                what = f"{req.done_bytes} of {req.total} bytes received from it"
+            # A peer whose host or link is down acknowledges nothing: name it, since the rank
+            # this one waits for may itself be stuck waiting for it.
+            silent = "".join(f"; rank {r} has acknowledged nothing for {s:.1f}s while data to it "
+                             f"is outstanding: its host or link is down?"
+                             for r, s in sorted(self.ctx.unacknowledged().items()))
             raise OpTimeout(f"rank {self.rank}: {self._desc} did not complete within the "
-                            f"{self.timeout:.1f}s timeout: {e}{hint}") from None
+                            f"{self.timeout:.1f}s timeout: still waiting for {who} ({what})"
+                            f"{silent}{hint}") from None
 
     def wait_all(self, reqs) -> None:
         for r in reqs:

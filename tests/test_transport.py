@@ -835,15 +835,15 @@ MAX_CHUNK = 1 << 20
 
 def test_framing_round_trip():
     cases = [
-        (framing.KIND_DATA, 3, CHANNEL_P2P, 100, 2**64 - 1, 7, 1000, 900),
-        (framing.KIND_DATA, 0, CHANNEL_COLLECTIVE, 0, 0, 0, 0, 0),
-        (framing.KIND_DATA, 255, CHANNEL_COLLECTIVE, MAX_CHUNK, 5, 2**64 - 1, MAX_CHUNK, 0),
-        (framing.KIND_ERROR, 0, 0, framing.MAX_ERROR_BYTES, 0, 0, 0, 0),
-        (framing.KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0),
+        (framing.KIND_DATA, 3, CHANNEL_P2P, 100, 2**64 - 1, 7, 1000, 900, 0),
+        (framing.KIND_DATA, 0, CHANNEL_COLLECTIVE, 0, 0, 0, 0, 0, 2**64 - 1),
+        (framing.KIND_DATA, 255, CHANNEL_COLLECTIVE, MAX_CHUNK, 5, 2**64 - 1, MAX_CHUNK, 0, 12345),
+        (framing.KIND_ERROR, 0, 0, framing.MAX_ERROR_BYTES, 0, 0, 0, 0, 0),
+        (framing.KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0),
     ]
     for fields in cases:
         raw = framing.pack_header(*fields)
-        assert len(raw) == framing.HEADER_SIZE == 40
+        assert len(raw) == framing.HEADER_SIZE == 48
         assert framing.unpack_header(raw, MAX_CHUNK) == fields
         assert framing.unpack_header(bytearray(raw), MAX_CHUNK) == fields
         assert framing.unpack_header(memoryview(raw), MAX_CHUNK) == fields
@@ -881,9 +881,10 @@ def test_framing_fuzz():
                 rng.choice([0, 1, MAX_CHUNK, MAX_CHUNK + 1, rng.randrange(2**32)]),
                 rng.randrange(2**64), rng.randrange(2**64),
                 rng.choice([0, 1, MAX_CHUNK, rng.randrange(2**64)]),
-                rng.choice([0, 1, rng.randrange(2**64)]))
+                rng.choice([0, 1, rng.randrange(2**64)]), rng.randrange(2**64))
         try:
-            kind, _op, channel, length, _tag, _no, total, offset = framing.unpack_header(raw, MAX_CHUNK)
+            kind, _op, channel, length, _tag, _no, total, offset, _call = framing.unpack_header(
+                raw, MAX_CHUNK)
         except framing.FrameError:
             continue
         decoded += 1

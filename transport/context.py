@@ -39,19 +39,24 @@ log = logging.getLogger("linerate.transport")
 
 _STORE_PREFIX = "linerate/"
 _STAGE_KEEP_BYTES = 64 << 20  # staging buffers kept for reuse, per context
+#: close(): seconds without a byte leaving after which a peer's queued sends are given up.
+_STALL_S = 2.0
+#: Default of LINERATE_LINK_TIMEOUT (seconds; see _tune).
+LINK_TIMEOUT_DEFAULT = 60.0
 
 
 class _Staged:
     """An unexpected message: bytes that arrived before the matching receive."""
 
-    __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter")
+    __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter", "call")
 
-    def __init__(self, buf: memoryview, total: int, opcode: int, tag: int):
+    def __init__(self, buf: memoryview, total: int, opcode: int, tag: int, call: int = 0):
         self.buf = buf
         self.total = total
         self.done_bytes = 0
         self.opcode = opcode
         self.tag = tag
+        self.call = call
         self.waiter: Request | None = None
 
 
@@ -102,10 +107,13 @@ class Context:
         self.rank = rank
         self.size = size
         self.options = options or TransportOptions.from_env()
+        #: Seconds of silence after which a peer's connections fail (LINERATE_LINK_TIMEOUT).
+        self.link_timeout = link_timeout_from_env()
         self.opnames = opnames or {}
         self.label = label
         self._lock = threading.Lock()            # matching state of all peers
         self._anysource: dict[int, collections.deque] = {}
+        self._calls: dict[int, tuple[int, str]] = {}  # collective tag -> (call digest, desc)
         self._closing = False
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
@@ -188,7 +196,7 @@ class Context:
                     sock.bind((local_addr, 0))
                 sock.settimeout(max(1.0, min(30.0, deadline - time.monotonic())))
                 sock.connect((host, port))
-                _tune(sock)
+                _tune(sock, self.link_timeout)
                 handshake.connect_side(sock, self._secret, self.rank, peer, index, self.nconns)
                 sock.settimeout(None)
                 return sock
@@ -220,7 +228,7 @@ class Context:
     def _accept_one(self, sock: socket.socket, addr) -> None:
         try:
             sock.settimeout(min(10.0, self.options.connect_timeout))
-            _tune(sock)
+            _tune(sock, self.link_timeout)
             peer, index = handshake.accept_side(sock, self._secret, self.rank, self.size, self.nconns)
             if peer < self.rank:
                 raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")
@@ -251,13 +259,15 @@ class Context:
 
     # ------------------------------------------------------------------ posting
     def isend(self, peer: int, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "", slot: int | None = None) -> Request:
+              desc: str = "", slot: int | None = None, call: int = 0) -> Request:
         """Send the bytes of ``buf`` to ``peer``; the buffer must stay untouched until done.
 
         ``slot`` names the message within its (channel, tag): the receive with the same slot
         gets it, whatever order either side posts in. Without a slot, messages on one
-        (peer, channel, tag) match in posting order."""
+        (peer, channel, tag) match in posting order. ``call``: a digest of the collective
+        call's arguments; a receive whose digest differs fails with a MismatchError."""
         req = Request(True, peer, buf, channel, tag, opcode, desc)
+        req.call = call
         p = self._peer(peer)
         chunk = self.options.chunk_bytes
         req.chunks_left = max(1, -(-req.total // chunk))
@@ -274,12 +284,13 @@ class Context:
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "", slot: int | None = None) -> Request:
+              desc: str = "", slot: int | None = None, call: int = 0) -> Request:
         """Receive a message of exactly ``buf.nbytes`` bytes from ``peer`` (None: any rank,
         point-to-point only) into ``buf``."""
         if peer is None and (channel != CHANNEL_P2P or slot is not None):
             raise ValueError("receive from any source is point-to-point only, without a slot")
         req = Request(False, peer, buf, channel, tag, opcode, desc)
+        req.call = call
         p = None if peer is None else self._peer(peer)
         staged = None
         with self._lock:
@@ -301,6 +312,37 @@ class Context:
         elif staged is not None:
             self._deliver_staged(staged, req)
         return req
+
+    def begin_call(self, tag: int, call: int, desc: str) -> None:
+        """A collective starts: messages of op ``tag`` whose call digest differs from ``call``
+        (already here, or arriving while it runs, whoever they are for) are a mismatch,
+        reported to every rank. It catches ranks that receive nothing the others send (a
+        different root)."""
+        bad = None
+        with self._lock:
+            self._calls[tag] = (call, desc)
+            for p in self.peers.values():
+                for (channel, t, _), st in p.unexpected.items():
+                    if channel == CHANNEL_COLLECTIVE and t == tag and st.call != call:
+                        bad = (p.rank, st.opcode)
+                        break
+                if bad:
+                    break
+        if bad:
+            self.report_error(self._call_mismatch(bad[0], bad[1], tag, desc))
+
+    def end_call(self, tag: int) -> None:
+        with self._lock:
+            self._calls.pop(tag, None)
+
+    def _call_mismatch(self, peer: int, opcode: int, tag: int, desc: str) -> str:
+        theirs = self._opname(opcode)
+        if not desc.startswith(theirs + " "):
+            return (f"rank {self.rank}: rank {peer} is in {theirs} #{tag} while rank {self.rank} "
+                    f"called {desc}: the ranks called different collectives{self._where()}")
+        return (f"rank {self.rank}: rank {peer} called {self._opname(opcode)} #{tag} with other "
+                f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
+                f"{desc}{self._where()}")
 
     def _refusal(self, channel: int):
         """Why a new transfer on ``channel`` cannot start (None if it can)."""
@@ -337,7 +379,7 @@ class Context:
                                  f"is already posted")
             p.posted[key] = req
             return None
-        err = self._check_match(p.rank, req, staged.opcode, staged.tag, staged.total)
+        err = self._check_match(p.rank, req, staged.opcode, staged.tag, staged.total, staged.call)
         if err is not None:
             req.error = err
             return staged
@@ -364,12 +406,18 @@ class Context:
         self._recycle(staged.buf)
         req._finish()
 
-    def _check_match(self, peer: int, req: Request, opcode: int, tag: int, total: int):
+    def _check_match(self, peer: int, req: Request, opcode: int, tag: int, total: int,
+                     call: int = 0):
         if req.channel == CHANNEL_COLLECTIVE and (tag != req.tag or opcode != req.opcode):
             return MismatchError(
                 f"rank {peer} is in {self._opname(opcode)} (op #{tag}, {total} bytes) while rank "
                 f"{self.rank} is in {self._opname(req.opcode)} (op #{req.tag}, {req.total} bytes): "
                 f"the ranks called different collectives{self._where()}")
+        if req.channel == CHANNEL_COLLECTIVE and call != req.call:
+            return MismatchError(
+                f"rank {peer} called {self._opname(opcode)} #{tag} with other arguments (dtype, "
+                f"size, reduce op or root) than rank {self.rank}, which called {req.desc}"
+                f"{self._where()}")
         if total != req.total:
             what = self._opname(req.opcode) if req.channel == CHANNEL_COLLECTIVE else f"recv (tag {req.tag})"
             return MismatchError(
@@ -426,11 +474,12 @@ class Context:
                         if p.send_queue:
                             p.cond.notify()  # more chunks: another connection takes the next
                 if req is None:
-                    sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0) + payload)
+                    sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0, 0) + payload)
                     continue
                 if req.error is not None or req.buf is None:
                     continue  # failed while queued: drop the rest
-                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off)
+                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off,
+                           req.call)
                 if n:
                     data = req.buf[off:off + n]
                     sent = sock.sendmsg((hdr, data))
@@ -467,10 +516,11 @@ class Context:
             while True:
                 if not _recv_into(sock, hview, framing.HEADER_SIZE):
                     raise _PeerEOF
-                kind, opcode, channel, length, tag, msgno, total, off = unpack(hbuf, max_chunk)
+                kind, opcode, channel, length, tag, msgno, total, off, call = unpack(hbuf, max_chunk)
                 if kind == KIND_DATA:
                     with self._lock:
-                        target, mismatch = self._match_incoming(p, opcode, channel, tag, msgno, total)
+                        target, mismatch = self._match_incoming(p, opcode, channel, tag, msgno,
+                                                                total, call)
                         buf = None if target is None else target.buf
                         dest = buf[off:off + length] if buf is not None and length else None
                     if mismatch is not None:
@@ -516,12 +566,15 @@ class Context:
                                                 f"failed: {e}; rank {p.rank} exited, crashed or its "
                                                 f"link is down"))
 
-    def _match_incoming(self, p: _Peer, opcode, channel, tag, msgno, total):
+    def _match_incoming(self, p: _Peer, opcode, channel, tag, msgno, total, call=0):
         """With the lock held: (the Request or _Staged that a chunk's bytes belong to, or None
         to drop them; a (request, error) pair to fail outside the lock, or None)."""
         key = _match_key(channel, tag, msgno)
         target = p.inflight.get(key)
         if target is not None:
+            if target is not _DEAD and target.total != total:  # its chunk would not fit the buffer
+                raise framing.FrameError(f"a chunk of message {key} announces {total} bytes, its "
+                                         f"first chunk {target.total}")
             return (None if target is _DEAD else target), None
         req = p.posted.pop(key, None)
         if req is None and channel == CHANNEL_P2P:
@@ -533,17 +586,22 @@ class Context:
                 req.msgno = msgno
                 p.recv_counters[ck] = msgno + 1
         if req is not None:
-            err = self._check_match(p.rank, req, opcode, tag, total)
+            err = self._check_match(p.rank, req, opcode, tag, total, call)
             if err is not None:
                 if total:  # drop this message's remaining chunks
                     p.inflight[key] = _DEAD
                 return None, (req, err)
             p.inflight[key] = req
             return req, None
+        current = self._calls.get(tag) if channel == CHANNEL_COLLECTIVE else None
+        if current is not None and current[0] != call:  # a message this op will never take
+            if total:
+                p.inflight[key] = _DEAD
+            return None, (None, MismatchError(self._call_mismatch(p.rank, opcode, tag, current[1])))
         if total > self.options.max_unexpected_bytes:
             raise framing.FrameError(f"unexpected message of {total} bytes exceeds "
                                      f"LINERATE_MAX_UNEXPECTED_BYTES={self.options.max_unexpected_bytes}")
-        staged = _Staged(self._stage_buffer(total), total, opcode, tag)
+        staged = _Staged(self._stage_buffer(total), total, opcode, tag, call)
         self.staged_messages += 1
         p.unexpected[key] = staged
         p.inflight[key] = staged
@@ -565,9 +623,10 @@ class Context:
                 self._stage_free.setdefault(n, []).append(buf)
                 self._stage_kept += n
 
-    def _on_mismatch(self, req: Request, err: BaseException) -> None:
-        req._finish(err)
-        if req.channel == CHANNEL_COLLECTIVE:
+    def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
+        if req is not None:
+            req._finish(err)
+        if req is None or req.channel == CHANNEL_COLLECTIVE:
             self.report_error(str(err))
 
     def _chunk_arrived(self, p: _Peer, target, channel, tag, msgno, length) -> None:
@@ -597,7 +656,11 @@ class Context:
         """Fail every transfer with peer p. ``break_group``: p crashed, so no collective of the
         group can complete: fail the others' pending collective transfers too (fail fast).
         A peer that closed in order may simply have finished before us: only transfers that
-        involve it fail."""
+        involve it fail. While this rank closes (close(), abort()), what was pending fails
+        with the close's own reason: a peer answering our CLOSE frames is not the cause."""
+        closing = self._closing
+        if closing:
+            err = self._close_error
         with self._lock:
             if p.failure is None:
                 p.failure = err
@@ -613,13 +676,13 @@ class Context:
             failed.extend(r for r in p.send_queue if isinstance(r, Request))
             p.send_queue.clear()
             p.cond.notify_all()
-        if self._closing:
-            return
-        if failed:
+        # Requests taken out of the maps above must be finished whatever happens: a waiter
+        # of one that is dropped here waits forever (abort() left collectives hanging so).
+        if failed and not closing:
             log.error("%s", err)
         for r in failed:
             r._finish(_wrap(err))
-        if break_group:
+        if break_group and not closing:
             self._set_broken(err, only_collective=True)
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
@@ -677,23 +740,29 @@ class Context:
                                 "received_bytes": c.recv_bytes})
         return out
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush queued sends, tell peers (CLOSE frames), close every connection."""
+    def close(self, timeout: float = 10.0, reason: str = "shut down") -> None:
+        """Flush queued sends, tell peers (CLOSE frames), close every connection; then fail
+        whatever is still pending with "the process group was <reason>".
+
+        Queued sends get up to ``timeout`` seconds, but only while they move: a peer whose
+        link is dead (nothing leaves for _STALL_S seconds) is not waited for."""
         if self._closing:
             return
         deadline = time.monotonic() + timeout
-        for p in self.peers.values():  # let queued data drain first
-            with p.cond:
-                while p.send_queue and p.failure is None and time.monotonic() < deadline:
-                    p.cond.wait(0.05)
+        stalled = {p.rank for p in self.peers.values() if not self._drain(p, deadline)}
+        self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
         self._closing = True
         for p in self.peers.values():
             with p.cond:
                 p.cond.notify_all()
         me = threading.current_thread()
+        # Senders of drained peers send CLOSE and end; a stalled peer's senders are stuck in
+        # the kernel until the sockets are shut down below.
+        join_until = min(deadline, time.monotonic() + _STALL_S)
         for t in self._threads:
-            if t.name.startswith("linerate-send") and t is not me:
-                t.join(max(0.0, deadline - time.monotonic()))
+            if (t.name.startswith("linerate-send") and t is not me
+                    and _thread_peer(t.name) not in stalled):
+                t.join(max(0.0, join_until - time.monotonic()))
         metrics.retire(self)  # final byte counts, before the sockets go
         for p in self.peers.values():
             for c in p.conns:
@@ -717,7 +786,60 @@ class Context:
         for t in self._threads:
             if t.name.startswith("linerate-recv") and t is not me:
                 t.join(max(0.5, deadline - time.monotonic()))
-        self._set_broken(TransportError(f"rank {self.rank}: the process group was shut down"))
+        join_until = time.monotonic() + 1.0  # senders end on the shut-down sockets
+        for t in self._threads:
+            if t.name.startswith("linerate-send") and t is not me:
+                t.join(max(0.0, join_until - time.monotonic()))
+        self._set_broken(self._close_error)
+        for p in self.peers.values():  # sends still queued will never go: fail them
+            with p.cond:
+                queued = [r for r in p.send_queue if isinstance(r, Request)]
+                p.send_queue.clear()
+            for r in queued:
+                r._finish(_wrap(self._close_error))
+
+    def _drain(self, p: _Peer, deadline: float) -> bool:
+        """Wait until the sends queued for p have left; False if they stopped moving for
+        _STALL_S seconds (p's link or host is dead) or the deadline passed."""
+        last, since = None, time.monotonic()
+        with p.cond:
+            while p.send_queue and p.failure is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                head = p.send_queue[0]
+                mark = (len(p.send_queue), getattr(head, "next_off", 0),
+                        sum(c.sent_bytes for c in p.conns if c is not None))
+                if mark != last:
+                    last, since = mark, now
+                elif now - since > _STALL_S:
+                    log.warning("rank %d: %d queued sends to rank %d did not move for %.0fs; "
+                                "closing without them", self.rank, len(p.send_queue), p.rank,
+                                _STALL_S)
+                    return False
+                p.cond.wait(0.05)
+        return True
+
+    def unacknowledged(self, min_seconds: float = 1.0) -> dict[int, float]:
+        """Peers to which data has been outstanding without any acknowledgement for at least
+        ``min_seconds``: {rank: seconds}, from the kernel's TCP_INFO (for error messages: a
+        host or link that is down answers nothing, while a slow peer still acknowledges)."""
+        out = {}
+        for p in self.peers.values():
+            for c in p.conns:
+                if c is None:
+                    continue
+                try:
+                    raw = c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+                except OSError:
+                    continue
+                if len(raw) < 60:
+                    continue
+                unacked = int.from_bytes(raw[24:28], "little")
+                silent = int.from_bytes(raw[56:60], "little") / 1000.0  # tcpi_last_ack_recv
+                if unacked and silent >= min_seconds:
+                    out[p.rank] = max(out.get(p.rank, 0.0), silent)
+        return out
 
 
 class _Closing(Exception):
@@ -758,9 +880,51 @@ def _recv_into(sock: socket.socket, view: memoryview, n: int) -> bool:
     return True
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, link_timeout: float = LINK_TIMEOUT_DEFAULT) -> None:
+    """No Nagle; and a connection whose peer acknowledges nothing for ``link_timeout``
+    seconds fails (ETIMEDOUT), which fails the peer with an error naming it.
+
+    A host that loses its link or power sends no RST: without this a connection with data
+    in flight retries for ~15 minutes (tcp_retries2) and an idle one is never found dead.
+    TCP_USER_TIMEOUT bounds the first; keepalive probes (the first after a third of the
+    timeout of silence) make the second case the first. A slow peer still acknowledges, and
+    an outage shorter than the timeout is ridden out by TCP's retransmissions."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if link_timeout > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        idle = int(min(max(1, link_timeout // 3), 32767))
+        intvl = int(min(max(1, link_timeout // 6), 32767))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT,
+                        int(min(127, max(1, -(-(link_timeout - idle) // intvl) + 1))))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                        int(min(link_timeout * 1000, 2**31 - 1)))
+
+
+def link_timeout_from_env(env=None) -> float:
+    """LINERATE_LINK_TIMEOUT: seconds a peer may acknowledge nothing before its connections
+    fail (0: the kernel's defaults). A bad value raises a ValueError naming the variable."""
+    env = os.environ if env is None else env
+    text = env.get("LINERATE_LINK_TIMEOUT")
+    if text is None or not text.strip():
+        return LINK_TIMEOUT_DEFAULT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e9:  # NaN fails too
+        raise ValueError(f"LINERATE_LINK_TIMEOUT={text!r}: expected a number of seconds >= 0 "
+                         f"(0: the kernel's defaults)")
+    return value
+
+
+def _thread_peer(name: str) -> int | None:
+    """The peer rank in a transport thread's name (linerate-send-<peer>.<connection>)."""
+    try:
+        return int(name.rsplit("-", 1)[1].split(".", 1)[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def _store_get(store, key: str) -> bytes:
@@ -772,9 +936,10 @@ def _parse_addresses(raw: bytes, peer: int, nrails: int) -> list:
     try:
         addrs = json.loads(raw.decode())
         ok = isinstance(addrs, list) and all(
-            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+            and type(a[1]) is int and 0 < a[1] < 65536  # a TCP port (bool is an int too)
             for a in addrs)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
         ok = False
     if not ok:
         raise TransportError(f"rank {peer} published malformed addresses in the store: {raw[:200]!r}")

@@ -1,6 +1,6 @@
 """Wire format of the frames that follow the handshake on every connection.
 
-Each frame is a fixed 40-byte little-endian header, then ``length`` payload bytes::
+Each frame is a fixed 48-byte little-endian header, then ``length`` payload bytes::
 
     u8  kind      DATA, ERROR or CLOSE
     u8  opcode    what the sender is doing (collective or point-to-point op), for mismatch reports
@@ -10,6 +10,8 @@ Each frame is a fixed 40-byte little-endian header, then ``length`` payload byte
     u64 msgno     per (peer, channel, tag) message number; orders the chunks of striped messages
     u64 total     bytes of the whole message
     u64 offset    where this chunk's bytes go in the message
+    u64 call      collective: a digest of the call's arguments (dtypes, sizes, reduce op, root)
+                  that every rank must agree on; 0 where there is none (point-to-point)
 
 A message of ``total`` bytes is sent as one or more DATA frames whose [offset, offset+length)
 ranges tile it exactly; the frames may travel on different connections of the same peer.
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import struct
 
-HEADER = struct.Struct("<BBHIQQQQ")
-HEADER_SIZE = HEADER.size  # 40
+HEADER = struct.Struct("<BBHIQQQQQ")
+HEADER_SIZE = HEADER.size  # 48
 
 KIND_DATA = 1
 KIND_ERROR = 2
@@ -40,13 +42,15 @@ class FrameError(Exception):
 
 
 def pack_header(kind: int, opcode: int, channel: int, length: int, tag: int, msgno: int,
-                total: int, offset: int) -> bytes:
-    return HEADER.pack(kind, opcode, channel, length, tag, msgno, total, offset)
+                total: int, offset: int, call: int = 0) -> bytes:
+    return HEADER.pack(kind, opcode, channel, length, tag, msgno, total, offset, call)
 
 
-def unpack_header(buf, max_chunk: int) -> tuple[int, int, int, int, int, int, int, int]:
+def unpack_header(buf, max_chunk: int) -> tuple[int, int, int, int, int, int, int, int, int]:
     """Decode and check a header; raise FrameError on anything inconsistent."""
-    kind, opcode, channel, length, tag, msgno, total, offset = HEADER.unpack(buf)
+    if len(buf) != HEADER_SIZE:  # else struct.error would escape
+        raise FrameError(f"a frame header is {HEADER_SIZE} bytes, got {len(buf)}")
+    kind, opcode, channel, length, tag, msgno, total, offset, call = HEADER.unpack(buf)
     if kind not in _KINDS:
         raise FrameError(f"unknown frame kind {kind}")
     if kind == KIND_DATA:
@@ -61,4 +65,4 @@ def unpack_header(buf, max_chunk: int) -> tuple[int, int, int, int, int, int, in
             raise FrameError(f"error text of {length} bytes exceeds {MAX_ERROR_BYTES}")
     elif length != 0:
         raise FrameError(f"CLOSE frame with a payload of {length} bytes")
-    return kind, opcode, channel, length, tag, msgno, total, offset
+    return kind, opcode, channel, length, tag, msgno, total, offset, call

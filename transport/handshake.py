@@ -25,7 +25,7 @@ import socket
 import struct
 
 MAGIC = b"LNRT"
-VERSION = 1
+VERSION = 2  # 2: frame headers carry the call digest (48 bytes)
 ACK = b"LNOK"
 
 HELLO = struct.Struct("<4sHH16sIIII16s")

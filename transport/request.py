@@ -26,7 +26,7 @@ class Request:
     """One posted send or receive. ``wait`` raises the transfer's error, if any."""
 
     __slots__ = ("peer", "buf", "total", "channel", "tag", "msgno", "opcode", "done_bytes",
-                 "chunks_left", "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc")
+                 "chunks_left", "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc", "call")
 
     def __init__(self, is_send: bool, peer: int | None, buf: memoryview, channel: int, tag: int,
                  opcode: int, desc: str):
@@ -40,6 +40,7 @@ class Request:
         self.tag = tag
         self.opcode = opcode
         self.desc = desc
+        self.call = 0  # collective: digest of the call's arguments (framing: call)
         self.msgno = -1
         self.done_bytes = 0
         self.chunks_left = 0
