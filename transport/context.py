@@ -24,8 +24,10 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -140,9 +142,14 @@ class Context:
         deadline = time.monotonic() + opts.connect_timeout
         if self.rank == 0:
             self._secret = os.urandom(32)
+            store.set(_STORE_PREFIX + "checksum", "1" if opts.checksum else "0")
             store.set(_STORE_PREFIX + "secret", self._secret.hex())
         else:
             self._secret = bytes.fromhex(_store_get(store, _STORE_PREFIX + "secret").decode())
+            theirs = _store_get(store, _STORE_PREFIX + "checksum") == b"1"
+            if theirs != opts.checksum:
+                raise ValueError(f"rank {self.rank}: LINERATE_CHECKSUM is {int(opts.checksum)} here "
+                                 f"but {int(theirs)} on rank 0: every rank must use the same setting")
         listeners = []
         for addr in self.addresses:
             family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -453,6 +460,7 @@ class Context:
         sock = conn.sock
         chunk = self.options.chunk_bytes
         pack = framing.HEADER.pack
+        checksum = self.options.checksum
         try:
             while True:
                 with p.cond:
@@ -488,6 +496,8 @@ class Context:
                         sock.sendall(data)
                     elif sent < framing.HEADER_SIZE + n:
                         sock.sendall(data[sent - framing.HEADER_SIZE:])
+                    if checksum:
+                        sock.sendall(_CRC.pack(zlib.crc32(data)))
                 else:
                     sock.sendall(hdr)
                 conn.sent_bytes += n
@@ -512,6 +522,8 @@ class Context:
         hview = memoryview(hbuf)
         max_chunk = max(self.options.chunk_bytes, 1 << 24)  # peers may run another chunk size
         unpack = framing.unpack_header
+        checksum = self.options.checksum
+        cbuf = bytearray(_CRC.size)
         try:
             while True:
                 if not _recv_into(sock, hview, framing.HEADER_SIZE):
@@ -530,6 +542,14 @@ class Context:
                         dest = self._discard(length)
                     if length and not _recv_into(sock, dest, length):
                         raise _PeerEOF
+                    if checksum and length:
+                        if not _recv_into(sock, memoryview(cbuf), _CRC.size):
+                            raise _PeerEOF
+                        if _CRC.unpack(cbuf)[0] != zlib.crc32(dest):
+                            raise framing.FrameError(
+                                f"checksum mismatch in bytes [{off}, {off + length}) of a "
+                                f"{total}-byte message (tag {tag}): the data was corrupted on the "
+                                f"way (LINERATE_CHECKSUM)")
                     conn.recv_bytes += length
                     if target is not None:
                         self._chunk_arrived(p, target, channel, tag, msgno, length)
@@ -852,6 +872,7 @@ class _PeerEOF(Exception):
 
 #: Stands in the inflight map for a message whose receive failed: its chunks are dropped.
 _DEAD = object()
+_CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
 
 
 def _next(counters: dict, key) -> int:

@@ -82,6 +82,8 @@ class TransportOptions:
     max_unexpected_bytes: int = 1 << 34
     #: Address family preference for the automatic interface choice.
     prefer_ipv6: bool = False
+    #: A CRC-32 after every chunk, checked on receipt (every rank must agree).
+    checksum: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
@@ -92,7 +94,8 @@ class TransportOptions:
                    "LINERATE_CHUNK_BYTES": ("chunk_bytes", parse_size),
                    "LINERATE_CONNECT_TIMEOUT": ("connect_timeout", float),
                    "LINERATE_MAX_UNEXPECTED_BYTES": ("max_unexpected_bytes", parse_size),
-                   "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool)}
+                   "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool),
+                   "LINERATE_CHECKSUM": ("checksum", _parse_bool)}
         for var, (field, parse) in parsers.items():
             if var in env:
                 setattr(o, field, parse_env(env, var, parse))
