@@ -13,7 +13,7 @@ import sys
 from tools import __version__
 
 #: Modules that register a subcommand, in the order ``--help`` lists them.
-SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top")
+SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top", "tools.model", "tools.whatif")
 
 
 def build_parser() -> argparse.ArgumentParser:
