@@ -16,7 +16,17 @@ def __getattr__(name):
     if name == "Options":
         from .options import Options
         return Options
+    if name == "neighbor_allreduce":
+        from .neighbor import neighbor_allreduce
+        return neighbor_allreduce
+    if name == "DecentralizedDataParallel":
+        from .decentralized import DecentralizedDataParallel
+        return DecentralizedDataParallel
+    if name == "topology":
+        import importlib
+        return importlib.import_module(".topology", __name__)
     raise AttributeError(f"module 'collectives' has no attribute {name!r}")
 
 
-__all__ = ["BACKEND_NAME", "register", "ProcessGroupLinerate", "create_process_group", "Options"]
+__all__ = ["BACKEND_NAME", "register", "ProcessGroupLinerate", "create_process_group", "Options",
+           "neighbor_allreduce", "topology", "DecentralizedDataParallel"]

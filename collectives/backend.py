@@ -334,6 +334,52 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts(tensors)} op={_rop(op)}")
 
+    # ------------------------------------------------------------------ neighbor all-reduce
+    def neighbor_allreduce(self, tensor, self_weight, in_weights: dict, out_peers: list,
+                           timeout=None, call: str = ""):
+        """``tensor <- self_weight * tensor + sum_j in_weights[j] * (rank j's tensor)``, sending
+        this rank's tensor to every rank in ``out_peers`` (collectives.neighbor.mix). ``call``
+        names the mixing step (topology and step) and must be the same on every rank, like the
+        dtype and size; the weights and peers are this rank's own. Returns a Work."""
+        what = "neighbor_allreduce"
+        me, size = self.rank(), self.size()
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"rank {me}: {what}: expected a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"rank {me}: {what}: {tensor.layout} tensors are not supported (dense only)")
+        if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise ValueError(f"rank {me}: {what} of {_desc(tensor)}: dtype {tensor.dtype} is not "
+                             f"supported (float32, float64, float16, bfloat16)")
+        ins = []
+        for j, w in sorted(in_weights.items()):
+            if not isinstance(j, int) or not 0 <= j < size or j == me:
+                raise ValueError(f"rank {me}: {what}: in-neighbor {j!r} is not another rank of the "
+                                 f"group of size {size}")
+            if not math.isfinite(float(w)):
+                raise ValueError(f"rank {me}: {what}: weight {w!r} of in-neighbor {j} is not finite")
+            ins.append((j, float(w)))
+        outs = [int(q) for q in out_peers]
+        if any(not 0 <= q < size or q == me for q in outs) or len(set(outs)) != len(outs):
+            raise ValueError(f"rank {me}: {what}: out-peers {outs} must be distinct other ranks of "
+                             f"the group of size {size}")
+        sw = float(self_weight)
+        if not math.isfinite(sw):
+            raise ValueError(f"rank {me}: {what}: self weight {self_weight!r} is not finite")
+        if timeout is None:
+            timeout = self._timeout
+        elif isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        stage = _Stage()
+        buf = stage.out(tensor, keep=True)
+        handshake = not self._small(tensor.numel() * tensor.element_size())  # same on every rank
+
+        def run(comm: Comm):
+            from .neighbor import mix
+            mix(comm, _flat(buf), sw, ins, outs, handshake)
+
+        return self._submit(what, run, [tensor], stage, float(timeout),
+                            desc=f"{_dts([tensor])} {call}".rstrip())
+
     # ------------------------------------------------------------------ rooted ops
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
