@@ -16,11 +16,17 @@ _completer = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_pr
 DistBackendError = getattr(dist, "DistBackendError", RuntimeError)
 
 
-def as_dist_error(e: BaseException) -> BaseException:
-    """Errors of the communication itself surface as DistBackendError, as Gloo's do."""
+def as_dist_error(e: BaseException, desc: str = "") -> BaseException:
+    """Errors of the communication itself surface as DistBackendError (a RuntimeError, as
+    Gloo's are), naming the operation (``desc``: "all_reduce #3 (rank 0 of ...)") when the
+    message does not already."""
     if isinstance(e, (ValueError, TypeError, DistBackendError)):
         return e
-    err = DistBackendError(str(e))
+    text = str(e)
+    head = desc.split(" (", 1)[0]
+    if head and head not in text:
+        text = f"linerate: {head} failed: {text}"
+    err = DistBackendError(text)
     err.__cause__ = e
     return err
 
@@ -28,9 +34,13 @@ def as_dist_error(e: BaseException) -> BaseException:
 class Work(dist._Work):
     """Completion of one operation: wait(timeout), is_completed(), get_future(), exception()."""
 
-    def __init__(self, desc: str, result: list, devices: list | None = None):
+    def __init__(self, desc: str, result: list, devices: list | None = None,
+                 timeout: float | None = None):
         super().__init__()
         self._desc = desc
+        #: Seconds that wait() without a timeout waits (the group's timeout), for operations
+        #: without a deadline of their own (point-to-point); None: until the operation ends.
+        self._timeout = timeout
         self._result = result
         self._event = threading.Event()
         self._exc: BaseException | None = None
@@ -39,7 +49,7 @@ class Work(dist._Work):
 
     # -- completion (communication side) ----------------------------------------------------
     def _complete(self, exc: BaseException | None = None, source_rank: int = -1) -> None:
-        self._exc = None if exc is None else as_dist_error(exc)
+        self._exc = None if exc is None else as_dist_error(exc, self._desc)
         self._src = source_rank
         self._event.set()
         _completer.submit(self._complete_future)
@@ -57,8 +67,15 @@ class Work(dist._Work):
             if not self._event.wait(seconds):
                 raise DistBackendError(f"linerate: {self._desc} did not complete within "
                                        f"Work.wait(timeout={seconds:.3f}s)")
+        elif self._timeout is not None:
+            # No deadline of its own (point-to-point): the group's timeout bounds the wait, as
+            # on Gloo. The operation stays posted (see README "Known limits").
+            if not self._event.wait(self._timeout):
+                raise DistBackendError(f"linerate: {self._desc} did not complete within the "
+                                       f"process group's timeout ({self._timeout:.1f}s); it "
+                                       f"is still posted")
         else:
-            # The operation has its own deadline (the group's timeout), so this ends.
+            # A collective has its own deadline (the group's timeout), so this ends.
             self._event.wait()
         if self._exc is not None:
             raise self._exc

@@ -85,6 +85,11 @@ class _Peer:
         self.conns: list[_Conn | None] = [None] * nconns
         self.cond = threading.Condition(threading.Lock())  # guards send_queue
         self.send_queue: collections.deque = collections.deque()
+        #: Sends not known to be finished (guarded by cond): a send whose last chunk a sender
+        #: thread has taken has left send_queue; if that thread dies with the connection, the
+        #: failure must still reach the send (finished ones are pruned now and then).
+        self.sending: set = set()
+        self.prune_at = 256  # len(sending) at which finished sends are dropped (amortized)
         self.send_counters: dict = {}
         self.recv_counters: dict = {}
         self.posted: dict = {}      # match key -> Request (posted, no byte seen yet)
@@ -287,6 +292,10 @@ class Context:
             return req
         with p.cond:
             p.send_queue.append(req)
+            if len(p.sending) >= p.prune_at:
+                p.sending = {r for r in p.sending if not r.is_completed()}
+                p.prune_at = max(256, 2 * len(p.sending))
+            p.sending.add(req)
             p.cond.notify()
         return req
 
@@ -476,6 +485,7 @@ class Context:
                     else:
                         off = req.next_off
                         n = min(chunk, req.total - off)
+                        buf = req.buf  # once, here: a failure elsewhere may clear it
                         req.next_off = off + n
                         if req.next_off >= req.total:
                             p.send_queue.popleft()
@@ -484,12 +494,12 @@ class Context:
                 if req is None:
                     sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0, 0) + payload)
                     continue
-                if req.error is not None or req.buf is None:
+                if req.error is not None or buf is None:
                     continue  # failed while queued: drop the rest
                 hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off,
                            req.call)
                 if n:
-                    data = req.buf[off:off + n]
+                    data = buf[off:off + n]
                     sent = sock.sendmsg((hdr, data))
                     if sent < framing.HEADER_SIZE:
                         sock.sendall(hdr[sent:])
@@ -682,7 +692,8 @@ class Context:
         if closing:
             err = self._close_error
         with self._lock:
-            if p.failure is None:
+            first = p.failure is None
+            if first:
                 p.failure = err
             failed = list(p.posted.values()) + [t for t in p.inflight.values() if isinstance(t, Request)]
             failed += [t.waiter for t in p.unexpected.values() if t.waiter is not None]
@@ -694,6 +705,11 @@ class Context:
                 self._anysource.clear()
         with p.cond:
             failed.extend(r for r in p.send_queue if isinstance(r, Request))
+            if break_group or closing:
+                # Mid-send when the connection died: its sender thread may be gone. A peer that
+                # closed in order still reads what is under way: those sends end by themselves.
+                failed.extend(r for r in p.sending if not r.is_completed())
+                p.sending = set()
             p.send_queue.clear()
             p.cond.notify_all()
         # Requests taken out of the maps above must be finished whatever happens: a waiter
@@ -704,6 +720,17 @@ class Context:
             r._finish(_wrap(err))
         if break_group and not closing:
             self._set_broken(err, only_collective=True)
+            if first:
+                # Tell the others why (an ERROR frame goes before this rank's CLOSE frames):
+                # a rank that has not yet seen p die must not take our closing, once we give
+                # up, for the cause ("rank 1 closed its process group ...").
+                payload = str(err).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+                for q in self.peers.values():
+                    if q is not p:
+                        with q.cond:
+                            if q.failure is None:
+                                q.send_queue.appendleft((KIND_ERROR, payload))
+                                q.cond.notify()
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
         """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
@@ -769,7 +796,7 @@ class Context:
         if self._closing:
             return
         deadline = time.monotonic() + timeout
-        stalled = {p.rank for p in self.peers.values() if not self._drain(p, deadline)}
+        stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
         self._closing = True
         for p in self.peers.values():
@@ -811,34 +838,47 @@ class Context:
             if t.name.startswith("linerate-send") and t is not me:
                 t.join(max(0.0, join_until - time.monotonic()))
         self._set_broken(self._close_error)
-        for p in self.peers.values():  # sends still queued will never go: fail them
+        for p in self.peers.values():  # sends still queued or under way will not end: fail them
             with p.cond:
                 queued = [r for r in p.send_queue if isinstance(r, Request)]
+                queued += [r for r in p.sending if not r.is_completed()]
                 p.send_queue.clear()
+                p.sending = set()
             for r in queued:
                 r._finish(_wrap(self._close_error))
 
-    def _drain(self, p: _Peer, deadline: float) -> bool:
-        """Wait until the sends queued for p have left; False if they stopped moving for
-        _STALL_S seconds (p's link or host is dead) or the deadline passed."""
-        last, since = None, time.monotonic()
-        with p.cond:
-            while p.send_queue and p.failure is None:
-                now = time.monotonic()
-                if now >= deadline:
-                    return False
-                head = p.send_queue[0]
-                mark = (len(p.send_queue), getattr(head, "next_off", 0),
-                        sum(c.sent_bytes for c in p.conns if c is not None))
+    def _drain(self, deadline: float) -> set:
+        """Wait until the sends queued for every peer have left; return the ranks given up
+        on: their sends stopped moving for _STALL_S seconds (a dead link or host), or the
+        deadline passed. All peers are watched at once: N dead peers cost _STALL_S, not N times."""
+        marks: dict[int, tuple] = {}
+        given_up: set = set()
+        while True:
+            now = time.monotonic()
+            waiting = False
+            for p in self.peers.values():
+                if p.rank in given_up:
+                    continue
+                with p.cond:
+                    if not p.send_queue or p.failure is not None:
+                        continue
+                    queued = len(p.send_queue)
+                    mark = (queued, getattr(p.send_queue[0], "next_off", 0),
+                            sum(c.sent_bytes for c in p.conns if c is not None))
+                last, since = marks.get(p.rank, (None, now))
                 if mark != last:
-                    last, since = mark, now
-                elif now - since > _STALL_S:
-                    log.warning("rank %d: %d queued sends to rank %d did not move for %.0fs; "
-                                "closing without them", self.rank, len(p.send_queue), p.rank,
-                                _STALL_S)
-                    return False
-                p.cond.wait(0.05)
-        return True
+                    marks[p.rank] = (mark, now)
+                    since = now
+                if now >= deadline or now - since > _STALL_S:
+                    if now < deadline:
+                        log.warning("rank %d: %d queued sends to rank %d did not move for %.0fs; "
+                                    "closing without them", self.rank, queued, p.rank, _STALL_S)
+                    given_up.add(p.rank)
+                    continue
+                waiting = True
+            if not waiting:
+                return given_up
+            time.sleep(0.02)
 
     def unacknowledged(self, min_seconds: float = 1.0) -> dict[int, float]:
         """Peers to which data has been outstanding without any acknowledgement for at least
