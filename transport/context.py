@@ -757,6 +757,18 @@ class Context:
                 for dq in self._anysource.values():
                     failed.extend(dq)
                 self._anysource.clear()
+        # Sends too: an algorithm waiting on a send must see this reason, not whatever ends
+        # that send later (e.g. the peer closing once it failed for the same reason).
+        for p in self.peers.values():
+            with p.cond:
+                hit = [r for r in p.send_queue if isinstance(r, Request)
+                       and (not only_collective or r.channel == CHANNEL_COLLECTIVE)]
+                if hit:
+                    gone = set(map(id, hit))
+                    p.send_queue = collections.deque(r for r in p.send_queue if id(r) not in gone)
+                failed += hit
+                failed += [r for r in p.sending if not r.is_completed()
+                           and (not only_collective or r.channel == CHANNEL_COLLECTIVE)]
         for r in failed:
             r._finish(_wrap(err))
 
