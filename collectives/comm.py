@@ -20,6 +20,8 @@ OPNAMES = {v: k for k, v in OPCODES.items()}
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A memoryview of a contiguous CPU tensor's bytes, without a copy."""
+    if t.numel() == 0:  # an empty tensor may carry any stride; there are no bytes to view
+        return memoryview(bytearray(0))
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 

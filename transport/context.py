@@ -233,8 +233,14 @@ class Context:
                 sock, addr = ls.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return  # listener closed
+            except OSError as e:
+                if ls.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # listener closed
+                # Out of descriptors (a flood) or a connection reset before accept: keep
+                # accepting; the mesh's own deadline still bounds the wait.
+                log.warning("rank %d: accept failed (%s); retrying", self.rank, e)
+                time.sleep(0.1)
+                continue
             self._spawn(self._accept_one, sock, addr, name="linerate-handshake")
 
     def _accept_one(self, sock: socket.socket, addr) -> None:

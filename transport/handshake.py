@@ -23,6 +23,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 MAGIC = b"LNRT"
 VERSION = 2  # 2: frame headers carry the call digest (48 bytes)
@@ -47,15 +48,29 @@ def _mac(secret: bytes, role: bytes, hello: bytes, nonce: bytes) -> bytes:
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly n bytes (n is a protocol constant here, never a peer's number)."""
+    """Read exactly n bytes (n is a protocol constant here, never a peer's number).
+
+    The socket's timeout bounds the whole read, not each recv: a peer that drips one byte
+    at a time cannot hold a handshake (a thread and a descriptor) open for long."""
+    timeout = sock.gettimeout()
+    deadline = time.monotonic() + timeout if timeout else None
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
-        got += k
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout(f"timed out after {got} of {n} handshake bytes")
+                sock.settimeout(left)
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
+            got += k
+    finally:
+        if deadline is not None:
+            sock.settimeout(timeout)
     return bytes(buf)
 
 
