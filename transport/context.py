@@ -115,7 +115,7 @@ class Context:
         self.size = size
         self.options = options or TransportOptions.from_env()
         #: Seconds of silence after which a peer's connections fail (LINERATE_LINK_TIMEOUT).
-        self.link_timeout = link_timeout_from_env()
+        self.link_timeout = self.options.link_timeout
         self.opnames = opnames or {}
         self.label = label
         self._lock = threading.Lock()            # matching state of all peers
@@ -982,20 +982,13 @@ def _tune(sock: socket.socket, link_timeout: float = LINK_TIMEOUT_DEFAULT) -> No
 
 
 def link_timeout_from_env(env=None) -> float:
-    """LINERATE_LINK_TIMEOUT: seconds a peer may acknowledge nothing before its connections
-    fail (0: the kernel's defaults). A bad value raises a ValueError naming the variable."""
+    """LINERATE_LINK_TIMEOUT (TransportOptions.link_timeout): seconds a peer may acknowledge
+    nothing before its connections fail (0: the kernel's defaults). A bad value raises a
+    ValueError naming the variable."""
     env = os.environ if env is None else env
-    text = env.get("LINERATE_LINK_TIMEOUT")
-    if text is None or not text.strip():
+    if not env.get("LINERATE_LINK_TIMEOUT", "").strip():
         return LINK_TIMEOUT_DEFAULT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e9:  # NaN fails too
-        raise ValueError(f"LINERATE_LINK_TIMEOUT={text!r}: expected a number of seconds >= 0 "
-                         f"(0: the kernel's defaults)")
-    return value
+    return TransportOptions.from_env({"LINERATE_LINK_TIMEOUT": env["LINERATE_LINK_TIMEOUT"]}).link_timeout
 
 
 def _thread_peer(name: str) -> int | None:

@@ -45,6 +45,16 @@ def parse_rate(text: str) -> int:
     return bps
 
 
+def _parse_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e9:  # NaN fails too
+        raise ValueError("expected a number of seconds >= 0 (0: the kernel's defaults)")
+    return value
+
+
 def _parse_bool(text: str) -> bool:
     s = text.strip().lower()
     if s in ("1", "true", "yes", "on"):
@@ -84,6 +94,9 @@ class TransportOptions:
     prefer_ipv6: bool = False
     #: A CRC-32 after every chunk, checked on receipt (every rank must agree).
     checksum: bool = False
+    #: Seconds a peer may acknowledge nothing (an idle connection: answer no keepalive probe)
+    #: before its connections fail, naming it (TCP_USER_TIMEOUT); 0: the kernel's defaults.
+    link_timeout: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
@@ -95,7 +108,8 @@ class TransportOptions:
                    "LINERATE_CONNECT_TIMEOUT": ("connect_timeout", float),
                    "LINERATE_MAX_UNEXPECTED_BYTES": ("max_unexpected_bytes", parse_size),
                    "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool),
-                   "LINERATE_CHECKSUM": ("checksum", _parse_bool)}
+                   "LINERATE_CHECKSUM": ("checksum", _parse_bool),
+                   "LINERATE_LINK_TIMEOUT": ("link_timeout", _parse_seconds)}
         for var, (field, parse) in parsers.items():
             if var in env:
                 setattr(o, field, parse_env(env, var, parse))
