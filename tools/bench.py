@@ -10,7 +10,12 @@ import argparse
 import os
 import sys
 
+from tools.argtypes import port as _port
+from tools.argtypes import positive_float as _positive_float
+from tools.argtypes import positive_int as _positive_int
+from tools.argtypes import size as _size
 from tools.launch import launch_local
+from transport.options import parse_size
 
 OP_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -20,21 +25,6 @@ LAUNCH_GRACE_S = 15.0
 DEFAULT_RAW_STREAMS = 4
 DEFAULT_RAW_SECONDS = 2.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-try:
-    from transport.options import parse_size
-except ImportError:
-    _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-              "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-    def parse_size(text: str) -> int:
-        """Parse ``"512K"``, ``"4MB"``, ``"1048576"`` into a byte count (binary multiples)."""
-        s = text.strip().lower()
-        digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        if not digits or s[len(digits):] not in _UNITS:
-            raise ValueError(f"cannot parse size {text!r}: expected a number with an optional "
-                             "K/M/G suffix")
-        return int(float(digits) * _UNITS[s[len(digits):]])
 
 
 def add_parser(subparsers) -> None:
@@ -167,37 +157,6 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     if args.loop:
         argv.append("--loop")
     return argv
-
-
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return n
-
-
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return n
-
-
-def _port(text: str) -> int:
-    v = int(text)
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    x = float(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return x
 
 
 def _factor(text: str) -> int:

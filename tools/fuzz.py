@@ -46,6 +46,8 @@ from transport import framing, handshake
 from transport.options import TransportOptions
 from transport.request import PeerFailure, TransportError
 
+log = logging.getLogger("linerate.fuzz")
+
 try:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
@@ -333,8 +335,8 @@ def check_live(frames) -> str:
             try:
                 pair.sock.sendall(stream + probe)
                 pair.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass  # the context already dropped us: that is an outcome too
+            except OSError as e:  # the context already dropped us: an outcome, judged below
+                log.debug("fuzz: sending to the context failed: %s", e)
             try:
                 watch.wait(5.0)
                 outcome = "delivered"

@@ -29,7 +29,10 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 
-from transport.options import parse_size
+from tools.argtypes import nonneg_float as _nonneg_float
+from tools.argtypes import positive_float as _positive_float
+from tools.argtypes import positive_int as _positive_int
+from tools.argtypes import size as _size
 
 #: The topologies of collectives.topology (by_name keys), exchanged point to point by
 #: neighbor_allreduce; the model mirrors their definitions (docs/model.md).
@@ -708,16 +711,6 @@ def format_table(cluster: Cluster, measured: dict | None, model_bytes: int, comp
 
 # ----------------------------------------------------------------------------- arg types
 
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return n
-
-
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}
 
 
@@ -732,27 +725,6 @@ def _count(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return int(round(n))
-
-
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return n
-
-
-def _positive_float(text: str) -> float:
-    x = float(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return x
-
-
-def _nonneg_float(text: str) -> float:
-    x = float(text)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return x
 
 
 def _fraction(text: str) -> float:

@@ -77,9 +77,9 @@ def parse_endpoint(text: str) -> list[str]:
         host, ports = "localhost", s
     elif not host:
         host = "localhost"
-    if host.startswith("[") and host.endswith("]") and len(host) > 2:
-        pass  # an IPv6 address in brackets
-    elif ":" in host or "[" in host or "]" in host or "/" in host or not host.strip():
+    bracketed_ipv6 = host.startswith("[") and host.endswith("]") and len(host) > 2
+    if not bracketed_ipv6 and (":" in host or "[" in host or "]" in host or "/" in host
+                               or not host.strip()):
         raise ValueError(f"{text!r}: expected HOST:PORT, HOST:PORT1-PORT2 or a URL "
                          "(IPv6 addresses in brackets: [::1]:9400)")
     first, dash, last = ports.partition("-")

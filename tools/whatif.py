@@ -29,7 +29,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from transport.options import parse_size
+from tools.argtypes import nonneg_float as _nonneg_float
+from tools.argtypes import nonneg_int as _nonneg_int
+from tools.argtypes import positive_float as _positive_float
+from tools.argtypes import positive_int as _positive_int
+from tools.argtypes import size as _size
 
 BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "transformer-small")
 DEFAULT_GBIT = (1.0, 10.0, 25.0, 100.0)
@@ -540,44 +544,6 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"# plot: {os.path.abspath(args.plot)}")
     return 0
-
-
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return n
-
-
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return n
-
-
-def _nonneg_int(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return n
-
-
-def _positive_float(text: str) -> float:
-    x = float(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return x
-
-
-def _nonneg_float(text: str) -> float:
-    x = float(text)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return x
 
 
 def _float_list(text: str) -> list[float]:
