@@ -10,9 +10,10 @@ the 2.13 names bound to one implementation (see shared notes).
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import math
-import queue
 import threading
 import time
 from datetime import timedelta
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, ring, stats
+from . import chain, direct, fusion, ring, stats
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_type
@@ -115,7 +116,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                    else rank))
         self._seq = 0
         self._seq_lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # The worker's queue: op tuples, fusion.Entry objects, and None (stop).
+        self._queue: collections.deque = collections.deque()
+        self._qcond = threading.Condition(threading.Lock())
+        self._urgent = False   # someone waits on a queued fusion entry: fuse now
+        self._chain = 0        # running digest of the fusable calls (fusion.chain_digest)
+        #: Tensor fusion so far: async all_reduce calls queued as entries, fused ops run.
+        self.fusion_stats = {"calls": 0, "ops": 0}
         self._scratch = Scratch()
         self._shut = False
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
@@ -192,19 +199,52 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         ``nbytes`` its size for the metrics (default: from ``result``)."""
         if self._shut:
             raise RuntimeError(f"linerate: {op} on a process group that was shut down")
-        with self._seq_lock:
+        with self._seq_lock:  # queue order is sequence order
             self._seq += 1
             seq = self._seq
-        work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})", result,
-                    stage.devices)
-        self._queue.put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
+            work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
+                        result, stage.devices)
+            self._put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
         return work
+
+    def _put(self, item) -> None:
+        with self._qcond:
+            self._queue.append(item)
+            self._qcond.notify()
+
+    def _expedite(self) -> None:
+        """A caller waits on a queued fusion entry: stop waiting for more to fuse with."""
+        with self._qcond:
+            if not self._urgent:
+                self._urgent = True
+                self._qcond.notify()
+
+    def _next_item(self):
+        """The worker's next op tuple, a list of fusion entries with the count offered, or
+        None (stop)."""
+        cycle = self._options.cycle_ms / 1000.0
+        with self._qcond:
+            while True:
+                while not self._queue:
+                    self._qcond.wait()
+                head = self._queue[0]
+                if not isinstance(head, fusion.Entry):
+                    return self._queue.popleft()
+                n, closed = fusion.plan(self._queue, self._options.fusion_bytes)
+                left = head.queued + cycle - time.monotonic()
+                if closed or self._urgent or left <= 0:
+                    self._urgent = False
+                    return list(itertools.islice(self._queue, n))
+                self._qcond.wait(left)
 
     def _run_worker(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._next_item()
             if item is None:
                 return
+            if isinstance(item, list):
+                self._run_fused(item)
+                continue
             op, seq, fn, stage, timeout, work, result, nbytes, desc = item
             comm = None
             try:
@@ -239,6 +279,58 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                     if nbytes is None:
                         nbytes = stats.message_bytes(op, result, self.size())
                     stats.record(op, comm.algorithm, nbytes, seconds, self.size())
+
+    def _run_fused(self, offered: list) -> None:
+        """Agree with the peers how many of the offered entries to fuse, then run them."""
+        head = offered[0]
+        comm = None
+        taken = offered
+        try:
+            broken = self._ctx.broken
+            if broken is not None:
+                raise TransportError(f"rank {self.rank()}: all_reduce #{head.seq} cannot run: the "
+                                     f"group failed earlier: {broken}")
+            comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
+                        self._options.piece_bytes, self._scratch)
+            t0 = time.perf_counter()
+            comm.set_call(f"fused async op={head.opname}")
+            k, head_done = fusion.agree(comm, offered, len(offered), self._options.small_bytes)
+            taken = offered[:k]
+            nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
+                                self._options.allreduce_algo)
+            if head_done:
+                nbytes += taken[0].nbytes
+                comm.algorithm = "direct" if k == 1 else comm.algorithm
+            for e in taken:
+                e.stage.finish()
+            seconds = time.perf_counter() - t0
+        except BaseException as e:  # every failure reaches the Works, and the peers
+            if isinstance(e, OpTimeout):
+                self._ctx.report_error(str(e))
+            elif not isinstance(e, TransportError):
+                if not isinstance(e, ValueError):
+                    log.exception("rank %d: fused all_reduce #%d failed", self.rank(), head.seq)
+                self._ctx.report_error(str(e) if isinstance(e, ValueError) else
+                                       f"rank {self.rank()}: all_reduce #{head.seq} failed: {e}")
+            if comm is not None:
+                comm.end()
+            self._pop_entries(len(taken))
+            for entry in taken:
+                entry.work._complete(e)
+            return
+        comm.end()
+        self._pop_entries(len(taken))
+        self.fusion_stats["calls"] += len(taken)
+        self.fusion_stats["ops"] += 1
+        for e in taken:
+            e.work._complete()
+        if metrics.enabled():
+            stats.record("all_reduce", comm.algorithm, nbytes, seconds, self.size())
+
+    def _pop_entries(self, n: int) -> None:
+        with self._qcond:
+            for _ in range(n):
+                self._queue.popleft()
 
     # ------------------------------------------------------------------ checks
     def _check_tensor(self, t, what: str) -> None:
@@ -290,6 +382,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
+        # Fusable: decided from the call alone (never from asyncOp: a rank may call the
+        # same all_reduce synchronously where another does not), the same on every rank.
+        if (len(bufs) == 1 and self.size() > 1
+                and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
+            return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts))
 
         def run(comm: Comm):
             for b in bufs:
@@ -297,6 +394,23 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts(tensors)} op={_rop(op)}")
+
+    def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: _Stage,
+                 timeout: float) -> Work:
+        """Queue an async all_reduce as a fusion entry (collectives/fusion.py)."""
+        if self._shut:
+            raise RuntimeError(f"linerate: {what} on a process group that was shut down")
+        desc = f"{_dts([tensor])} op={_rop(op)}"
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+            self._chain = fusion.chain_digest(self._chain, seq, desc)
+            work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
+                        [tensor], stage.devices)
+            work._on_wait = self._expedite
+            self._put(fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
+                                   self._chain))
+        return work
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
         if algo == "direct" or (algo == "auto" and self._small(flat.numel() * flat.element_size())):
@@ -763,7 +877,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if self._shut:
             return
         self._shut = True
-        self._queue.put(None)
+        self._put(None)
         if threading.current_thread() is not self._worker:
             self._worker.join(timeout=self._timeout)
         self._ctx.close()
@@ -774,13 +888,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return
         self._shut = True
         self._ctx.close(timeout=0.0, reason="aborted")
-        self._queue.put(None)
+        self._put(None)
 
     def __del__(self):
         try:
             if not self._shut:
                 self._shut = True
-                self._queue.put(None)
+                self._put(None)
                 self._ctx.close(timeout=1.0)
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass

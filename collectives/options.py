@@ -24,6 +24,11 @@ class Options:
     small_bytes: int = 64 * 1024
     #: Pipeline granularity of ring and chain algorithms (4 MiB measured best, README).
     piece_bytes: int = 4 << 20
+    #: Tensor fusion (collectives/fusion.py): async all_reduces of tensors up to this many
+    #: bytes are packed into fused all_reduces of at most this many bytes; 0 turns it off.
+    fusion_bytes: int = 4 << 20
+    #: How long a fusable all_reduce waits for more to fuse with, when nobody waits on it yet.
+    cycle_ms: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
@@ -37,6 +42,14 @@ class Options:
             o.small_bytes = parse_size(env["LINERATE_SMALL_BYTES"])
         if "LINERATE_PIECE_BYTES" in env:
             o.piece_bytes = parse_size(env["LINERATE_PIECE_BYTES"])
+        if "LINERATE_FUSION_BYTES" in env:
+            o.fusion_bytes = parse_size(env["LINERATE_FUSION_BYTES"])
+        if "LINERATE_CYCLE_MS" in env:
+            raw = env["LINERATE_CYCLE_MS"]
+            try:
+                o.cycle_ms = float(raw)
+            except ValueError:
+                raise ValueError(f"LINERATE_CYCLE_MS must be a number of milliseconds, got {raw!r}") from None
         o.validate()
         return o
 
@@ -51,4 +64,8 @@ class Options:
             raise ValueError(f"LINERATE_PIECE_BYTES must be at least 4096, got {self.piece_bytes}")
         if self.small_bytes < 0:
             raise ValueError(f"LINERATE_SMALL_BYTES must be >= 0, got {self.small_bytes}")
+        if self.fusion_bytes < 0:
+            raise ValueError(f"LINERATE_FUSION_BYTES must be >= 0 (0: no fusion), got {self.fusion_bytes}")
+        if not 0 <= self.cycle_ms <= 10_000:
+            raise ValueError(f"LINERATE_CYCLE_MS must be between 0 and 10000, got {self.cycle_ms}")
         self.transport.validate()

@@ -46,6 +46,9 @@ class Work(dist._Work):
         self._exc: BaseException | None = None
         self._src = -1
         self._fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        #: Called when someone starts waiting for the result (a queued fusion entry then
+        #: stops waiting for more calls to fuse with).
+        self._on_wait = None
 
     # -- completion (communication side) ----------------------------------------------------
     def _complete(self, exc: BaseException | None = None, source_rank: int = -1) -> None:
@@ -61,7 +64,12 @@ class Work(dist._Work):
             self._fut.set_exception(self._exc)
 
     # -- user side --------------------------------------------------------------------------
+    def _waiting(self) -> None:
+        if self._on_wait is not None and not self._event.is_set():
+            self._on_wait()
+
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._waiting()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if seconds > 0:
             if not self._event.wait(seconds):
@@ -91,6 +99,7 @@ class Work(dist._Work):
         return self._exc
 
     def get_future(self) -> torch.futures.Future:
+        self._waiting()
         return self._fut
 
     def result(self) -> list:

@@ -1,0 +1,186 @@
+"""Tensor fusion: small async all_reduces issued back to back run as one fused all_reduce.
+
+Like Horovod's fusion buffer, with Horovod's coordinator replaced by a one-round agreement:
+
+* Every ``all_reduce`` of one tensor of at most ``LINERATE_FUSION_BYTES`` is queued as an
+  *entry* instead of an op, synchronous or not: whether a call fuses must not depend on
+  anything that may differ between ranks (one rank may wait at once where another does not). Entries and ordinary
+  ops keep one order on the group's worker, so a fused all_reduce never overtakes an earlier op
+  nor is overtaken by a later one.
+* When an entry reaches the head of the queue, the worker takes the longest run of entries
+  behind it with the same reduce op, up to ``LINERATE_FUSION_BYTES`` in all. If the run is
+  closed (an ordinary op follows, or the buffer is full) it goes at once; if more entries may
+  still come, it waits up to ``LINERATE_CYCLE_MS`` after the head entry was queued, or until
+  someone waits on one of their Works.
+* Ranks see entries at different times, so they agree on how many to fuse: each sends the
+  others its count ``c`` and a running digest of every fusable call so far (sequence number,
+  dtype, size, op); all take ``k = min(c)``. The ranks whose ``c`` is ``k`` have sent the digest
+  of exactly those k calls, and every rank compares its own: calls that differ (dtype, size, op,
+  or a rank that issued other ops in between) fail on every rank at once, never fuse into
+  corrupt results.
+* The k tensors are packed by dtype into flat buffers, all-reduced with the usual algorithms
+  (ring or direct by size) under the head entry's sequence number, and unpacked; each Work then
+  completes with its own tensor's result.
+
+The agreement costs one message of 16 bytes to each peer per fused op. A head entry of up to
+``LINERATE_SMALL_BYTES`` travels with it and is reduced on arrival, so a lone small all_reduce
+(a synchronous call: the caller waits at once, which ends the cycle wait) still takes one round.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+
+import torch
+
+from transport import CHANNEL_COLLECTIVE
+
+from .reduce_ops import finish_avg, reduce_into
+
+_AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
+#: Most entries one fused op takes (bounds the unpacking work per op).
+MAX_ENTRIES = 4096
+
+
+class Entry:
+    """One async all_reduce waiting to be fused."""
+
+    __slots__ = ("seq", "buf", "tensor", "op", "opname", "stage", "work", "timeout", "desc",
+                 "nbytes", "queued", "chain")
+
+    def __init__(self, seq, buf, tensor, op, opname, stage, work, timeout, desc, chain):
+        self.seq = seq
+        self.buf = buf            # contiguous CPU tensor the result is written to
+        self.tensor = tensor      # the caller's tensor (the Work's result)
+        self.op = op
+        self.opname = opname
+        self.stage = stage
+        self.work = work
+        self.timeout = timeout
+        self.desc = desc
+        self.nbytes = buf.numel() * buf.element_size()
+        self.queued = time.monotonic()
+        self.chain = chain        # running digest of every fusable call up to this one
+
+
+def chain_digest(prev: int, seq: int, desc: str) -> int:
+    """The running digest after one more fusable call (same on every rank for the same calls)."""
+    h = hashlib.blake2b(f"{prev:016x} {seq} {desc}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def plan(queue, cap_bytes: int) -> tuple[int, bool]:
+    """(entries the run at the head of ``queue`` may fuse, whether the run is closed).
+
+    The run is the head entry and the entries right behind it with the same reduce op, as
+    long as their bytes fit in ``cap_bytes``. Closed: what follows it is already known (an op,
+    another reduce op, or a full buffer), so waiting cannot make it longer. The rule depends
+    only on the calls, so every rank that has seen a closed run plans the same one."""
+    head = queue[0]
+    total = 0
+    n = 0
+    for item in queue:
+        if not isinstance(item, Entry) or item.opname != head.opname:
+            return n, True
+        if n and (total + item.nbytes > cap_bytes or n >= MAX_ENTRIES):
+            return n, True
+        total += item.nbytes
+        n += 1
+    return n, total >= cap_bytes or n >= MAX_ENTRIES
+
+
+def agree(comm, entries: list[Entry], offered: int, carry_bytes: int) -> tuple[int, bool]:
+    """(the number of entries every rank fuses: the least offered, whether the head entry is
+    already reduced). Raises ValueError naming the calls when the ranks' calls differ.
+
+    A head entry of at most ``carry_bytes`` travels with the agreement and is folded here in
+    rank order (as collectives.direct does): a lone small all_reduce, the common synchronous
+    case, costs one round as it would without fusion."""
+    head = entries[0]
+    if comm.size == 1:
+        return offered, False
+    ctx = comm.ctx
+    carry = head.nbytes <= carry_bytes  # the same on every rank for the same call
+    size = _AGREE.size + (head.nbytes if carry else 0)
+    out = bytearray(size)
+    _AGREE.pack_into(out, 0, offered, entries[offered - 1].chain)
+    if carry and head.nbytes:
+        out[_AGREE.size:] = memoryview(head.buf.reshape(-1).view(torch.uint8).numpy())
+    reqs = {}
+    sends = []
+    for peer in range(comm.size):
+        if peer == comm.rank:
+            continue
+        buf = bytearray(size)
+        reqs[peer] = (buf, ctx.irecv(peer, memoryview(buf), CHANNEL_COLLECTIVE, comm.seq,
+                                     comm.opcode, comm._req_desc, 0, comm.call))
+        sends.append(ctx.isend(peer, memoryview(out), CHANNEL_COLLECTIVE, comm.seq, comm.opcode,
+                               comm._req_desc, 0, comm.call))
+    theirs = {}
+    for peer, (buf, req) in reqs.items():
+        comm.wait(req)
+        theirs[peer] = _AGREE.unpack_from(buf, 0)
+    comm.wait_all(sends)
+    k = min([offered] + [c for c, _ in theirs.values()])
+    if k < 1:
+        raise ValueError(f"rank {comm.rank}: fused all_reduce #{comm.seq}: a peer offered {k} calls")
+    own = entries[k - 1].chain
+    for peer, (c, digest) in sorted(theirs.items()):
+        if c == k and digest != own:
+            raise ValueError(
+                f"rank {comm.rank}: all_reduce calls #{head.seq}..#{entries[k - 1].seq} (fused) "
+                f"differ from rank {peer}'s: the ranks passed other dtypes, sizes or reduce ops, "
+                f"or called other operations in between; rank {comm.rank} called "
+                f"{summary(entries[:k])}")
+    if not carry:
+        return k, False
+    if head.nbytes:
+        flat = head.buf.view(-1)
+        parts = [flat.clone() if r == comm.rank else
+                 torch.frombuffer(reqs[r][0], dtype=flat.dtype, offset=_AGREE.size, count=flat.numel())
+                 for r in range(comm.size)]
+        flat.copy_(parts[0])
+        for part in parts[1:]:
+            reduce_into(flat, part, head.op)
+        finish_avg(flat, head.op, comm.size)
+    return k, True
+
+
+def summary(entries: list[Entry]) -> str:
+    """``float32[1024] x3, int64[7]`` op=SUM: the calls, run-length encoded (for messages)."""
+    parts: list[list] = []
+    for e in entries:
+        d = e.desc.split(" op=", 1)[0]
+        if parts and parts[-1][0] == d:
+            parts[-1][1] += 1
+        else:
+            parts.append([d, 1])
+    text = ", ".join(d if n == 1 else f"{d} x{n}" for d, n in parts[:8])
+    if len(parts) > 8:
+        text += f", ... ({len(entries)} calls)"
+    return f"{text} op={entries[0].opname}"
+
+
+def run(comm, entries: list[Entry], allreduce_flat, algo: str) -> int:
+    """All-reduce the entries' buffers as one message per dtype; returns the bytes reduced."""
+    if not entries:
+        return 0
+    if len(entries) == 1:
+        e = entries[0]
+        allreduce_flat(comm, e.buf.view(-1), e.op, algo)
+        return e.nbytes
+    by_dtype: dict = {}
+    for e in entries:
+        by_dtype.setdefault(e.buf.dtype, []).append(e)
+    total = 0
+    for group in by_dtype.values():
+        flat = torch.cat([e.buf.view(-1) for e in group])
+        allreduce_flat(comm, flat, group[0].op, algo)
+        off = 0
+        for e in group:
+            n = e.buf.numel()
+            e.buf.view(-1).copy_(flat[off:off + n])
+            off += n
+        total += flat.numel() * flat.element_size()
+    return total
