@@ -22,6 +22,9 @@ def __getattr__(name):
     if name == "DecentralizedDataParallel":
         from .decentralized import DecentralizedDataParallel
         return DecentralizedDataParallel
+    if name == "PriorityDataParallel":
+        from .priority import PriorityDataParallel
+        return PriorityDataParallel
     if name == "topology":
         import importlib
         return importlib.import_module(".topology", __name__)
@@ -29,4 +32,4 @@ def __getattr__(name):
 
 
 __all__ = ["BACKEND_NAME", "register", "ProcessGroupLinerate", "create_process_group", "Options",
-           "neighbor_allreduce", "topology", "DecentralizedDataParallel"]
+           "neighbor_allreduce", "topology", "DecentralizedDataParallel", "PriorityDataParallel"]

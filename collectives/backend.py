@@ -11,6 +11,7 @@ the 2.13 names bound to one implementation (see shared notes).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, fusion, ring, stats
+from . import chain, direct, fusion, ring, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_type
@@ -125,6 +126,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self.fusion_stats = {"calls": 0, "ops": 0}
         self._scratch = Scratch()
         self._shut = False
+        # Prioritized all_reduces (allreduce_priority) run at once, each on a thread of its
+        # own, with a scratch of their own; created on first use.
+        self._prio_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prio_scratch = threading.local()
+        self.timeline = timeline.get(global_ranks[rank] if global_ranks and len(global_ranks) == size
+                                     else rank)
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
         self._worker.start()
@@ -293,7 +300,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
                         self._options.piece_bytes, self._scratch)
             t0 = time.perf_counter()
-            comm.set_call(f"fused async op={head.opname}")
+            # The head call is part of the digest: a head that differs (dtype, size, op) is
+            # a mismatch named like any other; the calls after it are checked by agree().
+            comm.set_call(f"{head.desc} (fused with what follows)")
             k, head_done = fusion.agree(comm, offered, len(offered), self._options.small_bytes)
             taken = offered[:k]
             nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
@@ -411,6 +420,80 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._put(fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                    self._chain))
         return work
+
+    #: Most prioritized all_reduces running at once; more wait, in call order (which keeps
+    #: every rank's running set overlapping: no deadlock).
+    PRIORITY_THREADS = 64
+
+    def allreduce_priority(self, tensor: torch.Tensor, priority: int, op=dist.ReduceOp.SUM,
+                           name: str = "", timeout: float | None = None) -> Work:
+        """All-reduce ``tensor`` in place, starting now, beside the group's other operations;
+        its sends go before those of lower priority (a larger number) already queued, chunk by
+        chunk. Ranks must call it in the same order with the same tensors (``name``, e.g. a
+        layer and partition, is part of what they must agree on). The caller must leave the
+        tensor alone until the Work completes. Used by PriorityDataParallel."""
+        what = "all_reduce"
+        self._check_tensor(tensor, what)
+        op = op_type(op)
+        check_op(op, tensor.dtype, f"rank {self.rank()}: {what} of {_desc(tensor)}")
+        if self._shut:
+            raise RuntimeError(f"linerate: {what} on a process group that was shut down")
+        stage = _Stage()
+        buf = stage.out(tensor, keep=True)
+        timeout = self._timeout if timeout is None else float(timeout)
+        desc = f"{_dts([tensor])} op={_rop(op)} {name}".rstrip()
+        tl = self.timeline
+        queued = time.perf_counter()
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+            work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'}, "
+                        f"priority {priority})", [tensor], stage.devices)
+            if self._prio_pool is None:
+                self._prio_pool = concurrent.futures.ThreadPoolExecutor(
+                    self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self.rank()}")
+            self._prio_pool.submit(self._run_priority, seq, buf, op, priority, stage, work, timeout,
+                                   desc, name, queued)
+        if tl is not None:
+            tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
+        return work
+
+    def _run_priority(self, seq, buf, op, priority, stage, work, timeout, desc, name, queued):
+        scratch = getattr(self._prio_scratch, "s", None)
+        if scratch is None:
+            scratch = self._prio_scratch.s = Scratch()
+        comm = None
+        try:
+            broken = self._ctx.broken
+            if broken is not None:
+                raise TransportError(f"rank {self.rank()}: all_reduce #{seq} cannot run: the group "
+                                     f"failed earlier: {broken}")
+            comm = Comm(self._ctx, "all_reduce", seq, timeout, self._options.piece_bytes, scratch)
+            comm.priority = priority
+            t0 = time.perf_counter()
+            comm.set_call(desc)
+            self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
+            stage.finish()
+            t1 = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
+            if isinstance(e, OpTimeout):
+                self._ctx.report_error(str(e))
+            elif not isinstance(e, TransportError):
+                log.exception("rank %d: all_reduce #%d failed", self.rank(), seq)
+                self._ctx.report_error(f"rank {self.rank()}: all_reduce #{seq} failed: {e}")
+            if comm is not None:
+                comm.end()
+            work._complete(e)
+            return
+        comm.end()
+        work._complete()
+        if self.timeline is not None:
+            self.timeline.span(f"all_reduce {name or seq}", "comm", t0, t1, priority=priority,
+                               bytes=buf.numel() * buf.element_size(),
+                               queued_ms=round((t0 - queued) * 1000, 3))
+        if metrics.enabled():
+            stats.record("all_reduce", comm.algorithm, buf.numel() * buf.element_size(), t1 - t0,
+                         self.size())
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
         if algo == "direct" or (algo == "auto" and self._small(flat.numel() * flat.element_size())):
@@ -880,6 +963,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._put(None)
         if threading.current_thread() is not self._worker:
             self._worker.join(timeout=self._timeout)
+        if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
+            self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
         self._ctx.close()
 
     def abort(self) -> None:

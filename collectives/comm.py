@@ -85,6 +85,8 @@ class Comm:
         self.call = 0
         self.call_text = ""
         self._req_desc = self._desc
+        #: Priority of this op's sends (lower goes first; transport Context.isend).
+        self.priority = 0
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
@@ -128,7 +130,7 @@ class Comm:
 
     def isend(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.isend(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call)
+                              self._req_desc, slot, self.call, self.priority)
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,

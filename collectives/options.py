@@ -29,6 +29,9 @@ class Options:
     fusion_bytes: int = 4 << 20
     #: How long a fusable all_reduce waits for more to fuse with, when nobody waits on it yet.
     cycle_ms: float = 1.0
+    #: Priority scheduling (collectives/priority.py): a layer's gradients are all-reduced in
+    #: partitions of at most this many bytes, so a more urgent layer's overtake them.
+    partition_bytes: int = 4 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
@@ -44,6 +47,8 @@ class Options:
             o.piece_bytes = parse_size(env["LINERATE_PIECE_BYTES"])
         if "LINERATE_FUSION_BYTES" in env:
             o.fusion_bytes = parse_size(env["LINERATE_FUSION_BYTES"])
+        if "LINERATE_PARTITION_BYTES" in env:
+            o.partition_bytes = parse_size(env["LINERATE_PARTITION_BYTES"])
         if "LINERATE_CYCLE_MS" in env:
             raw = env["LINERATE_CYCLE_MS"]
             try:
@@ -66,6 +71,8 @@ class Options:
             raise ValueError(f"LINERATE_SMALL_BYTES must be >= 0, got {self.small_bytes}")
         if self.fusion_bytes < 0:
             raise ValueError(f"LINERATE_FUSION_BYTES must be >= 0 (0: no fusion), got {self.fusion_bytes}")
+        if self.partition_bytes < 4096:
+            raise ValueError(f"LINERATE_PARTITION_BYTES must be at least 4096, got {self.partition_bytes}")
         if not 0 <= self.cycle_ms <= 10_000:
             raise ValueError(f"LINERATE_CYCLE_MS must be between 0 and 10000, got {self.cycle_ms}")
         self.transport.validate()

@@ -26,7 +26,8 @@ class Request:
     """One posted send or receive. ``wait`` raises the transfer's error, if any."""
 
     __slots__ = ("peer", "buf", "total", "channel", "tag", "msgno", "opcode", "done_bytes",
-                 "chunks_left", "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc", "call")
+                 "chunks_left", "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc", "call",
+                 "priority")
 
     def __init__(self, is_send: bool, peer: int | None, buf: memoryview, channel: int, tag: int,
                  opcode: int, desc: str):
@@ -41,6 +42,7 @@ class Request:
         self.opcode = opcode
         self.desc = desc
         self.call = 0  # collective: digest of the call's arguments (framing: call)
+        self.priority = 0  # sends: lower goes first (Context.isend)
         self.msgno = -1
         self.done_bytes = 0
         self.chunks_left = 0

@@ -1,0 +1,218 @@
+"""Priority scheduling: the transport sends the most urgent queued message first (chunk by
+chunk, within the credit window), and PriorityDataParallel trains exactly like DDP (same loss,
+step for step, as DDP over Gloo) while all-reducing per layer by priority and updating each
+layer as soon as its gradients arrive; its timeline shows when each partition was queued,
+sent and applied."""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import run_ranks
+from transport import CHANNEL_P2P, Context, TransportOptions
+
+
+def _pair(**kw):
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    opts = TransportOptions(nsocks=1, socket_ifname="lo", chunk_bytes=64 << 10, **kw)
+    ctxs = [None, None]
+
+    def build(r):
+        ctxs[r] = Context(store, r, 2, opts)
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert all(ctxs)
+    return ctxs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("urgent", [True, False])
+def test_urgent_message_overtakes_queued_ones(urgent):
+    c0, c1 = _pair(credit_bytes=64 << 10)
+    try:
+        big = np.zeros(64 << 20, np.uint8)
+        small = np.ones(256 << 10, np.uint8)
+        rbig, rsmall = np.empty_like(big), np.empty_like(small)
+        done = []
+        r1 = c1.irecv(0, memoryview(rbig), CHANNEL_P2P, 1)
+        r2 = c1.irecv(0, memoryview(rsmall), CHANNEL_P2P, 2)
+        r1.add_done_callback(lambda r: done.append("big"))
+        r2.add_done_callback(lambda r: done.append("small"))
+        s1 = c0.isend(1, memoryview(big), CHANNEL_P2P, 1, priority=5)
+        s2 = c0.isend(1, memoryview(small), CHANNEL_P2P, 2, priority=0 if urgent else 5)
+        for r in (s1, s2, r1, r2):
+            r.wait(30)
+        assert np.array_equal(rsmall, small) and np.array_equal(rbig, big)
+        assert done == (["small", "big"] if urgent else ["big", "small"]), done
+    finally:
+        c0.close(timeout=5)
+        c1.close(timeout=5)
+
+
+def test_credit_option_is_validated():
+    with pytest.raises(ValueError, match="LINERATE_CREDIT_BYTES"):
+        TransportOptions.from_env({"LINERATE_CREDIT_BYTES": "lots"})
+    assert TransportOptions.from_env({"LINERATE_CREDIT_BYTES": "256K"}).credit_bytes == 256 << 10
+    from collectives.options import Options
+    assert Options.from_env({"LINERATE_PARTITION_BYTES": "1M"}).partition_bytes == 1 << 20
+    with pytest.raises(ValueError, match="LINERATE_PARTITION_BYTES"):
+        Options.from_env({"LINERATE_PARTITION_BYTES": "100"})
+
+
+# ----------------------------------------------------------------------------- training
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 1))
+
+
+def _batches(rank, steps):
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        yield x, (x[:, :1] * 2 - x[:, 1:2]).sin()
+
+
+def _train(model, opt, rank, steps, sched=None):
+    losses = []
+    for x, y in _batches(rank, steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _compare(rank, world, lr, optim, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from collectives import PriorityDataParallel
+
+    def make_opt(params):
+        if optim == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+        return torch.optim.Adam(params, lr=3e-3)
+
+    net = _mlp(1 + rank)  # different on every rank: the wrappers broadcast rank 0's
+    ddp = DDP(net, process_group=None)  # the default group: Gloo
+    opt = make_opt(ddp.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    ref = _train(ddp, opt, rank, steps, sched)
+    ref_params = [p.detach().clone() for p in net.parameters()]
+
+    net2 = _mlp(1 + rank)
+    opt2 = make_opt(net2.parameters())
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 3, 0.5)
+    pdp = PriorityDataParallel(net2, opt2, process_group=lr, partition_bytes=4096)
+    mine = _train(pdp, opt2, rank, steps, sched2)
+    pdp.synchronize()
+    params = [p.detach().clone() for p in net2.parameters()]
+    state_steps = len(opt2.state_dict()["state"])
+    pdp.close()
+    return ref, mine, ref_params, params, state_steps
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optim,world", [("sgd", 2), ("adam", 3), ("sgd", 4)])
+def test_loss_curve_equals_ddp_over_gloo(optim, world):
+    out = run_ranks(_compare, world, optim, 8, timeout=150)
+    for rank, (ref, mine, ref_params, params, nstate) in enumerate(out):
+        np.testing.assert_allclose(mine, ref, rtol=2e-5, atol=1e-6, err_msg=f"rank {rank}")
+        for a, b in zip(params, ref_params):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert nstate == 8  # the optimizer's own state holds every parameter's
+    for rank in range(1, world):  # every rank has the same model
+        for a, b in zip(out[rank][3], out[0][3]):
+            assert torch.equal(a, b)
+
+
+def _timeline(rank, world, lr, path):
+    from collectives import PriorityDataParallel
+    net = _mlp(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    pdp = PriorityDataParallel(net, opt, process_group=lr, partition_bytes=4096)
+    _train(pdp, opt, rank, 3)
+    pdp.close()
+    pdp._timeline.flush()
+    return pdp._timeline.path
+
+
+@pytest.mark.timeout(120)
+def test_timeline_shows_queued_sent_applied(tmp_path):
+    path = str(tmp_path / "tl.json")
+    files = run_ranks(_timeline, 2, path, timeout=90, env={"LINERATE_TIMELINE": path})
+    assert files == [str(tmp_path / "tl.rank0.json"), str(tmp_path / "tl.rank1.json")]
+    from collectives.timeline import merge
+    n = merge(files, str(tmp_path / "all.json"))
+    events = json.load(open(tmp_path / "all.json"))["traceEvents"]
+    assert n == len(events)
+    names = [e["name"] for e in events]
+    for kind in ("queued 0[0]", "all_reduce 0[0]", "apply 0", "forward 6", "gradients 6", "wait 0"):
+        assert kind in names, kind
+    sends = [e for e in events if e["name"].startswith("all_reduce") and e["pid"] == 0]
+    assert sends and all(e["ph"] == "X" and e["dur"] >= 0 and "priority" in e["args"] for e in sends)
+    # 4 layers: the first layer's partitions carry priority 0, the last layer's 3
+    prio = {e["name"].split()[1].split("[")[0]: e["args"]["priority"] for e in sends}
+    assert prio["0"] == 0 and prio["6"] == 3
+    assert {e["pid"] for e in events} == {0, 1}
+
+
+def _unused(rank, world, lr):
+    from collectives import PriorityDataParallel
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x)
+
+    net = Two()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    pdp = PriorityDataParallel(net, opt, process_group=lr)
+    pdp(torch.ones(2, 4)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_unused_parameters_are_named():
+    for msg in run_ranks(_unused, 2, timeout=60):
+        assert "['b']" in msg and "no gradient" in msg, msg
+
+
+def _not_linerate(rank, world, lr):
+    from collectives import PriorityDataParallel
+    net = _mlp(0)
+    try:
+        PriorityDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))  # default: Gloo
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_needs_a_linerate_group():
+    for msg in run_ranks(_not_linerate, 2, timeout=60):
+        assert "needs a linerate process group" in msg
