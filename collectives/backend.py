@@ -27,7 +27,7 @@ from transport import CHANNEL_P2P, Context, TransportError, metrics
 from . import chain, direct, fusion, ring, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
-from .reduce_ops import check_dtype, check_op, finish_avg, op_type
+from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
 from .work import Work
 
 log = logging.getLogger("linerate")
@@ -89,7 +89,7 @@ def _dts(tensors) -> str:
 
 
 def _rop(op) -> str:
-    return getattr(op, "name", str(op))
+    return op_name(op)
 
 
 def _desc(t: torch.Tensor) -> str:
@@ -324,15 +324,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if comm is not None:
                 comm.end()
             self._pop_entries(len(taken))
-            for entry in taken:
-                entry.work._complete(e)
+            Work._complete_many([entry.work for entry in taken], e)
             return
         comm.end()
         self._pop_entries(len(taken))
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
-        for e in taken:
-            e.work._complete()
+        Work._complete_many([e.work for e in taken])
         if metrics.enabled():
             stats.record("all_reduce", comm.algorithm, nbytes, seconds, self.size())
 

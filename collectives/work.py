@@ -31,6 +31,11 @@ def as_dist_error(e: BaseException, desc: str = "") -> BaseException:
     return err
 
 
+def _complete_futures(works) -> None:
+    for w in works:
+        w._complete_future()
+
+
 class Work(dist._Work):
     """Completion of one operation: wait(timeout), is_completed(), get_future(), exception()."""
 
@@ -56,6 +61,16 @@ class Work(dist._Work):
         self._src = source_rank
         self._event.set()
         _completer.submit(self._complete_future)
+
+    @staticmethod
+    def _complete_many(works: list["Work"], exc: BaseException | None = None) -> None:
+        """Complete several Works (a fused op's): one job for all their futures, not one each
+        (measured: a pool submission per Work was 13% of a rank's time issuing 2000 fused
+        all_reduces)."""
+        for w in works:
+            w._exc = None if exc is None else as_dist_error(exc, w._desc)
+            w._event.set()
+        _completer.submit(_complete_futures, works)
 
     def _complete_future(self) -> None:
         if self._exc is None:
