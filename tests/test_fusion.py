@@ -195,3 +195,23 @@ def test_plan_is_deterministic_and_bounded():
     assert fusion.plan(q + [entry(4, 10, "MAX")], 1 << 20) == (3, True)
     assert fusion.plan(q, 80) == (2, True)                # 3 x 40 bytes exceed 80
     assert fusion.plan([entry(1, 1000)], 80) == (1, True)  # a head larger than the cap goes alone
+
+
+def _coalescing(rank, world, lr):
+    ts = [torch.full((5 + i,), float(rank + i)) for i in range(4)] + [torch.full((3,), rank, dtype=torch.int64)]
+    with dist._coalescing_manager(group=lr, async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, group=lr)
+    cm.wait()
+    return ts
+
+
+@pytest.mark.timeout(90)
+def test_coalescing_manager_reaches_one_fused_op():
+    # torch 2.13 hands the recorded all_reduces to allreduce_coalesced: one fused all_reduce
+    # per dtype (the same packing as fusion)
+    world = 3
+    for ts in run_ranks(_coalescing, world, timeout=60):
+        for i, t in enumerate(ts[:4]):
+            assert torch.equal(t, torch.full((5 + i,), float(sum(r + i for r in range(world)))))
+        assert torch.equal(ts[4], torch.full((3,), sum(range(world)), dtype=torch.int64))

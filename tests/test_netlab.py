@@ -97,6 +97,25 @@ def test_up_status_shaping_down(lab_name):
 
 @needs_netlab
 @pytest.mark.timeout(60)
+def test_unshaped_lab(lab_name):
+    r = cli("up", "--hosts", "2", "--rate", "none", "--name", lab_name)
+    assert r.returncode == 0, r.stderr
+    try:
+        lab = netlab.load(lab_name)
+        assert lab.rate_bps == 0 and "unshaped" in r.stdout
+        for ns in (lab.hosts[0].netns, lab.switch_netns):
+            out = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show"],
+                                 capture_output=True, text=True, check=True).stdout
+            assert "tbf" not in out, out
+        env = netlab.rank_env(lab, 0, 2, 1234, env={})
+        assert "LINERATE_LINK_CAPACITY" not in env  # no shaped rate to report
+        assert "unshaped" in cli("status", "--name", lab_name).stdout
+    finally:
+        cli("down", "--name", lab_name)
+
+
+@needs_netlab
+@pytest.mark.timeout(60)
 def test_down_without_state_file(lab_name):
     """down works from the namespace names alone (after a crash lost the state file)."""
     netlab.up(lab_name, hosts=2, rate="100mbit")

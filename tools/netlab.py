@@ -47,12 +47,22 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,19}$")
 # ----------------------------------------------------------------------------- rates, tbf
 
 def format_rate(bps: int | None) -> str:
+    if bps == 0:
+        return "unshaped"
     if not bps:
         return "-"
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bps >= scale:
             return f"{bps / scale:g}{unit}"
     return f"{bps}bit"
+
+
+def lab_rate(text: str) -> int:
+    """A link rate in bits/s (tc units), or 0 for ``none``: no shaping, the veth's own speed
+    (CPU-bound; what a fast NIC looks like to a Python transport)."""
+    if text.strip().lower() in ("none", "unshaped", "0"):
+        return 0
+    return parse_rate(text)
 
 
 def tbf_params(rate_bps: int) -> list[str]:
@@ -190,7 +200,7 @@ def plan(name: str, hosts: int, rails: int, rate_bps: int, nodes: int = 1,
         raise ValueError(f"--rails must be 1..{MAX_RAILS}")
     if not 1 <= nodes <= hosts:
         raise ValueError("--nodes must be 1..--hosts")
-    if nodes > 1 and not inter_rate_bps:
+    if nodes > 1 and inter_rate_bps is None:
         raise ValueError("--nodes needs --inter-rate")
     per_node = -(-hosts // nodes)
     hl = []
@@ -206,9 +216,9 @@ def plan(name: str, hosts: int, rails: int, rate_bps: int, nodes: int = 1,
 def up(name: str = "lab", hosts: int = 2, rate: str | int = "1gbit", rails: int = 1,
        nodes: int = 1, inter_rate: str | int | None = None) -> Lab:
     """Create the lab (after removing any older lab of that name) and return it."""
-    rate_bps = rate if isinstance(rate, int) else parse_rate(rate)
+    rate_bps = rate if isinstance(rate, int) else lab_rate(rate)
     inter_bps = (inter_rate if isinstance(inter_rate, int) or inter_rate is None
-                 else parse_rate(inter_rate))
+                 else lab_rate(inter_rate))
     lab = plan(name, hosts, rails, rate_bps, nodes, inter_bps)
     down(name)
     try:
@@ -240,8 +250,9 @@ def _build(lab: Lab) -> None:
                           f"link add {up_sw} type veth peer name {up_core}",
                           f"link set {up_sw} master {br}", f"link set {up_core} master c{k}",
                           f"link set {up_sw} up", f"link set {up_core} up"]
-                sw_tc += [f"qdisc add dev {dev} root {' '.join(tbf_params(lab.inter_rate_bps))}"
-                          for dev in (up_sw, up_core)]
+                if lab.inter_rate_bps:
+                    sw_tc += [f"qdisc add dev {dev} root {' '.join(tbf_params(lab.inter_rate_bps))}"
+                              for dev in (up_sw, up_core)]
         else:
             sw_ip += [f"link add r{k} type bridge", f"link set r{k} up"]
     _batch("ip", sw, sw_ip)
@@ -253,17 +264,20 @@ def _build(lab: Lab) -> None:
             br = f"n{h.node}r{k}" if two_tier else f"r{k}"
             sw_ip += [f"link add {port} type veth peer name {ifname} netns {h.netns}",
                       f"link set {port} master {br}", f"link set {port} up"]
-            sw_tc.append(f"qdisc add dev {port} root {' '.join(tbf_params(lab.rate_bps))}")
+            if lab.rate_bps:
+                sw_tc.append(f"qdisc add dev {port} root {' '.join(tbf_params(lab.rate_bps))}")
     _batch("ip", sw, sw_ip)
-    _batch("tc", sw, sw_tc)
+    if sw_tc:
+        _batch("tc", sw, sw_tc)
     for h in lab.hosts:
         lines = ["link set lo up"]
         for k, ifname in enumerate(h.ifnames):
             lines += [f"addr add {h.addrs[k]}/{lab.prefixlen} dev {ifname}",
                       f"link set {ifname} up"]
         _batch("ip", h.netns, lines)
-        _batch("tc", h.netns, [f"qdisc add dev {ifname} root {' '.join(tbf_params(lab.rate_bps))}"
-                               for ifname in h.ifnames])
+        if lab.rate_bps:
+            _batch("tc", h.netns, [f"qdisc add dev {ifname} root {' '.join(tbf_params(lab.rate_bps))}"
+                                   for ifname in h.ifnames])
 
 
 def down(name: str = "lab") -> list[str]:
@@ -376,9 +390,11 @@ def rank_env(lab: Lab, rank: int, nproc: int, port: int,
                 LINERATE_NETLAB=lab.name, LINERATE_NETLAB_HOST=host.name)
     base.setdefault("LINERATE_SOCKET_IFNAME", ",".join(host.ifnames))
     base.setdefault("GLOO_SOCKET_IFNAME", host.ifnames[0])
-    # veth reports 10 Gbit/s whatever tbf allows: tell the metrics the shaped rate.
-    base.setdefault("LINERATE_LINK_CAPACITY",
-                    ",".join(f"{n}={lab.rate_bps}bit" for n in host.ifnames))
+    # veth reports 10 Gbit/s whatever tbf allows: tell the metrics the shaped rate (an
+    # unshaped lab has no capacity but the CPU's: the metrics then show none).
+    if lab.rate_bps:
+        base.setdefault("LINERATE_LINK_CAPACITY",
+                        ",".join(f"{n}={lab.rate_bps}bit" for n in host.ifnames))
     base.setdefault("LINERATE_METRICS_HOST", host.name)
     base.setdefault("OMP_NUM_THREADS", "1")
     path = base.get("PYTHONPATH")
@@ -538,10 +554,13 @@ def add_parser(subparsers) -> None:
 
     a = action("up", _cmd_up, "create the lab (replacing one of the same name)")
     a.add_argument("--hosts", type=int, required=True)
-    a.add_argument("--rate", default="1gbit", help="rate of every host link, each way")
+    a.add_argument("--rate", default="1gbit",
+                   help="rate of every host link, each way (tc units: 1gbit, 250mbit); none: "
+                        "unshaped veth, as fast as the CPU moves bytes")
     a.add_argument("--rails", type=int, default=1, help="interfaces (fabrics) per host")
     a.add_argument("--nodes", type=int, default=1, help="split the hosts into this many nodes")
-    a.add_argument("--inter-rate", default=None, help="rate of each node's uplink, each way")
+    a.add_argument("--inter-rate", default=None,
+                   help="rate of each node's uplink, each way (none: unshaped)")
     action("down", _cmd_down, "delete the lab (idempotent)")
     a = action("status", _cmd_status, "show hosts, addresses, rates")
     a.add_argument("--json", action="store_true")
