@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
