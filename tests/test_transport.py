@@ -3,6 +3,10 @@
 Ranks are threads of this process sharing a ``torch.distributed.HashStore``, except for the peer
 failure test, whose ranks are separate processes meeting at a ``TCPStore``. Some tests play a
 rank themselves over raw frames (``FakePeer``) to control exactly what arrives and when.
+
+The tests that take the ``transport`` fixture run once per transport: ``tcp``; ``rdma-fake``,
+the RDMA transport (transport/rdma.py) on the fake pyverbs of tests/fake_pyverbs; and ``rdma``,
+the same on this machine's real RDMA device, skipped (with the reason) where there is none.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch.distributed as dist
 from transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
                        TransportError, TransportOptions, parse_size)
 from transport import context as context_mod
-from transport import framing, handshake
+from transport import framing, handshake, verbs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPNAMES = {1: "allreduce", 2: "broadcast"}
@@ -35,9 +39,57 @@ OPNAMES = {1: "allreduce", 2: "broadcast"}
 BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0)
 
 
+FAKE_PYVERBS = os.path.join(REPO, "tests", "fake_pyverbs")
+#: The transport the helpers build meshes with (the ``transport`` fixture sets it).
+_CURRENT = {"transport": "tcp"}
+
+
+# --------------------------------------------------------------------------- transports
+_real_rdma: dict = {}
+
+
+def real_rdma_reason() -> str:
+    """Why this machine cannot run the RDMA transport ("" if it can): asked in a fresh
+    interpreter, so that the real pyverbs never mixes with the fake in this process."""
+    if "reason" not in _real_rdma:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LINERATE_", "FAKE_PYVERBS"))}
+        code = ("import json; from transport import rdma, TransportOptions; "
+                "print(json.dumps(rdma.local_status(TransportOptions(transport='rdma'))))")
+        try:
+            out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=60)
+            ok, why, _ = json.loads(out.stdout.strip().splitlines()[-1])
+            _real_rdma["reason"] = "" if ok else why
+        except (subprocess.SubprocessError, ValueError, IndexError) as e:
+            _real_rdma["reason"] = f"could not ask ({e})"
+    return _real_rdma["reason"]
+
+
+def use_transport(name: str, monkeypatch) -> None:
+    """Make the helpers build meshes over ``name`` (tcp, rdma-fake, rdma) until undone."""
+    if name == "rdma":
+        reason = real_rdma_reason()
+        if reason:
+            pytest.skip(f"no RDMA device: {reason}")
+        monkeypatch.delenv("LINERATE_PYVERBS_PATH", raising=False)
+    elif name == "rdma-fake":
+        monkeypatch.setenv("LINERATE_PYVERBS_PATH", FAKE_PYVERBS)
+    if name != "tcp":
+        verbs.reset()
+        monkeypatch.setitem(_CURRENT, "transport", "rdma")
+
+
+@pytest.fixture(params=["tcp", "rdma-fake", "rdma"])
+def transport(request, monkeypatch):
+    use_transport(request.param, monkeypatch)
+    yield request.param
+    if request.param != "tcp":
+        verbs.reset()
+
+
 # --------------------------------------------------------------------------- helpers
 def _opts(**kw) -> TransportOptions:
-    o = TransportOptions(**{**BASE_OPTS, **kw})
+    o = TransportOptions(**{**BASE_OPTS, "transport": _CURRENT["transport"], **kw})
     o.validate()
     return o
 
@@ -112,7 +164,7 @@ class FakePeer:
 
     def __init__(self, **kw):
         store = _hash_store()
-        opts = _opts(nsocks=1, **kw)
+        opts = _opts(nsocks=1, transport="tcp", **kw)
         self.ctx: Context | None = None
         err: list = []
 
@@ -149,14 +201,18 @@ class FakePeer:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("nsocks", [1, 3])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_mesh_setup(size, nsocks):
+def test_mesh_setup(size, nsocks, transport):
     with mesh(size, nsocks=nsocks) as ctxs:
         for c in ctxs:
             stats = c.connection_stats()
             assert len(stats) == (size - 1) * nsocks
             assert {(s["peer"], s["connection"]) for s in stats} == {
                 (p, k) for p in range(size) if p != c.rank for k in range(nsocks)}
-            assert all(s["local"] == "127.0.0.1" and s["remote"] == "127.0.0.1" for s in stats)
+            if transport == "tcp":
+                assert all(s["local"] == "127.0.0.1" and s["remote"] == "127.0.0.1" for s in stats)
+            else:  # device:port, and the peer's device:port@host
+                assert all(":" in s["local"] and "@" in s["remote"] for s in stats), stats
+            assert c.transport == ("tcp" if transport == "tcp" or size == 1 else "rdma")
             assert c.broken is None
         # every ordered pair of ranks can talk
         reqs, bufs = [], {}
@@ -190,7 +246,7 @@ TEN_MB = 10 * 1024 * 1024
 
 
 @pytest.mark.timeout(60)
-def test_striping_large_message_intact():
+def test_striping_large_message_intact(transport):
     rng = np.random.default_rng(2)
     with mesh(2, nsocks=3, chunk_bytes=64 * 1024) as (c0, c1):
         src = _rand_bytes(rng, TEN_MB)
@@ -205,7 +261,7 @@ def test_striping_large_message_intact():
 
 
 @pytest.mark.timeout(60)
-def test_striping_uses_every_connection():
+def test_striping_uses_every_connection(transport):
     rng = np.random.default_rng(3)
     with mesh(2, nsocks=3, chunk_bytes=64 * 1024) as (c0, c1):
         # let the sender threads reach their idle wait, as in a real job between two ops
@@ -231,7 +287,7 @@ def test_striping_uses_every_connection():
 
 # --------------------------------------------------------------------------- 3. ordering
 @pytest.mark.timeout(60)
-def test_ordering_one_tag_random_sizes():
+def test_ordering_one_tag_random_sizes(transport):
     rng = np.random.default_rng(4)
     sizes = [0, 1, 3, 0, 4095, 4097, 16383, 16384, 16385, 0]
     sizes += [int(n) for n in rng.integers(0, 60_000, 190)]
@@ -251,7 +307,7 @@ def test_ordering_one_tag_random_sizes():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("recv_first", [True, False])
-def test_ordering_matches_by_tag(recv_first):
+def test_ordering_matches_by_tag(recv_first, transport):
     """Messages of the same size on different tags, posted in opposite orders on the two
     sides, still match by tag."""
     rng = np.random.default_rng(5)
@@ -276,7 +332,7 @@ def test_ordering_matches_by_tag(recv_first):
 
 # --------------------------------------------------------------------------- 4. unexpected
 @pytest.mark.timeout(60)
-def test_unexpected_large_message_fully_arrived():
+def test_unexpected_large_message_fully_arrived(transport):
     rng = np.random.default_rng(6)
     n = 5 * 1024 * 1024
     src = _rand_bytes(rng, n)
@@ -372,7 +428,7 @@ def test_broken_context_fails_receive_waiting_on_staged_message(how):
 
 # --------------------------------------------------------------------------- 5. any source
 @pytest.mark.timeout(60)
-def test_any_source_receive():
+def test_any_source_receive(transport):
     with mesh(3, nsocks=2) as ctxs:
         c0 = ctxs[0]
         for sender in (2, 1):  # posted before the message
@@ -410,7 +466,7 @@ MISMATCHES = {"size": (200, 1, 0), "opcode": (100, 2, 0)}
 
 
 @pytest.mark.timeout(60)
-def test_collective_of_another_op_is_not_mixed_in():
+def test_collective_of_another_op_is_not_mixed_in(transport):
     """A message of op #1 never fills a receive of op #0 (it waits, staged, for op #1), and
     staged_collectives() names it for the timeout report."""
     with mesh(2, nsocks=2) as (c0, c1):
@@ -438,7 +494,7 @@ def _post_mismatch(c0, c1, kind, recv_first):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("recv_first", [True, False], ids=["recv_first", "send_first"])
 @pytest.mark.parametrize("kind", list(MISMATCHES))
-def test_collective_mismatch_error_names_both_ranks(kind, recv_first):
+def test_collective_mismatch_error_names_both_ranks(kind, recv_first, transport):
     with mesh(2, nsocks=2) as (c0, c1):
         r = _post_mismatch(c0, c1, kind, recv_first)
         with pytest.raises(MismatchError) as ei:
@@ -458,7 +514,7 @@ def test_collective_mismatch_error_names_both_ranks(kind, recv_first):
     True,
     False,
 ], ids=["recv_first", "send_first"])
-def test_collective_mismatch_breaks_sender(recv_first):
+def test_collective_mismatch_breaks_sender(recv_first, transport):
     with mesh(2, nsocks=2) as (c0, c1):
         r = _post_mismatch(c0, c1, "size", recv_first)
         with pytest.raises(MismatchError):
@@ -469,7 +525,7 @@ def test_collective_mismatch_breaks_sender(recv_first):
 
 
 @pytest.mark.timeout(60)
-def test_error_frame_fails_collectives_only():
+def test_error_frame_fails_collectives_only(transport):
     with mesh(2, nsocks=2) as (c0, c1):
         coll = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 0, opcode=1)
         out = bytearray(8)
@@ -486,7 +542,7 @@ def test_error_frame_fails_collectives_only():
 
 
 @pytest.mark.timeout(60)
-def test_broken_context_refuses_new_collectives():
+def test_broken_context_refuses_new_collectives(transport):
     with mesh(2, nsocks=1) as (c0, c1):
         c0.report_error("boom")
         assert _wait_until(lambda: c1.broken is not None, 5)
@@ -501,9 +557,11 @@ CHILD = textwrap.dedent("""
     import torch.distributed as dist
     from transport import CHANNEL_P2P, Context, TransportOptions
     rank, size, port = map(int, sys.argv[1:4])
+    transport, link_timeout = sys.argv[4], float(sys.argv[5])
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
     ctx = Context(store, rank, size, TransportOptions(nsocks=2, socket_ifname="lo",
-                                                      connect_timeout=60))
+                                                      connect_timeout=60, transport=transport,
+                                                      link_timeout=link_timeout))
     store.set(f"ready/{rank}", "1")
     if rank == 1:  # echo one p2p message, then wait for the test's word
         buf = bytearray(8)
@@ -517,16 +575,21 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.timeout(90)
-def test_peer_killed_fails_pending_receive_quickly():
+def test_peer_killed_fails_pending_receive_quickly(transport):
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", str(store.port)],
+    # A killed process resets its TCP connections at once; its queue pairs just stop
+    # answering, found by the keepalive writes within LINERATE_LINK_TIMEOUT.
+    link_timeout = 60.0 if transport == "tcp" else 1.0
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", str(store.port),
+                                  _CURRENT["transport"], str(link_timeout)],
                                  cwd=REPO, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT) for r in (1, 2)]
     ctx = None
     try:
-        ctx = Context(store, 0, 3, _opts(nsocks=2, connect_timeout=60), opnames=OPNAMES)
+        ctx = Context(store, 0, 3, _opts(nsocks=2, connect_timeout=60, link_timeout=link_timeout),
+                      opnames=OPNAMES)
         store.get("ready/1")
         store.get("ready/2")
         dead = ctx.irecv(2, memoryview(bytearray(16)), CHANNEL_P2P, 5)
@@ -563,7 +626,7 @@ def test_peer_killed_fails_pending_receive_quickly():
 
 
 @pytest.mark.timeout(60)
-def test_peer_close_fails_pending_receives():
+def test_peer_close_fails_pending_receives(transport):
     ctxs = make_mesh(2, nsocks=2)
     try:
         c0, c1 = ctxs
@@ -815,7 +878,7 @@ def test_unexpected_message_over_limit_fails_the_peer():
 
 
 @pytest.mark.timeout(60)
-def test_non_byte_memoryview_is_sent_correctly_or_rejected():
+def test_non_byte_memoryview_is_sent_correctly_or_rejected(transport):
     a = np.arange(3000, dtype=np.float32)
     b = np.zeros_like(a)
     with mesh(2, nsocks=1, chunk_bytes=4096) as (c0, c1):
@@ -956,6 +1019,24 @@ def test_options_rejects_out_of_range(var, text):
 def test_options_rejects_unparsable_naming_variable(var, text):
     with pytest.raises(ValueError, match=var):
         TransportOptions.from_env({var: text})
+
+
+@pytest.mark.parametrize("var,text", [
+    ("LINERATE_TRANSPORT", "infiniband"), ("LINERATE_TRANSPORT", ""), ("LINERATE_RDMA_GID_INDEX", "x"),
+    ("LINERATE_RDMA_GID_INDEX", "-5"),
+])
+def test_options_rejects_bad_transport_settings(var, text):
+    with pytest.raises(ValueError, match=var):
+        TransportOptions.from_env({var: text})
+
+
+def test_options_transport_settings():
+    o = TransportOptions.from_env({"LINERATE_TRANSPORT": " RDMA ", "LINERATE_RDMA_DEVICE": "mlx5_0:1, mlx5_1",
+                                   "LINERATE_RDMA_GID_INDEX": "3"})
+    assert (o.transport, o.rdma_ports, o.rdma_gid_index) == ("rdma", ["mlx5_0:1", "mlx5_1"], 3)
+    assert TransportOptions().transport == "tcp"
+    with pytest.raises(ValueError, match="LINERATE_TRANSPORT"):
+        TransportOptions(transport="udp").validate()
 
 
 def test_options_unparsable_still_value_error():

@@ -13,7 +13,8 @@ import sys
 from tools import __version__
 
 #: Modules that register a subcommand, in the order ``--help`` lists them.
-SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top", "tools.model", "tools.whatif")
+SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top", "tools.model", "tools.whatif",
+               "tools.probe", "tools.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

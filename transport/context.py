@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from . import framing, handshake, metrics
+from . import framing, handshake, metrics, rdma
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .interfaces import listen_addresses
 from .options import TransportOptions
@@ -137,6 +137,8 @@ class Context:
         self._mesh_cond = threading.Condition(self._lock)
         #: Global rank of each group rank (for metrics labels); None: the same numbers.
         self.global_ranks: list[int] | None = None
+        #: "tcp" or "rdma": what the connections are (LINERATE_TRANSPORT, agreed at rendezvous).
+        self.transport = "tcp"
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -155,6 +157,10 @@ class Context:
             if theirs != opts.checksum:
                 raise ValueError(f"rank {self.rank}: LINERATE_CHECKSUM is {int(opts.checksum)} here "
                                  f"but {int(theirs)} on rank 0: every rank must use the same setting")
+        self.transport = rdma.agree_transport(store, self.rank, self.size, opts, _STORE_PREFIX)
+        if self.transport == "rdma":  # RC queue pairs as the connections (transport/rdma.py)
+            rdma.build_mesh(self, store, deadline, _STORE_PREFIX)
+            return
         listeners = []
         for addr in self.addresses:
             family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -193,6 +199,12 @@ class Context:
             except OSError:
                 pass
         log.debug("rank %d: mesh of %d ranks x %d connections ready", self.rank, self.size, self.nconns)
+
+    def _use_rails(self, nrails: int) -> None:
+        """Another transport's number of rails (RDMA: ports), before any connection exists."""
+        self.nrails = nrails
+        self.nconns = self.options.nsocks * nrails
+        self.peers = {p: _Peer(p, self.nconns) for p in self.peers}
 
     def _mesh_complete(self) -> bool:
         return all(None not in p.conns for p in self.peers.values())
@@ -277,15 +289,20 @@ class Context:
 
     # ------------------------------------------------------------------ posting
     def isend(self, peer: int, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "", slot: int | None = None, call: int = 0) -> Request:
+              desc: str = "", slot: int | None = None, call: int = 0,
+              priority: int = 0) -> Request:
         """Send the bytes of ``buf`` to ``peer``; the buffer must stay untouched until done.
 
         ``slot`` names the message within its (channel, tag): the receive with the same slot
         gets it, whatever order either side posts in. Without a slot, messages on one
         (peer, channel, tag) match in posting order. ``call``: a digest of the collective
-        call's arguments; a receive whose digest differs fails with a MismatchError."""
+        call's arguments; a receive whose digest differs fails with a MismatchError.
+        ``priority``: lower goes first. The connections to a peer take their next chunk from
+        the most urgent queued message, so a message overtakes less urgent ones already
+        queued, chunk by chunk (equal priorities: posting order)."""
         req = Request(True, peer, buf, channel, tag, opcode, desc)
         req.call = call
+        req.priority = priority
         p = self._peer(peer)
         chunk = self.options.chunk_bytes
         req.chunks_left = max(1, -(-req.total // chunk))
@@ -297,7 +314,14 @@ class Context:
             req._finish(_wrap(err))
             return req
         with p.cond:
-            p.send_queue.append(req)
+            q = p.send_queue
+            if not q or priority >= getattr(q[-1], "priority", priority):
+                q.append(req)
+            else:  # behind the last message at least as urgent (control frames stay first)
+                i = len(q) - 1
+                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
+                    i -= 1
+                q.insert(i, req)
             if len(p.sending) >= p.prune_at:
                 p.sending = {r for r in p.sending if not r.is_completed()}
                 p.prune_at = max(256, 2 * len(p.sending))
@@ -473,6 +497,16 @@ class Context:
     # ------------------------------------------------------------------ threads
     def _send_loop(self, p: _Peer, conn: _Conn) -> None:
         sock = conn.sock
+        credit = self.options.credit_bytes
+        if credit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            # The credit window: at most this much not-yet-sent data waits in the kernel's
+            # (FIFO) buffer, so a more urgent message queued here overtakes the rest.
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT,
+                                max(16 << 10, credit // self.nconns))
+            except (OSError, AttributeError) as e:  # not a TCP socket (RDMA stream)
+                log.debug("rank %d: no credit window on connection %d to rank %d: %s",
+                          self.rank, conn.index, p.rank, e)
         chunk = self.options.chunk_bytes
         pack = framing.HEADER.pack
         checksum = self.options.checksum

@@ -41,7 +41,7 @@ log = logging.getLogger("linerate.metrics")
 
 __all__ = ["REGISTRY", "start_exporter", "start_from_env", "enable", "enabled", "track",
            "retire", "record_collective", "set_info", "size_bucket", "link_capacity",
-           "interface_of", "tcp_info", "exporter_ports"]
+           "interface_of", "conn_interface", "tcp_info", "exporter_ports"]
 
 #: The registry the exporter serves (linerate's series only, no process/platform collectors).
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -140,7 +140,7 @@ def retire(ctx) -> None:
             return
         _contexts.discard(ctx)
         for peer, conn, sent, received in _conn_counts(ctx):
-            key = (peer, interface_of(conn.local), str(conn.index))
+            key = (peer, conn_interface(conn), str(conn.index))
             acc = _retired.setdefault(key, [0, 0])
             acc[0] += sent
             acc[1] += received
@@ -174,7 +174,7 @@ def _byte_totals() -> dict[tuple, list]:
         live = list(_contexts)
     for ctx in live:
         for peer, conn, sent, received in _conn_counts(ctx):
-            acc = out.setdefault((peer, interface_of(conn.local), str(conn.index)), [0, 0])
+            acc = out.setdefault((peer, conn_interface(conn), str(conn.index)), [0, 0])
             acc[0] += sent
             acc[1] += received
     return out
@@ -188,6 +188,13 @@ def interface_of(address: str) -> str:
         _iface_cache.update(_address_map())
         name = _iface_cache.setdefault(address, "unknown")
     return name
+
+
+def conn_interface(conn) -> str:
+    """A connection's ``interface`` label: the interface of its local address, or for an RDMA
+    stream its device:port (``mlx5_0:1``)."""
+    port = getattr(conn.sock, "interface", None)
+    return port if isinstance(port, str) else interface_of(conn.local)
 
 
 def _address_map() -> dict[str, str]:
@@ -232,18 +239,31 @@ def _capacity_env() -> dict[str, float]:
 
 
 def link_capacity(ifname: str) -> float | None:
-    """Bytes per second of an interface: LINERATE_LINK_CAPACITY, else the driver's speed."""
+    """Bytes per second of an interface: LINERATE_LINK_CAPACITY, else the driver's speed (for
+    an RDMA port ``dev:port``, the rate in /sys/class/infiniband)."""
     env = _capacity_env()
     if ifname in env:
         return env[ifname]
     if "*" in env:
         return env["*"]
+    if ":" in ifname:
+        return _rdma_rate(ifname)
     try:
         with open(f"/sys/class/net/{ifname}/speed") as f:
             mbit = int(f.read().strip())
     except (OSError, ValueError):
         return None
     return mbit * 1e6 / 8.0 if mbit > 0 else None
+
+
+def _rdma_rate(port: str) -> float | None:
+    dev, _, num = port.rpartition(":")
+    try:
+        with open(f"/sys/class/infiniband/{dev}/ports/{num}/rate") as f:
+            gbit = float(f.read().split()[0])   # "100 Gb/sec (4X EDR)"
+    except (OSError, ValueError, IndexError):
+        return None
+    return gbit * 1e9 / 8.0 if gbit > 0 else None
 
 
 def _capacity_or_none(ifname: str) -> float | None:
@@ -276,6 +296,9 @@ def tcp_info(sock: socket.socket) -> dict | None:
 
 
 def _kernel_queued(sock: socket.socket) -> int:
+    queued = getattr(sock, "queued_bytes", None)   # an RDMA stream: posted, not completed
+    if queued is not None:
+        return queued()
     try:
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
     except OSError:

@@ -64,6 +64,29 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"cannot parse boolean {text!r}: expected 1/0, true/false, yes/no, on/off")
 
 
+TRANSPORTS = ("tcp", "rdma", "auto")
+
+
+def _parse_transport(text: str) -> str:
+    s = text.strip().lower()
+    if s not in TRANSPORTS:
+        raise ValueError(f"expected one of {', '.join(TRANSPORTS)}")
+    return s
+
+
+def _parse_gid_index(text: str) -> int:
+    s = text.strip()
+    if not s:
+        return -1
+    try:
+        value = int(s)
+    except ValueError:
+        value = -2
+    if not -1 <= value < 1 << 16:
+        raise ValueError("expected a GID table index (0, 1, ...; -1 or empty: chosen automatically)")
+    return value
+
+
 def parse_env(env: Mapping[str, str], var: str, parse):
     """Parse one variable; a bad value raises a ValueError that names the variable."""
     try:
@@ -97,6 +120,19 @@ class TransportOptions:
     #: Seconds a peer may acknowledge nothing (an idle connection: answer no keepalive probe)
     #: before its connections fail, naming it (TCP_USER_TIMEOUT); 0: the kernel's defaults.
     link_timeout: float = 60.0
+    #: Credit window for priority scheduling: bytes a connection may hand to the kernel that
+    #: are not yet on the wire (TCP_NOTSENT_LOWAT), so that a more urgent message waits behind
+    #: at most this much of less urgent data per connection; 0: the kernel's buffer size.
+    credit_bytes: int = 0
+    #: ``tcp``, ``rdma`` (RC queue pairs through pyverbs; an error where a rank has no active
+    #: RDMA port) or ``auto`` (RDMA when every rank has an active port, else TCP, logging
+    #: why). Every rank must use the same setting. See transport/rdma.py.
+    transport: str = "tcp"
+    #: RDMA ports to use, ``dev[:port]`` comma separated (several = rails, like
+    #: socket_ifname). Empty: the first active port.
+    rdma_device: str = ""
+    #: GID table index for RoCE (-1: a RoCE v2 GID with an IPv4 address, else the first valid).
+    rdma_gid_index: int = -1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
@@ -109,7 +145,11 @@ class TransportOptions:
                    "LINERATE_MAX_UNEXPECTED_BYTES": ("max_unexpected_bytes", parse_size),
                    "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool),
                    "LINERATE_CHECKSUM": ("checksum", _parse_bool),
-                   "LINERATE_LINK_TIMEOUT": ("link_timeout", _parse_seconds)}
+                   "LINERATE_LINK_TIMEOUT": ("link_timeout", _parse_seconds),
+                   "LINERATE_CREDIT_BYTES": ("credit_bytes", parse_size),
+                   "LINERATE_TRANSPORT": ("transport", _parse_transport),
+                   "LINERATE_RDMA_DEVICE": ("rdma_device", str.strip),
+                   "LINERATE_RDMA_GID_INDEX": ("rdma_gid_index", _parse_gid_index)}
         for var, (field, parse) in parsers.items():
             if var in env:
                 setattr(o, field, parse_env(env, var, parse))
@@ -129,7 +169,16 @@ class TransportOptions:
             raise ValueError(f"LINERATE_CHUNK_BYTES must be below 4 GiB, got {self.chunk_bytes}")
         if self.connect_timeout <= 0:
             raise ValueError(f"LINERATE_CONNECT_TIMEOUT must be positive, got {self.connect_timeout}")
+        if not 0 <= self.credit_bytes < 1 << 31:
+            raise ValueError(f"LINERATE_CREDIT_BYTES must be between 0 and 2 GiB, got {self.credit_bytes}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"LINERATE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, "
+                             f"got {self.transport!r}")
 
     @property
     def ifnames(self) -> list[str]:
         return [n.strip() for n in self.socket_ifname.split(",") if n.strip()]
+
+    @property
+    def rdma_ports(self) -> list[str]:
+        return [n.strip() for n in self.rdma_device.split(",") if n.strip()]
