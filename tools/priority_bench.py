@@ -199,8 +199,7 @@ def run_worker(args) -> int:
     try:
         gloo = dist.group.WORLD
         lr_group = dist.new_group(backend="linerate")
-        os.environ.setdefault("LINERATE_CREDIT_BYTES", "256K")
-        prio_group = dist.new_group(backend="linerate")  # with the credit window
+        prio_group = dist.new_group(backend="linerate")  # its own scratch and sequence
         parts = [p.strip() for p in args.parts.split(",")]
         where = f"netlab {os.environ['LINERATE_NETLAB']}" if os.environ.get("LINERATE_NETLAB") else "local"
         if "fusion" in parts:
@@ -221,7 +220,7 @@ def run_worker(args) -> int:
                       f"gradients, batch {args.batch}, {world} ranks ({where}), s/step (slowest "
                       f"rank, best of {args.rounds} rounds of {args.steps} steps); "
                       f"LINERATE_PARTITION_BYTES={os.environ.get('LINERATE_PARTITION_BYTES', 'default')} "
-                      f"LINERATE_CREDIT_BYTES={os.environ['LINERATE_CREDIT_BYTES']}")
+                      f"LINERATE_CREDIT_BYTES={os.environ.get('LINERATE_CREDIT_BYTES', 'default')}")
                 line = None
                 if args.link_gbit:
                     line = 2 * (world - 1) / world * mbytes * 8 / (args.link_gbit * 1e9)
