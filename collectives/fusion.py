@@ -117,22 +117,27 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int) -> tuple[i
                                      comm.opcode, comm._req_desc, 0, comm.call))
         sends.append(ctx.isend(peer, memoryview(out), CHANNEL_COLLECTIVE, comm.seq, comm.opcode,
                                comm._req_desc, 0, comm.call))
-    theirs = {}
+    counts = []
     for peer, (buf, req) in reqs.items():
         comm.wait(req)
-        theirs[peer] = _AGREE.unpack_from(buf, 0)
-    comm.wait_all(sends)
-    k = min([offered] + [c for c, _ in theirs.values()])
-    if k < 1:
-        raise ValueError(f"rank {comm.rank}: fused all_reduce #{comm.seq}: a peer offered {k} calls")
-    own = entries[k - 1].chain
-    for peer, (c, digest) in sorted(theirs.items()):
-        if c == k and digest != own:
+        c, digest = _AGREE.unpack_from(buf, 0)
+        if c < 1:
+            raise ValueError(f"rank {comm.rank}: fused all_reduce #{comm.seq}: rank {peer} offered "
+                             f"{c} calls")
+        # A peer that offered no more calls than this rank sent the digest of its first c:
+        # compare as it arrives, so that this rank names its own calls before any peer's
+        # report of the mismatch reaches it.
+        if c <= offered and digest != entries[c - 1].chain:
             raise ValueError(
-                f"rank {comm.rank}: all_reduce calls #{head.seq}..#{entries[k - 1].seq} (fused) "
+                f"rank {comm.rank}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) "
                 f"differ from rank {peer}'s: the ranks passed other dtypes, sizes or reduce ops, "
                 f"or called other operations in between; rank {comm.rank} called "
-                f"{summary(entries[:k])}")
+                f"{summary(entries[:c])}")
+        counts.append(c)
+    comm.wait_all(sends)
+    # Every rank with the least count was compared above by every other rank: the k calls
+    # fused are the same everywhere.
+    k = min([offered] + counts)
     if not carry:
         return k, False
     if head.nbytes:
