@@ -118,7 +118,9 @@ class PriorityDataParallel(torch.nn.Module):
         self._layers: list[_Layer] = []
         self._owner: dict = {}
         for name, m in module.named_modules():
-            params = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            # a parameter shared by two modules (tied weights) belongs to the first
+            params = [p for p in m.parameters(recurse=False)
+                      if p.requires_grad and p not in self._owner]
             if params:
                 layer = _Layer(len(self._layers), name, m, params)
                 layer.partition(pbytes)

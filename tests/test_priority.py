@@ -201,6 +201,38 @@ def test_unused_parameters_are_named():
         assert "['b']" in msg and "no gradient" in msg, msg
 
 
+def _tied(rank, world, lr):
+    from collectives import PriorityDataParallel
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.b.weight = self.a.weight  # tied
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    net = Tied()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    pdp = PriorityDataParallel(net, opt, process_group=lr)
+    for _ in range(3):
+        opt.zero_grad()
+        pdp(torch.full((2, 4), float(rank))).sum().backward()
+        opt.step()
+    pdp.synchronize()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_tied_parameters_train_and_stay_equal():
+    out = run_ranks(_tied, 2, timeout=60)
+    for a, b in zip(out[0], out[1]):
+        assert torch.equal(a, b)
+
+
 def _not_linerate(rank, world, lr):
     from collectives import PriorityDataParallel
     net = _mlp(0)
