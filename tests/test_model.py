@@ -72,20 +72,154 @@ def test_allreduce_latency_term():
     assert predict(flat, 0, 0.01)["comm_s"] == 0.0                          # nothing to send
 
 
-def test_overlap_off_and_cpu_contention():
+def test_overlap_off():
     c = two_tier()
     t_ar = 1.75 * MS
     assert predict(c, M, 3 * MS, overlap=False)["step_s"] == approx(3 * MS + t_ar)
-    # c = 2: no overlap at all; c = 1.5: max + 0.5 * min of backward (2 ms) and T_ar
-    assert predict(c, M, 3 * MS, cpu_contention=2.0)["step_s"] == approx(3 * MS + t_ar)
-    assert predict(c, M, 3 * MS, cpu_contention=1.5)["step_s"] == approx(
-        1 * MS + 2 * MS + 0.5 * t_ar)
-    assert predict(c, M, 3 * MS, method="ring", cpu_contention=2.0)["step_s"] == approx(
+    assert predict(c, M, 3 * MS, method="ring", overlap=False)["step_s"] == approx(
         3 * MS + 2 * MS)
-    with pytest.raises(ValueError):
-        predict(c, M, 3 * MS, cpu_contention=3.0)
     # fwd_fraction 1: nothing of the compute overlaps the All-Reduce
     assert predict(c, M, 3 * MS, fwd_fraction=1.0)["step_s"] == approx(3 * MS + t_ar)
+
+
+# ----------------------------------------------------------------------------- CPU model
+# Flat 8 ranks, rank links 8 Gbit/s (1e9 B/s), M = 1e6 B: ring T_net = 2*7/8 M / 1e9 = 1.75 ms,
+# every ring edge carries 1.75e6 B (8 flows: 1.4e7 B in all); one-peer-exp sends 8 flows of M
+# (8e6 B), T_net = 1 ms per step.
+
+FLAT8 = Cluster(1, 8, 8.0, 8.0, intra_latency_s=0.0)
+
+
+def cpu(cores, ranks, kappa=0.0, kappa_eff=None, **kw):
+    return model.CpuModel(cores, ranks, model.CpuCosts(
+        net_s_per_byte=kappa, shared_net_s_per_byte=kappa_eff, **kw))
+
+
+def test_cpu_model_oversubscription():
+    assert cpu(2, 8).oversubscription == 4 and cpu(2, 8).spare_cores == 0
+    assert cpu(16, 8).oversubscription == 1 and cpu(16, 8).spare_cores == 8
+    assert model.shared_compute_s(0.1, cpu(2, 8)) == approx(0.4)
+    assert model.shared_compute_s(0.1, None) == 0.1
+    with pytest.raises(ValueError):
+        model.CpuModel(0, 8)
+    with pytest.raises(ValueError):
+        model.CpuCosts(net_s_per_byte=-1.0)
+
+
+def test_cpu_costs_kappa_fallbacks():
+    c = model.CpuCosts(net_s_per_byte=1e-9)
+    assert c.kappa() == c.kappa(True) == c.kappa(False, True) == c.kappa(True, True) == 1e-9
+    c = model.CpuCosts(net_s_per_byte=1e-9, inter_net_s_per_byte=2e-9,
+                       shared_net_s_per_byte=3e-9)
+    assert (c.kappa(), c.kappa(True), c.kappa(False, True)) == (1e-9, 2e-9, 3e-9)
+    # across nodes beside compute, not measured: the within-node ratio (3x) applied
+    assert c.kappa(True, True) == approx(6e-9)
+    c.shared_inter_net_s_per_byte = 5e-9
+    assert c.kappa(True, True) == 5e-9
+    assert model.CpuCosts.from_json(c.to_json() | {"unknown": 1}) == c
+    assert "kappa 1 ns/B" in c.describe() and "across nodes 2" in c.describe()
+
+
+def test_comm_cpu_per_machine():
+    flows = model.ring_flows(FLAT8, M)
+    assert sum(b for _, _, b in flows) == approx(8 * 1.75 * M)
+    # all 8 ranks on one machine pay for every byte; 4 per machine pay half
+    assert model.comm_cpu_s(FLAT8, flows, cpu(2, 8, 1e-9)) == approx(1.4e-2)
+    assert model.comm_cpu_s(FLAT8, flows, cpu(2, 4, 1e-9)) == approx(0.7e-2)
+    assert model.comm_cpu_s(FLAT8, flows, cpu(2, 8, 1e-9, 2e-9), shared=True) == approx(2.8e-2)
+    assert model.comm_cpu_s(FLAT8, flows, None) == 0.0
+    # crossing flows pay the inter-node kappa: 2 of the 8 ring edges of 2 x 4 ranks cross
+    c = two_tier()
+    costs = model.CpuModel(2, 8, model.CpuCosts(net_s_per_byte=1e-9, inter_net_s_per_byte=3e-9))
+    assert model.comm_cpu_s(c, model.ring_flows(c, M), costs) == approx(
+        (6 * 1e-9 + 2 * 3e-9) * 1.75 * M)
+
+
+def test_allreduce_oversubscribed_cores_do_not_overlap():
+    # 8 ranks on 2 cores: C' = 4 C; the ring gets no spare core during backward
+    p = predict(FLAT8, M, 1 * MS, method="allreduce", cpu=cpu(2, 8, 1e-10))
+    assert p["shared_compute_s"] == approx(4 * MS) and p["overlap_share"] == 0.0
+    # K = 1e-10 * 1.4e7 = 1.4e-3 core-s: K/P = 0.7 ms < T_net = 1.75 ms
+    assert p["comm_s"] == approx(1.75 * MS) and p["step_s"] == approx(4 * MS + 1.75 * MS)
+    # bytes that cost more: the cores are the limit of the All-Reduce alone, K/P = 7 ms
+    q = predict(FLAT8, M, 1 * MS, method="allreduce", cpu=cpu(2, 8, 1e-9))
+    assert q["comm_s"] == approx(7 * MS) and q["step_s"] == approx(11 * MS)
+    # communication alone (compute 0): T_c
+    assert predict(FLAT8, M, 0.0, cpu=cpu(2, 8, 1e-9))["step_s"] == approx(7 * MS)
+    # DDP's three passes over the gradients: 3 * M * mem per rank, 8 ranks
+    r = predict(FLAT8, M, 0.0, cpu=cpu(2, 8, 0.0, mem_s_per_byte=1e-9))
+    assert r["comm_cpu_s"] == approx(3 * M * 1e-9 * 8)
+    assert r["step_s"] == approx(max(1.75 * MS, 12 * MS))
+
+
+def test_allreduce_spare_cores_overlap():
+    # 16 cores for 8 ranks, cheap bytes: the classic T = T_fwd + max(T_bwd, T_ar)
+    p = predict(FLAT8, M, 1 * MS, method="allreduce", cpu=cpu(16, 8, 1e-10))
+    assert p["step_s"] == approx(1 / 3 * MS + 1.75 * MS)
+    assert p["step_s"] == approx(predict(FLAT8, M, 1 * MS)["step_s"])
+    # one spare core, K_eff = 1e-9 * 1.4e7 = 1.4e-2 core-s: during the 2/3 ms backward the
+    # ring does 1/1.4e-2 per s * 2/3 ms = 4.76% of its work; T_c = max(1.75, 14/9) ms
+    q = predict(FLAT8, M, 1 * MS, method="allreduce", cpu=cpu(9, 8, 1e-9))
+    share = (2 / 3 * MS) / 1.4e-2
+    assert q["overlap_share"] == approx(share)
+    assert q["step_s"] == approx(1 * MS + (1 - share) * 1.75 * MS)
+    # a long backward hides all of it
+    assert predict(FLAT8, M, 30 * MS, cpu=cpu(16, 8, 1e-10))["step_s"] == approx(30 * MS)
+
+
+def test_exchange_on_shared_cores():
+    c2 = cpu(2, 8, 1e-10, 3e-10)
+    # one-peer-exp: T_net 1 ms, K = 1e-10 * 8e6 = 0.8e-3, K_eff = 2.4e-3 core-s
+    # C = 1 ms: the exchange is done while computing (s1 = 1): (8 * 1 ms + 2.4 ms) / 2
+    p = predict(FLAT8, M, 1 * MS, method="one-peer-exp", cpu=c2)
+    assert p["step_s"] == approx(5.2 * MS)
+    assert [x["bound"] for x in p["steps"]] == ["cpu"] * 3
+    assert [x["beside_share"] for x in p["steps"]] == [1.0] * 3
+    # communication alone: max(T_net, K/P) with kappa, not kappa_eff
+    assert predict(FLAT8, M, 0.0, method="one-peer-exp", cpu=c2)["step_s"] == approx(1 * MS)
+    assert predict(FLAT8, M, 0.0, method="one-peer-exp",
+                   cpu=cpu(2, 8, 1e-9))["step_s"] == approx(4 * MS)
+    # C = 0.1 ms, K_eff = K = 0.8e-3 core-s: phase 1 runs until the compute is done,
+    # D1 = (R C + s1 K_eff) / P with s1 = D1 / T_x:
+    c3 = cpu(2, 8, 1e-10, 1e-10)
+    # D1 = 0.4 / (1 - 0.8 / 2) = 2/3 ms, s1 = 2/3, T = 2/3 + 1/3 * 1 = 1 ms: network-bound
+    q = predict(FLAT8, M, 0.1 * MS, method="one-peer-exp", cpu=c3)
+    assert q["step_s"] == approx(1 * MS) and q["steps"][0]["beside_share"] == approx(2 / 3)
+    # the exchange at half its pace while the ranks compute (phi = 0.5):
+    # D1 = 0.4 / (1 - 0.5 * 0.8 / 2) = 0.5 ms, s1 = 0.25, T = 0.5 + 0.75 * 1 = 1.25 ms
+    c4 = model.CpuModel(2, 8, model.CpuCosts(net_s_per_byte=1e-10, pace_beside_compute=0.5))
+    r = predict(FLAT8, M, 0.1 * MS, method="one-peer-exp", cpu=c4)
+    assert r["step_s"] == approx(1.25 * MS) and r["steps"][0]["beside_share"] == approx(0.25)
+    # spare cores and cheap bytes: the classic max(C, T_net)
+    assert predict(FLAT8, M, 3 * MS, method="one-peer-exp",
+                   cpu=cpu(16, 8, 1e-12))["step_s"] == approx(3 * MS)
+    # no overlap: C' + T_x
+    assert predict(FLAT8, M, 1 * MS, method="one-peer-exp", cpu=c2,
+                   overlap=False)["step_s"] == approx(5 * MS)
+    # without CPU costs the model only shares the compute: max(T_net, C')
+    assert predict(FLAT8, M, 1 * MS, method="ring", cpu=cpu(2, 8))["step_s"] == approx(4 * MS)
+
+
+def test_measured_shared_compute():
+    """C' measured (every rank computing at once) instead of rho * C."""
+    c2 = cpu(2, 8, 1e-10, 3e-10)
+    # DDP: C' + T_c = 5 + 1.75 ms instead of 4 + 1.75
+    p = predict(FLAT8, M, 1 * MS, method="allreduce", cpu=c2, measured_shared_s=5 * MS)
+    assert p["shared_compute_s"] == 5 * MS and p["step_s"] == approx(6.75 * MS)
+    # exchange: the ranks' work is P C' = 10 ms of core time: (10 + 2.4) / 2
+    q = predict(FLAT8, M, 1 * MS, method="one-peer-exp", cpu=c2, measured_shared_s=5 * MS)
+    assert q["step_s"] == approx(6.2 * MS)
+    # ignored without a CpuModel
+    assert predict(FLAT8, M, 1 * MS, measured_shared_s=5 * MS)["step_s"] == approx(
+        predict(FLAT8, M, 1 * MS)["step_s"])
+
+
+def test_recommend_with_cpu_and_dec_compute():
+    c2 = cpu(2, 8, 1e-10, 3e-10)
+    ranking = dict(recommend(FLAT8, M, 1 * MS, methods=["allreduce", "one-peer-exp"],
+                             cpu=c2, dec_compute_s=2 * MS))
+    assert ranking["allreduce"] == approx(5.75 * MS)
+    assert ranking["one-peer-exp"] == approx((16 + 2.4) / 2 * MS)
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -311,6 +445,57 @@ def test_model_cli_table_and_params(capsys):
     assert rc == 0 and json.loads(capsys.readouterr().out)["model_bytes"] == 2000
 
 
+def test_model_cli_cpu(capsys, tmp_path):
+    base = ["model", "--nodes", "1", "--ranks-per-node", "8", "--intra-gbit", "8",
+            "--intra-latency-us", "0", "--model-bytes", "1000000", "--compute-ms", "1",
+            "--methods", "allreduce,one-peer-exp"]
+    rc = cli.main(base + ["--cores", "2", "--ranks-per-machine", "8", "--kappa-ns", "0.1",
+                          "--kappa-eff-ns", "0.3", "--dec-compute-ms", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cpu"] == {"cores": 2.0, "ranks": 8, "rho": 4.0}
+    assert out["cpu_costs"]["net_s_per_byte"] == approx(1e-10)
+    steps = {r["method"]: r["step_s"] for r in out["ranking"]}
+    assert steps["allreduce"] == approx(5.75 * MS)
+    assert steps["one-peer-exp"] == approx((16 + 2.4) / 2 * MS)
+    assert out["ranking"][0]["method"] == "allreduce"
+    assert [r["bound"] for r in out["ranking"]] == ["network", "cpu"]
+    # the same costs from a file (the JSON of a --measure-cpu --json run)
+    f = tmp_path / "costs.json"
+    f.write_text(json.dumps({"cpu_costs": out["cpu_costs"]}))
+    rc = cli.main(base + ["--cores", "2", "--ranks-per-machine", "8", "--cpu-costs", str(f),
+                          "--dec-compute-ms", "2"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "# cpu: 8 rank(s) on 2 core(s) (rho 4)" in table and "decentralized 2.00 ms" in table
+    assert "5.75" in table
+    # the compute of all ranks at once, measured, instead of rho * C
+    rc = cli.main(base + ["--cores", "2", "--kappa-ns", "0.1", "--kappa-eff-ns", "0.3",
+                          "--shared-compute-ms", "5", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["method"]: r["step_s"] for r in out["ranking"]} == {
+        "allreduce": approx(6.75 * MS), "one-peer-exp": approx(6.2 * MS)}
+    # the CPU model needs cores
+    assert cli.main(base + ["--kappa-ns", "1"]) == 2
+    assert "--cores" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_measure_cpu_costs_loopback():
+    """Two linerate ranks over loopback: the exchange alone, the compute alone, both."""
+    costs = model.measure_cpu_costs(None, seconds=0.3, ranks=2, cores=2, cycles=1)
+    raw = costs.raw
+    assert raw["where"] == "loopback, 2 ranks" and raw["probe"]["ranks"] == 2
+    assert 0 < costs.net_s_per_byte < 1e-7, raw
+    assert costs.shared_net_s_per_byte is not None and costs.shared_net_s_per_byte >= 0
+    assert 0 < costs.pace_beside_compute <= 1
+    cycle = raw["probe"]["cycles"][0]
+    assert cycle["compute_rate_alone"] > 0 and cycle["exchange_alone_s"] > 0
+    assert 0 < costs.mem_s_per_byte < 1e-8
+    assert costs.inter_net_s_per_byte is None
+
+
 def test_model_cli_errors(capsys):
     assert cli.main(["model", "--intra-gbit", "10", "--compute-ms", "1"]) == 2
     assert "--model-bytes" in capsys.readouterr().err
@@ -454,8 +639,10 @@ def _netlab_reason():
     return netlab.check_prereqs()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_measure_netlab_two_tier(capsys):
+    """--measure on netlab: the links, and (the CPU model is on with --netlab) the CPU costs
+    with a rank on every host."""
     reason = _netlab_reason()
     if reason:
         pytest.skip(f"netlab unavailable: {reason}")
@@ -476,3 +663,8 @@ def test_measure_netlab_two_tier(capsys):
     assert c["intra_gbit"] == pytest.approx(0.4, rel=0.2), m
     assert c["inter_gbit"] == pytest.approx(0.1, rel=0.2), m
     assert 0 < c["intra_latency_s"] < 0.01 and 0 < c["inter_latency_s"] < 0.01
+    import os
+    assert out["cpu"]["ranks"] == 4 and out["cpu"]["cores"] == os.cpu_count()
+    costs = out["cpu_costs"]
+    assert costs["raw"]["where"].endswith("4 ranks") and 0 < costs["net_s_per_byte"] < 1e-7
+    assert 0 < costs["pace_beside_compute"] <= 1 and costs["shared_net_s_per_byte"] >= 0

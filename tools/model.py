@@ -10,24 +10,34 @@ bytes of the model and the compute time of one step, it predicts the time per tr
                  the exchange overlapping the whole iteration:
                  T = max(T_fwd + T_bwd, T_exchange), averaged over a time-varying graph's period
 
-and ranks them. The derivation and the assumptions are in docs/model.md.
+and ranks them. With the CPU model (--cores, or --netlab) the ranks share P cores (R per
+machine) and moving bytes costs CPU (kappa per byte alone, kappa_eff beside compute, and the
+share phi of its pace an exchange keeps while its ranks compute; measured with --measure-cpu):
+compute C' = max(1, R/P) C; communication alone T_x = max(T_net, K/P); DDP
+T = C' + (1 - p) T_x, p the share of the ring done on spare cores during backward;
+decentralized T = D1 + (1 - s1) T_x, D1 = max(C, (R C + s1 K_eff) / P), s1 = min(1, phi D1 / T_x)
+(compute with the exchange beside it, then the rest of the exchange). The derivation and the
+assumptions are in docs/model.md (section 5 for the CPU).
 
 The cluster comes from options, from a running netlab (--netlab NAME: its configured rates) or
 is measured (--measure --netlab NAME: TCP probes between hosts of one node and, all at once,
-across the node uplink). On a real cluster, measure the links with `linerate bench` (its raw
-link capacity line) or iperf3 and pass --intra-gbit / --inter-gbit.
+across the node uplink; and the CPU costs on the lab). On a real cluster, measure the links with
+`linerate bench` (its raw link capacity line) or iperf3 and pass --intra-gbit / --inter-gbit,
+and --cores with --measure-cpu (over loopback) for the CPU.
 
-Python API: Cluster, predict(), recommend(), measure_netlab().
+Python API: Cluster, CpuModel, CpuCosts, predict(), recommend(), measure_netlab(),
+measure_cpu_costs().
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from tools.argtypes import nonneg_float as _nonneg_float
 from tools.argtypes import positive_float as _positive_float
@@ -57,6 +67,8 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp
 DEFAULT_FWD_FRACTION = 1 / 3
 DEFAULT_MEASURE_SECONDS = 2.0
 DEFAULT_PINGS = 200
+DEFAULT_CPU_SECONDS = 1.0
+DEFAULT_CPU_CYCLES = 3
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -326,50 +338,309 @@ def canonical_method(method: str) -> str:
     return name
 
 
+# ----------------------------------------------------------------------------- CPU
+
+@dataclass
+class CpuCosts:
+    """What moving bytes costs the cores, in core-seconds per byte sent from one rank to
+    another (every byte is also received, so both ends are included).
+
+    ``net_s_per_byte`` (kappa): the communication's own CPU time -- the sender's and receiver's
+    system calls and copies, the kernel's TCP/IP path (on netlab also the emulated network:
+    veth, bridges, tbf, all run by the same cores in softirq), linerate's threads and the
+    receiver's reduction. It sets how fast communication alone can go on a machine's cores.
+    ``shared_net_s_per_byte`` (kappa_eff): the compute time a byte takes away from ranks that
+    compute on the same cores while it moves: kappa plus what sharing the cores costs beyond it
+    (context switches, caches). It is what an exchange overlapping compute adds to the step.
+    None: kappa. ``inter_*``: the same for a byte that crosses nodes where the path differs
+    (netlab's two-tier labs cross two more bridges and an uplink veth pair); None: as within a
+    node. ``pace_beside_compute`` (phi): the share of its own pace that communication keeps
+    while its ranks compute (each rank's main thread holds the cores and its GIL; 1: none
+    lost). ``mem_s_per_byte``: one pass over memory (``a.copy_(b)``), for DDP's copies around
+    its All-Reduce. Measured by measure_cpu_costs() (`linerate model --measure-cpu`), not
+    fitted."""
+    net_s_per_byte: float = 0.0
+    mem_s_per_byte: float = 0.0
+    inter_net_s_per_byte: float | None = None
+    shared_net_s_per_byte: float | None = None
+    shared_inter_net_s_per_byte: float | None = None
+    pace_beside_compute: float = 1.0
+    source: str = "given"
+    raw: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        vals = [self.net_s_per_byte, self.mem_s_per_byte, self.inter_net_s_per_byte,
+                self.shared_net_s_per_byte, self.shared_inter_net_s_per_byte]
+        if any(v is not None and not v >= 0 for v in vals):
+            raise ValueError(f"CPU costs must not be negative: {vals}")
+        if not 0 < self.pace_beside_compute <= 1:
+            raise ValueError(f"pace_beside_compute must be in (0, 1], got "
+                             f"{self.pace_beside_compute}")
+
+    def kappa(self, crossing: bool = False, shared: bool = False) -> float:
+        """Core-seconds per byte: alone (kappa) or beside compute (kappa_eff), within a node or
+        across nodes (falling back to within-node, and kappa_eff to kappa, where not given)."""
+        alone = (self.inter_net_s_per_byte if crossing and self.inter_net_s_per_byte is not None
+                 else self.net_s_per_byte)
+        if not shared:
+            return alone
+        if crossing and self.shared_inter_net_s_per_byte is not None:
+            return self.shared_inter_net_s_per_byte
+        if self.shared_net_s_per_byte is not None:
+            # across nodes without a measured kappa_eff: the within-node ratio applied
+            if crossing and self.inter_net_s_per_byte is not None and self.net_s_per_byte > 0:
+                return self.shared_net_s_per_byte * alone / self.net_s_per_byte
+            return self.shared_net_s_per_byte
+        return alone
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CpuCosts":
+        known = {k: data[k] for k in ("net_s_per_byte", "mem_s_per_byte", "inter_net_s_per_byte",
+                                       "shared_net_s_per_byte", "shared_inter_net_s_per_byte",
+                                       "pace_beside_compute", "source", "raw") if k in data}
+        return cls(**known)
+
+    def describe(self) -> str:
+        def ns(x):
+            return f"{x * 1e9:.3g}"
+        s = f"kappa {ns(self.net_s_per_byte)} ns/B"
+        if self.shared_net_s_per_byte is not None:
+            s += f" (beside compute {ns(self.shared_net_s_per_byte)})"
+        if self.inter_net_s_per_byte is not None:
+            s += f", across nodes {ns(self.inter_net_s_per_byte)}"
+            if self.shared_inter_net_s_per_byte is not None:
+                s += f" (beside compute {ns(self.shared_inter_net_s_per_byte)})"
+        if self.pace_beside_compute != 1.0:
+            s += f", pace beside compute {self.pace_beside_compute:.2f}"
+        return s + f", memory pass {ns(self.mem_s_per_byte)} ns/B ({self.source})"
+
+
+@dataclass
+class CpuModel:
+    """``ranks`` single-threaded ranks share ``cores`` cores (a host of a real cluster: its
+    ranks and cores; netlab: every rank of the lab and the machine's cores), paying ``costs`` for
+    the bytes they move."""
+    cores: float
+    ranks: int
+    costs: CpuCosts = field(default_factory=CpuCosts)
+
+    def __post_init__(self):
+        if not self.cores > 0 or self.ranks < 1:
+            raise ValueError(f"cores must be positive and ranks at least 1, got {self.cores} "
+                             f"and {self.ranks}")
+
+    @property
+    def oversubscription(self) -> float:
+        """rho = max(1, ranks / cores): how much slower a rank computes when all compute."""
+        return max(1.0, self.ranks / self.cores)
+
+    @property
+    def spare_cores(self) -> float:
+        return max(0.0, self.cores - self.ranks)
+
+    def describe(self) -> str:
+        return (f"{self.ranks} rank(s) on {self.cores:g} core(s) (rho {self.oversubscription:g}); "
+                f"{self.costs.describe()}")
+
+
+def shared_compute_s(compute_s: float, cpu: CpuModel | None) -> float:
+    """C' = rho * C: a step's compute when every rank of the machine computes at once (C is
+    measured with one rank alone; each rank runs one thread)."""
+    return compute_s * (cpu.oversubscription if cpu is not None else 1.0)
+
+
+def comm_cpu_s(cluster: Cluster, flows, cpu: CpuModel | None, shared: bool = False) -> float:
+    """Core-seconds one machine spends on ``flows`` (src, dst, nbytes): every byte costs kappa
+    (both ends, the kernel, the reduction; kappa_eff with ``shared``: beside compute), and the
+    cluster's ranks are spread evenly over machines of ``cpu.ranks`` ranks, so a machine pays
+    ranks/n of the total."""
+    if cpu is None:
+        return 0.0
+    total = sum(cpu.costs.kappa(cluster.node_of(s) != cluster.node_of(d), shared) * b
+                for s, d, b in flows if s != d and b > 0)
+    return total * min(1.0, cpu.ranks / cluster.n)
+
+
+def ring_flows(cluster: Cluster, model_bytes: float) -> list[tuple[int, int, float]]:
+    n = cluster.n
+    if n < 2:
+        return []
+    return [(r, (r + 1) % n, 2 * (n - 1) / n * model_bytes) for r in range(n)]
+
+
+def exchange_flows(cluster: Cluster, pattern, step: int, model_bytes: float) -> list:
+    groups = pattern.groups(step) if hasattr(pattern, "groups") else None
+    if groups is not None:
+        flows = []
+        for g in groups:
+            k = len(g)
+            if k > 1:
+                flows += [(g[i], g[(i + 1) % k], 2 * (k - 1) / k * model_bytes) for i in range(k)]
+        return flows
+    return [(r, p, model_bytes) for r in range(cluster.n) for p in pattern.out_peers(r, step)]
+
+
 # ----------------------------------------------------------------------------- prediction
 
-def overlapped(a: float, b: float, cpu_contention: float = 1.0) -> float:
-    """Time of two activities that start together and share the CPU: while both run each goes
-    ``cpu_contention`` (c) times slower, so T = max(a, b) + (c - 1) * min(a, b); c = 1 is
-    perfect overlap, c = 2 no overlap at all (a + b)."""
-    return max(a, b) + (cpu_contention - 1.0) * min(a, b)
+def allreduce_step(compute_s: float, fwd_fraction: float, t_net: float, cpu_s: float,
+                   cpu: CpuModel | None, overlap: bool = True,
+                   shared_cpu_s: float | None = None,
+                   measured_shared_s: float | None = None) -> dict:
+    """DDP's step: the ring All-Reduce of the gradients may overlap the backward pass only.
+
+    C' = rho C is the compute when every rank of a machine computes at once; the backward pass
+    is (1 - f) C' (f: the share of the compute before backward and after it -- forward and
+    the optimizer step). The All-Reduce alone takes T_c = max(T_net, K / P): the network's
+    time, or the machine's P cores doing its K core-seconds (kappa), whichever is longer. While
+    the backward pass runs the ring gets only the spare cores s = max(0, P - R) (measured on
+    netlab, 8 ranks on 2 cores: DDP's first bucket went at a third to half of line rate during
+    backward and the others became ready at its end), so a share p = min(1, (1 - f) C' r) of it
+    is done by then, r = min(1 / T_net, s / K_eff) of the All-Reduce per second (K_eff: kappa_eff
+    bytes, beside compute). Then
+
+        T = C' + (1 - p) T_c
+
+    Without a CpuModel r = 1 / T_net, and this is the classic T = f C + max((1 - f) C, T_net);
+    on oversubscribed cores (s = 0) it is C' + T_c: no overlap."""
+    rho = cpu.oversubscription if cpu is not None else 1.0
+    cs = rho * compute_s if measured_shared_s is None else measured_shared_s
+    bwd = (1.0 - fwd_fraction) * cs
+    t_c = max(t_net, cpu_s / cpu.cores) if cpu is not None else t_net
+    if t_c <= 0:
+        return {"step_s": cs, "comm_alone_s": 0.0, "overlap_share": 1.0, "rate": None}
+    if not overlap:
+        return {"step_s": cs + t_c, "comm_alone_s": t_c, "overlap_share": 0.0, "rate": 0.0}
+    phi = cpu.costs.pace_beside_compute if cpu is not None else 1.0
+    rates = [phi / t_net] if t_net > 0 else []
+    k_eff = cpu_s if shared_cpu_s is None else shared_cpu_s
+    if cpu is not None and k_eff > 0:
+        rates.append(cpu.spare_cores / k_eff)
+    rate = min(rates) if rates else math.inf
+    share = min(1.0, bwd * rate)
+    return {"step_s": cs + (1.0 - share) * t_c, "comm_alone_s": t_c, "overlap_share": share,
+            "rate": rate}
+
+
+def exchange_step(compute_s: float, t_net: float, cpu_s: float, cpu: CpuModel | None,
+                  overlap: bool = True, shared_cpu_s: float | None = None,
+                  measured_shared_s: float | None = None) -> dict:
+    """A decentralized step: the exchange of x(t) overlaps the whole iteration.
+
+    The exchange's flows are independent (no chain of steps: each rank posts its sends and
+    receives at once and the kernel streams them), so it goes on while the ranks compute,
+    at a share phi of its own pace (measured: each rank's main thread holds a core and its
+    GIL), and its bytes cost the compute K_eff = kappa_eff * bytes of CPU time. Alone the
+    exchange takes T_x = max(T_net(t), K / P). Two phases:
+
+    1. compute and exchange together, until the compute is done: the ranks' work R C plus
+       the share s1 of K_eff moved meanwhile, on P cores (on R <= P cores at least one rank's
+       C): D1 = max(C, (R C + s1 K_eff) / P), with s1 = min(1, phi D1 / T_x); solved for D1
+       (D1 = R C / P / (1 - phi K_eff / (P T_x)) while s1 < 1);
+    2. the rest of the exchange alone: (1 - s1) T_x.
+
+        T(t) = D1 + (1 - s1) T_x
+
+    With phi = 1 this is the largest of the three bounds max(T_net, C, (R C + K_eff) / P) up
+    to the (small) difference between K and K_eff on the bytes of phase 2; without a CpuModel
+    it is max(C, T_net(t)). ``overlap=False``: C' + T_x. ``measured_shared_s``: C' measured
+    (every rank computing at once, no communication) instead of rho C; the ranks' work is
+    then P C' where they oversubscribe the cores."""
+    if cpu is None:
+        return {"step_s": max(compute_s, t_net) if overlap else compute_s + t_net,
+                "comm_alone_s": t_net, "bound": "network" if t_net > compute_s else "compute",
+                "beside_share": None}
+    k_eff = cpu_s if shared_cpu_s is None else shared_cpu_s
+    p, r = cpu.cores, cpu.ranks
+    cs = cpu.oversubscription * compute_s if measured_shared_s is None else measured_shared_s
+    t_x = max(t_net, cpu_s / p)
+    if not overlap:
+        return {"step_s": cs + t_x, "comm_alone_s": t_x, "bound": "serial",
+                "beside_share": 0.0}
+    if t_x <= 0:
+        return {"step_s": cs, "comm_alone_s": 0.0, "bound": "compute", "beside_share": 1.0}
+    phi = cpu.costs.pace_beside_compute
+    work = r * compute_s if measured_shared_s is None else max(r * compute_s, p * cs)
+    denom = 1.0 - phi * k_eff / (p * t_x)
+    if work <= 0:
+        d1 = 0.0
+    else:  # denom <= 0: the bytes would take the cores faster than they free: s1 reaches 1
+        d1 = max(compute_s, work / p / denom) if denom > 0 else math.inf
+    s1 = phi * d1 / t_x
+    if s1 >= 1.0:
+        d1, s1 = max(compute_s, (work + k_eff) / p), 1.0
+    step = d1 + (1.0 - s1) * t_x
+    if step <= cs * (1 + 1e-9):
+        bound = "compute"
+    elif s1 >= 1.0:
+        bound = "cpu"
+    else:
+        bound = "network" if t_net >= cpu_s / p else "cpu"
+    return {"step_s": step, "comm_alone_s": t_x, "bound": bound, "beside_share": s1}
+
+
+#: DDP's passes over the gradients' bytes around its All-Reduce, per rank: copying them into
+#: the bucket, dividing by the world size, copying the result back (gradient_as_bucket_view off).
+DDP_MEMORY_PASSES = 3
 
 
 def predict(cluster: Cluster, model_bytes: int, compute_s: float,
             fwd_fraction: float = DEFAULT_FWD_FRACTION, method="allreduce",
-            overlap: bool = True, *, cpu_contention: float = 1.0) -> dict:
+            overlap: bool = True, *, cpu: CpuModel | None = None,
+            measured_shared_s: float | None = None) -> dict:
     """Predicted time of one training step.
 
     ``method``: "allreduce", a topology name (ring, torus, exp, one-peer-exp, aer, complete)
     or a topology object with ``n``, ``period`` and ``out_peers(rank, step)`` (exchanged
-    point to point). Returns {"step_s", "comm_s", "compute_s", "formula", ...}: comm_s is the
-    All-Reduce time, or the exchange time averaged over the topology's period."""
+    point to point). ``compute_s``: one rank's compute per step, measured alone (forward,
+    backward and the optimizer step). ``fwd_fraction``: the share of it that cannot overlap an
+    All-Reduce (forward and optimizer). ``cpu``: the cores the ranks share and what bytes cost
+    them (CpuModel); None: communication costs no CPU and every rank has a core of its own.
+    Returns {"step_s", "comm_s", "compute_s", "formula", ...}: comm_s is the communication
+    alone (All-Reduce, or the exchange averaged over the topology's period), CPU included.
+    ``measured_shared_s`` (with ``cpu``): C', the compute per step with every rank of a machine
+    computing at once (no communication), measured, instead of rho * compute_s: for compute
+    that scales worse than the cores do (docs/model.md 5.7)."""
     if model_bytes < 0 or compute_s < 0:
         raise ValueError("model_bytes and compute_s must not be negative")
     if not 0.0 <= fwd_fraction <= 1.0:
         raise ValueError(f"fwd_fraction must be in [0, 1], got {fwd_fraction}")
-    if not 1.0 <= cpu_contention <= 2.0:
-        raise ValueError(f"cpu_contention must be in [1, 2], got {cpu_contention}")
+    if cpu is not None and not isinstance(cpu, CpuModel):
+        raise TypeError(f"cpu must be a CpuModel, got {type(cpu).__name__}")
     fwd_s = fwd_fraction * compute_s
     bwd_s = compute_s - fwd_s
-    c = cpu_contention
     ms = 1e3
+    rho = cpu.oversubscription if cpu is not None else 1.0
     base = {"compute_s": compute_s, "fwd_s": fwd_s, "bwd_s": bwd_s, "n": cluster.n,
-            "model_bytes": model_bytes, "overlap": overlap, "cpu_contention": c}
+            "model_bytes": model_bytes, "overlap": overlap,
+            "shared_compute_s": (rho * compute_s if measured_shared_s is None or cpu is None
+                                 else measured_shared_s),
+            "cpu": None if cpu is None else {"cores": cpu.cores, "ranks": cpu.ranks,
+                                              "rho": rho, "costs": cpu.costs.to_json()}}
 
     if isinstance(method, str) and canonical_method(method) == "allreduce":
         ar = ring_allreduce(cluster, model_bytes)
         t_ar = ar["seconds"]
-        if overlap:
-            step = fwd_s + overlapped(bwd_s, t_ar, c)
-            how = "T = T_fwd + max(T_bwd, T_ar)"
-            vals = f"{fwd_s * ms:.2f} + max({bwd_s * ms:.2f}, {t_ar * ms:.2f}) ms"
-            if c != 1.0:
-                how += f" (cpu contention {c:g})"
+        flows = ring_flows(cluster, model_bytes)
+        k = comm_cpu_s(cluster, flows, cpu)
+        k_eff = comm_cpu_s(cluster, flows, cpu, shared=True)
+        if cpu is not None and cluster.n > 1:
+            mem = (DDP_MEMORY_PASSES * model_bytes * cpu.costs.mem_s_per_byte
+                   * min(cpu.ranks, cluster.n))
+            k, k_eff = k + mem, k_eff + mem
+        x = allreduce_step(compute_s, fwd_fraction, t_ar, k, cpu, overlap, k_eff,
+                           measured_shared_s if cpu is not None else None)
+        step = x["step_s"]
+        if cpu is None:
+            how = "T = T_fwd + max(T_bwd, T_ar)" if overlap else "T = T_fwd + T_bwd + T_ar"
+            vals = (f"{fwd_s * ms:.2f} + max({bwd_s * ms:.2f}, {t_ar * ms:.2f}) ms" if overlap
+                    else f"{fwd_s * ms:.2f} + {bwd_s * ms:.2f} + {t_ar * ms:.2f} ms")
         else:
-            step = compute_s + t_ar
-            how = "T = T_fwd + T_bwd + T_ar"
-            vals = f"{fwd_s * ms:.2f} + {bwd_s * ms:.2f} + {t_ar * ms:.2f} ms"
+            how = "T = C' + (1 - p) T_c, C' = rho C, T_c = max(T_ar, K/P)"
+            vals = (f"{base['shared_compute_s'] * ms:.2f} + (1 - {x['overlap_share']:.3f}) * "
+                    f"max({t_ar * ms:.2f}, {k:.3f}/{cpu.cores:g} s) ms")
         if ar["beta_eff_gbit"] is not None:
             ar_f = (f"T_ar = 2(n-1)a + 2(n-1)/n*M/b_eff = {2 * (cluster.n - 1)}*"
                     f"{ar['latency_s'] / (2 * (cluster.n - 1)) * 1e6:g}us + "
@@ -377,8 +648,9 @@ def predict(cluster: Cluster, model_bytes: int, compute_s: float,
                     f"{ar['beta_eff_gbit']:.4g}Gbit/s = {t_ar * ms:.2f} ms")
         else:
             ar_f = "T_ar = 0 (one rank, or nothing to send)"
-        return {**base, "method": "allreduce", "step_s": step, "comm_s": t_ar, "period": 1,
-                "formula": f"{how} = {vals} = {step * ms:.2f} ms; {ar_f}",
+        return {**base, "method": "allreduce", "step_s": step, "comm_s": x["comm_alone_s"],
+                "network_s": t_ar, "comm_cpu_s": k, "overlap_share": x["overlap_share"],
+                "period": 1, "formula": f"{how} = {vals} = {step * ms:.2f} ms; {ar_f}",
                 "uplink_flows": ar["uplink_flows"], "allreduce": ar,
                 "sent_bytes_per_rank": ar.get("sent_bytes_per_rank", 0.0)}
 
@@ -386,40 +658,60 @@ def predict(cluster: Cluster, model_bytes: int, compute_s: float,
         if isinstance(method, str) else method
     if pattern.n != cluster.n:
         raise ValueError(f"topology has {pattern.n} ranks, the cluster {cluster.n}")
-    steps, step_times = [], []
+    steps, step_times, comm_times = [], [], []
     for t in range(pattern.period):
         x = neighbor_exchange(cluster, pattern, t, model_bytes)
+        flows = exchange_flows(cluster, pattern, t, model_bytes)
+        k = comm_cpu_s(cluster, flows, cpu)
+        k_eff = comm_cpu_s(cluster, flows, cpu, shared=True)
+        y = exchange_step(compute_s, x["seconds"], k, cpu, overlap, k_eff,
+                          measured_shared_s if cpu is not None else None)
+        x = x | {"comm_cpu_s": k, "shared_comm_cpu_s": k_eff,
+                 "comm_alone_s": y["comm_alone_s"], "step_s": y["step_s"],
+                 "bound": y.get("bound"), "beside_share": y.get("beside_share")}
         steps.append(x)
-        step_times.append(overlapped(compute_s, x["seconds"], c) if overlap
-                          else compute_s + x["seconds"])
+        step_times.append(y["step_s"])
+        comm_times.append(y["comm_alone_s"])
     step = sum(step_times) / len(step_times)
-    comm = sum(x["seconds"] for x in steps) / len(steps)
-    how = "max(T_fwd + T_bwd, T_exchange(t))" if overlap else "T_fwd + T_bwd + T_exchange(t)"
+    comm = sum(comm_times) / len(comm_times)
+    if cpu is None:
+        how = ("max(T_fwd + T_bwd, T_exchange(t))" if overlap
+               else "T_fwd + T_bwd + T_exchange(t)")
+    else:
+        how = ("D1 + (1 - s1) T_x, D1 = max(C, (R C + s1 K_eff)/P), s1 = min(1, phi D1/T_x)"
+               if overlap else "C' + max(T_exchange(t), K(t)/P)")
     per = ", ".join(f"{x['seconds'] * ms:.2f}" for x in steps[:8]) + \
         (", ..." if len(steps) > 8 else "")
     formula = (f"T = mean over {pattern.period} step(s) of {how}; T_exchange(t) = latency + "
                f"max over links of bytes/capacity = [{per}] ms; compute {compute_s * ms:.2f} ms"
                f" -> {step * ms:.2f} ms")
-    if c != 1.0 and overlap:
-        formula += f" (cpu contention {c:g})"
+    if cpu is not None:
+        formula += (f"; R={cpu.ranks}, P={cpu.cores:g}, K_eff(t) = kappa_eff*bytes = ["
+                    + ", ".join(f"{x['shared_comm_cpu_s']:.3f}" for x in steps[:8])
+                    + "] core-s")
     return {**base, "method": getattr(pattern, "name", str(method)), "step_s": step,
-            "comm_s": comm, "period": pattern.period, "formula": formula, "steps": steps,
+            "comm_s": comm, "network_s": sum(x["seconds"] for x in steps) / len(steps),
+            "period": pattern.period, "formula": formula, "steps": steps,
             "uplink_flows": max(x["uplink_flows"] for x in steps),
             "sent_bytes_per_rank": sum(x["sent_bytes_per_rank"] for x in steps) / len(steps)}
 
 
 def recommend(cluster: Cluster, model_bytes: int, compute_s: float,
               fwd_fraction: float = DEFAULT_FWD_FRACTION, *, methods=METHODS,
-              overlap: bool = True, cpu_contention: float = 1.0) -> list[tuple[str, float]]:
+              overlap: bool = True, cpu: CpuModel | None = None,
+              dec_compute_s: float | None = None) -> list[tuple[str, float]]:
     """(method, predicted step seconds) for every method, fastest first.
 
-    ``methods``: names from ALL_METHODS (default METHODS, what linerate runs). Times equal to
-    1 ns (e.g. every method hidden behind the compute) are ties, broken in favor of better
-    mixing (TIE_ORDER): All-Reduce (exact average), complete, aer and one-peer-exp (exact
-    average after a period for powers of two), exp, torus, ring."""
+    ``methods``: names from ALL_METHODS (default METHODS, what linerate runs).
+    ``dec_compute_s``: the compute of a decentralized step where its optimizer costs other
+    than the All-Reduce one's (default ``compute_s``). Times equal to 1 ns (e.g. every method
+    hidden behind the compute) are ties, broken in favor of better mixing (TIE_ORDER):
+    All-Reduce (exact average), complete, aer and one-peer-exp (exact average after a period
+    for powers of two), exp, torus, ring."""
     names = list(dict.fromkeys(canonical_method(m) for m in methods))
-    out = [(m, predict(cluster, model_bytes, compute_s, fwd_fraction, m, overlap,
-                       cpu_contention=cpu_contention)["step_s"]) for m in names]
+    dec_c = compute_s if dec_compute_s is None else dec_compute_s
+    out = [(m, predict(cluster, model_bytes, compute_s if m == "allreduce" else dec_c,
+                       fwd_fraction, m, overlap, cpu=cpu)["step_s"]) for m in names]
     order = {m: i for i, m in enumerate(TIE_ORDER)}
     return sorted(out, key=lambda mt: (round(mt[1], 9), order[mt[0]]))
 
@@ -551,6 +843,209 @@ def measure_netlab(name: str = "lab", seconds: float = DEFAULT_MEASURE_SECONDS,
     return cluster, raw
 
 
+# ----------------------------------------------------------------------------- CPU costs
+
+_CPU_PROBE = r"""
+import json, os, resource, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from collectives.neighbor import neighbor_allreduce
+from collectives.topology import by_name
+torch.set_num_threads(1)
+out, nbytes, seconds, cycles = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("linerate", timeout=timedelta(seconds=300))
+rank, world = dist.get_rank(), dist.get_world_size()
+topo = by_name("one-peer-exp", world)
+t = torch.ones(nbytes // 4)
+x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
+a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
+def work():  # the stand-in for a rank's compute: a matmul of a batch and a pass over memory
+    for _ in range(4):
+        x @ w
+    a.mul_(0.9).add_(b, alpha=0.1)
+def softirq():
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[7]) / os.sysconf("SC_CLK_TCK")
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+for _ in range(2):
+    neighbor_allreduce(t, topo)
+    work()
+dist.barrier()
+t0 = time.perf_counter()
+neighbor_allreduce(t, topo)
+k = torch.tensor([max(2, int(seconds / max(time.perf_counter() - t0, 1e-4)))])
+dist.broadcast(k, 0)
+k = int(k)
+sent = sum(len(topo.out_peers(r, s)) for s in range(k) for r in range(world)) * (nbytes // 4 * 4)
+rows = []
+for _ in range(cycles):
+    dist.barrier()                      # the exchange alone: k neighbor all-reduces
+    s0, c0, w0 = softirq(), cpu(), time.perf_counter()
+    for _ in range(k):
+        neighbor_allreduce(t, topo)
+    comm_s = time.perf_counter() - w0
+    dist.barrier()
+    comm_cpu, comm_softirq = cpu() - c0, softirq() - s0
+    dist.barrier()                      # the compute alone, on every rank at once
+    n, w0 = 0, time.perf_counter()
+    while time.perf_counter() - w0 < seconds:
+        work()
+        n += 1
+    rate_alone = n / (time.perf_counter() - w0)
+    dist.barrier()                      # both: the exchange posted, the main thread computing
+    n, done, w0 = 0, 0, time.perf_counter()
+    h = neighbor_allreduce(t, topo, async_op=True)
+    while True:
+        work()
+        n += 1
+        if h.is_completed():
+            h.wait()
+            done += 1
+            if done == k:
+                break
+            h = neighbor_allreduce(t, topo, async_op=True)
+    both_s = time.perf_counter() - w0
+    rows.append([comm_s, comm_cpu, comm_softirq, rate_alone, n / both_s, both_s])
+v = torch.tensor(rows, dtype=torch.float64)
+allv = [torch.zeros_like(v) for _ in range(world)]
+dist.all_gather(allv, v)
+if rank == 0:
+    with open(out, "w") as f:
+        json.dump({"ops": k, "bytes_sent": sent, "ranks": [x.tolist() for x in allv]}, f)
+dist.destroy_process_group()
+"""
+
+
+def _run_probe_ranks(argvs_envs: list[tuple[list[str], dict]], timeout: float) -> None:
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for argv, env in argvs_envs]
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [(i, p.returncode, e) for i, (p, e) in enumerate(zip(procs, errs)) if p.returncode]
+    if bad:
+        i, rc, err = bad[0]
+        raise RuntimeError(f"CPU probe: rank {i} exited with {rc}: {err.strip()[-400:]}")
+
+
+def _cpu_probe(ranks: int, cores: float, lab=None, nbytes: int = 16 << 20,
+               seconds: float = DEFAULT_CPU_SECONDS, cycles: int = DEFAULT_CPU_CYCLES) -> dict:
+    """``ranks`` linerate ranks (one per host of ``lab``, else local over loopback) exchange
+    ``nbytes`` with their one-peer exponential neighbours (neighbor_allreduce, as
+    DecentralizedDataParallel does), ``cycles`` times in three phases of about ``seconds``:
+
+    1. the exchange alone, k ops: its time T_alone, and kappa = (the ranks' CPU time + the
+       machine's softirq time) / bytes sent;
+    2. the compute stand-in alone on every rank (a 64 x 1024 by 1024 x 1024 matmul four times
+       and a pass over 4 MiB, one thread): iterations per second per rank;
+    3. both in each rank, as in a decentralized step: the k exchanges posted one after the
+       other (async) while the main thread computes: phi = T_alone / T_both, the pace the
+       exchange keeps beside the compute, and kappa_eff = the compute the bytes displaced,
+       sum over ranks of (1 - rate_both / rate_alone) * min(1, cores / ranks) * T_both, per byte
+       sent (it includes the exchange's own CPU time and what sharing costs beyond it: context
+       switches, caches, each rank's GIL).
+
+    Each figure is the median over the cycles."""
+    import statistics
+    import tempfile
+    from tools import launch
+    fd, out = tempfile.mkstemp(prefix="linerate_cpu_probe", suffix=".json")
+    os.close(fd)
+    try:
+        args = [sys.executable, "-c", _CPU_PROBE, out, str(nbytes), str(seconds), str(cycles)]
+        if lab is None:
+            port = launch.free_port()
+            runs = [(args, launch.rank_env(r, ranks, port)) for r in range(ranks)]
+        else:
+            from tools import netlab
+            port = netlab.free_port_in(lab.hosts[0])
+            runs = [(netlab.netns_argv(lab.hosts[r], args), netlab.rank_env(lab, r, ranks, port))
+                    for r in range(ranks)]
+        _run_probe_ranks(runs, timeout=300 + 10 * cycles * seconds)
+        with open(out) as f:
+            raw = json.load(f)
+    finally:
+        os.unlink(out)
+    held = min(1.0, cores / ranks)
+    sent = raw["bytes_sent"]
+    cyc = []
+    for c in range(cycles):
+        rows = [r[c] for r in raw["ranks"]]
+        t_alone = max(r[0] for r in rows)
+        t_both = max(r[5] for r in rows)
+        displaced = sum(max(0.0, 1.0 - r[4] / r[3]) * held * r[5] for r in rows)
+        cyc.append({"exchange_alone_s": t_alone, "exchange_beside_compute_s": t_both,
+                    "kappa_s_per_byte": (sum(r[1] for r in rows) + rows[0][2]) / sent,
+                    "kappa_eff_s_per_byte": displaced / sent,
+                    "phi": t_alone / t_both,
+                    "compute_rate_alone": sum(r[3] for r in rows),
+                    "compute_rate_beside": sum(r[4] for r in rows)})
+    med = {key: statistics.median(x[key] for x in cyc)
+           for key in ("kappa_s_per_byte", "kappa_eff_s_per_byte", "phi")}
+    return med | {"ranks": ranks, "ops": raw["ops"], "bytes_sent_per_phase": sent,
+                  "cycles": cyc}
+
+
+def _memory_pass_s_per_byte(nbytes: int = 16 << 20, repeats: int = 20) -> float:
+    """One pass over memory: the fastest of ``repeats`` ``a.copy_(b)`` of ``nbytes`` float32,
+    one thread, per byte."""
+    import time
+
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a.copy_(b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best / (nbytes // 4 * 4)
+
+
+def measure_cpu_costs(lab_name: str | None = None, seconds: float = DEFAULT_CPU_SECONDS,
+                      ranks: int | None = None, cores: float | None = None,
+                      cycles: int = DEFAULT_CPU_CYCLES) -> CpuCosts:
+    """Measure CpuCosts on this machine (_cpu_probe): kappa, kappa_eff and phi with ``ranks``
+    linerate ranks -- on every host of the netlab ``lab_name`` (its emulated network's cost
+    included; on a two-tier lab the one-peer exchange crosses nodes at some steps, and the
+    figures are the average), or over loopback with ``ranks`` local ranks (default: the
+    cores) -- and the memory pass with a.copy_(b). Only the ranks' own CPU time counts toward
+    kappa; softirq time and the compute rates are the machine's: measure on a quiet one."""
+    cores = cores or os.cpu_count() or 1
+    lab = None
+    if lab_name is not None:
+        from tools import netlab
+        lab = netlab.load(lab_name)
+        if not netlab.is_up(lab):
+            raise RuntimeError(f"netlab {lab_name!r} is not up")
+        ranks = ranks or len(lab.hosts)
+        if not 2 <= ranks <= len(lab.hosts):
+            raise ValueError(f"the CPU probe needs 2..{len(lab.hosts)} ranks on lab {lab_name}")
+        where = f"netlab {lab_name}, {ranks} ranks"
+    else:
+        ranks = max(2, ranks or int(math.ceil(cores)))
+        where = f"loopback, {ranks} ranks"
+    probe = _cpu_probe(ranks, cores, lab, seconds=seconds, cycles=cycles)
+    mem = _memory_pass_s_per_byte()
+    raw = {"where": where, "cores": cores, "seconds": seconds, "probe": probe,
+           "memory_pass_s_per_byte": mem}
+    return CpuCosts(net_s_per_byte=probe["kappa_s_per_byte"], mem_s_per_byte=mem,
+                    shared_net_s_per_byte=probe["kappa_eff_s_per_byte"],
+                    pace_beside_compute=min(1.0, probe["phi"]),
+                    source=f"measured, {where}", raw=raw)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def add_parser(subparsers) -> None:
@@ -590,18 +1085,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="with --params (default float32)")
     g.add_argument("--compute-ms", type=_nonneg_float, required=True,
-                   help="forward + backward time of one step on one rank, milliseconds")
+                   help="one rank's compute per step (forward, backward, optimizer step), "
+                        "measured with that rank alone on the machine, milliseconds")
+    g.add_argument("--dec-compute-ms", type=_nonneg_float, default=None,
+                   help="the same for a decentralized step, where its optimizer costs "
+                        "otherwise (default: --compute-ms)")
+    g.add_argument("--shared-compute-ms", type=_nonneg_float, default=None,
+                   help="with the CPU model: the compute per step measured with every rank of a "
+                        "machine computing at once (no communication), used instead of "
+                        "max(1, R/P) x --compute-ms (for compute that scales worse than the "
+                        "cores)")
+    g.add_argument("--dec-shared-compute-ms", type=_nonneg_float, default=None,
+                   help="the same for the decentralized step")
     g.add_argument("--fwd-fraction", type=_fraction, default=DEFAULT_FWD_FRACTION,
-                   help="share of the compute time that is the forward pass (default 1/3)")
-    g.add_argument("--cpu-contention", type=_contention, default=1.0,
-                   help="slowdown c in [1, 2] of compute and communication while they overlap "
-                        "(1: separate cores, the default; 2: no overlap); see docs/model.md")
+                   help="share of the compute that cannot overlap an All-Reduce: the forward "
+                        "pass and the optimizer step (default 1/3)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="communication after compute instead of overlapped")
     g.add_argument("--methods", type=_method_list, default=list(METHODS),
                    help=f"comma separated (default: {','.join(METHODS)}; also "
                         f"{','.join(GROUP_METHODS)}: group averages by ring All-Reduce, as "
                         "the paper's library runs them)")
+    g = parser.add_argument_group(
+        "CPU: the cores ranks share and what moving bytes costs them (docs/model.md section 5)")
+    g.add_argument("--cores", type=_positive_float, default=None,
+                   help="cores of each machine; turns the CPU model on (with --netlab it is on, "
+                        "with this machine's cores, which run every host of the lab)")
+    g.add_argument("--ranks-per-machine", type=_positive_int, default=None,
+                   help="ranks sharing a machine's cores (default: --ranks-per-node; with "
+                        "--netlab every rank of the lab)")
+    g.add_argument("--no-cpu", dest="cpu", action="store_false",
+                   help="no CPU model: every rank has cores of its own, bytes cost none")
+    g.add_argument("--measure-cpu", action="store_true",
+                   help="measure the CPU costs: linerate ranks exchanging bytes alone and while "
+                        "they compute, on every host of the lab with --netlab, else over "
+                        "loopback (--measure with --netlab implies it)")
+    g.add_argument("--cpu-costs", metavar="FILE", default=None,
+                   help="take the CPU costs from the JSON of an earlier --measure-cpu --json run "
+                        "(its cpu_costs) or of tools.decent_bench --json")
+    g.add_argument("--kappa-ns", type=_nonneg_float, default=None,
+                   help="CPU nanoseconds per byte sent (both ends, the kernel, the reduction)")
+    g.add_argument("--kappa-eff-ns", type=_nonneg_float, default=None,
+                   help="compute nanoseconds a byte takes from ranks computing beside it "
+                        "(default: --kappa-ns)")
+    g.add_argument("--pace", type=_pace, default=1.0,
+                   help="with --kappa-ns: the share of its pace communication keeps while its "
+                        "ranks compute (phi, in (0, 1]; default 1)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -639,6 +1168,41 @@ def build_cluster(args: argparse.Namespace) -> tuple[Cluster, dict | None]:
     return Cluster(nodes, rpn, intra, inter, lat_in, lat_out), measured
 
 
+def build_cpu(args: argparse.Namespace, cluster: Cluster) -> CpuModel | None:
+    """The CpuModel the options ask for, or None (no --cores and no --netlab, or --no-cpu)."""
+    if not args.cpu or (args.cores is None and args.netlab is None):
+        if args.measure_cpu or args.cpu_costs or args.kappa_ns is not None:
+            raise ValueError("CPU costs need the CPU model: give --cores (or --netlab)")
+        return None
+    cores = args.cores or os.cpu_count() or 1
+    ranks = args.ranks_per_machine or (cluster.n if args.netlab is not None
+                                       else cluster.ranks_per_node)
+    if args.cpu_costs:
+        with open(args.cpu_costs) as f:
+            data = json.load(f)
+        costs = CpuCosts.from_json(data.get("cpu_costs") or data["cpu"]["costs"])
+    elif args.kappa_ns is not None:
+        costs = CpuCosts(net_s_per_byte=args.kappa_ns * 1e-9,
+                         shared_net_s_per_byte=(args.kappa_eff_ns * 1e-9
+                                                if args.kappa_eff_ns is not None else None),
+                         pace_beside_compute=args.pace)
+    elif args.measure_cpu or (args.measure and args.netlab is not None):
+        costs = measure_cpu_costs(args.netlab, ranks=ranks, cores=cores)
+    else:
+        costs = CpuCosts(source="not measured: bytes cost no CPU (--measure-cpu)")
+    return CpuModel(cores=cores, ranks=ranks, costs=costs)
+
+
+def _bound(p: dict) -> str:
+    if p["step_s"] <= p["shared_compute_s"] * (1 + 1e-9):
+        return "compute"
+    if p["method"] == "allreduce":
+        cpu = p["cpu"]
+        return "cpu" if cpu and p["comm_cpu_s"] / cpu["cores"] > p["network_s"] else "network"
+    worst = max(p["steps"], key=lambda x: x["step_s"])
+    return worst.get("bound") or "network"
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.model_bytes is None) == (args.params is None):
         print("linerate model: error: give one of --model-bytes and --params", file=sys.stderr)
@@ -647,41 +1211,49 @@ def run(args: argparse.Namespace) -> int:
         else int(args.params * DTYPE_BYTES[args.dtype])
     try:
         cluster, measured = build_cluster(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        cpu = build_cpu(args, cluster)
+    except (ValueError, RuntimeError, FileNotFoundError, KeyError) as e:
         print(f"linerate model: error: {e}", file=sys.stderr)
         return 2
     compute_s = args.compute_ms / 1e3
-    preds = {m: predict(cluster, model_bytes, compute_s, args.fwd_fraction, m, args.overlap,
-                        cpu_contention=args.cpu_contention) for m in args.methods}
-    ranking = recommend(cluster, model_bytes, compute_s, args.fwd_fraction,
-                        methods=args.methods, overlap=args.overlap,
-                        cpu_contention=args.cpu_contention)
+    dec_compute_s = compute_s if args.dec_compute_ms is None else args.dec_compute_ms / 1e3
+    ms = None if args.shared_compute_ms is None else args.shared_compute_ms / 1e3
+    dms = ms if args.dec_shared_compute_ms is None else args.dec_shared_compute_ms / 1e3
+    preds = {m: predict(cluster, model_bytes, compute_s if m == "allreduce" else dec_compute_s,
+                        args.fwd_fraction, m, args.overlap, cpu=cpu,
+                        measured_shared_s=ms if m == "allreduce" else dms)
+             for m in args.methods}
+    ranking = sorted(((m, p["step_s"]) for m, p in preds.items()),
+                     key=lambda mt: (round(mt[1], 9), TIE_ORDER.index(mt[0])))
     t_ar = predict(cluster, model_bytes, compute_s, args.fwd_fraction, "allreduce",
-                   args.overlap, cpu_contention=args.cpu_contention)["step_s"]
+                   args.overlap, cpu=cpu, measured_shared_s=ms)["step_s"]
     rows = []
     for method, step in ranking:
         p = preds[method]
         rows.append({"method": method, "step_s": step, "comm_s": p["comm_s"],
                      "speedup": t_ar / step if step > 0 else None,
-                     "bound": "network" if p["step_s"] > p["compute_s"] * (1 + 1e-9) else
-                              "compute",
-                     "uplink_flows": p["uplink_flows"],
+                     "bound": _bound(p), "uplink_flows": p["uplink_flows"],
                      "period": p["period"], "formula": p["formula"]})
     if args.json:
         out = {"cluster": asdict(cluster) | {"n": cluster.n}, "measured": measured,
                "model_bytes": model_bytes, "compute_s": compute_s,
-               "fwd_fraction": args.fwd_fraction, "overlap": args.overlap,
-               "cpu_contention": args.cpu_contention, "allreduce_step_s": t_ar,
-               "recommended": rows[0]["method"], "ranking": rows,
+               "dec_compute_s": dec_compute_s, "fwd_fraction": args.fwd_fraction,
+               "overlap": args.overlap,
+               "cpu": None if cpu is None else {"cores": cpu.cores, "ranks": cpu.ranks,
+                                                "rho": cpu.oversubscription},
+               "cpu_costs": None if cpu is None else cpu.costs.to_json(),
+               "allreduce_step_s": t_ar, "recommended": rows[0]["method"], "ranking": rows,
                "predictions": preds}
         print(json.dumps(out, indent=1))
         return 0
-    print(format_table(cluster, measured, model_bytes, compute_s, args.fwd_fraction, rows))
+    print(format_table(cluster, measured, model_bytes, compute_s, args.fwd_fraction, rows,
+                       cpu=cpu, dec_compute_s=dec_compute_s))
     return 0
 
 
 def format_table(cluster: Cluster, measured: dict | None, model_bytes: int, compute_s: float,
-                 fwd_fraction: float, rows: list[dict]) -> str:
+                 fwd_fraction: float, rows: list[dict], cpu: CpuModel | None = None,
+                 dec_compute_s: float | None = None) -> str:
     lines = [f"# cluster: {cluster.describe()}"]
     if measured:
         lines.append(f"# measured on netlab {measured['lab']!r} ({measured['seconds']:g} s "
@@ -691,8 +1263,13 @@ def format_table(cluster: Cluster, measured: dict | None, model_bytes: int, comp
                         f"{measured['inter_single_bps'] / 1e9:.3f})"
                         if "inter_bps" in measured else ""))
     lines.append(f"# model: {model_bytes / 2**20:.2f} MiB per step; compute "
-                 f"{compute_s * 1e3:.2f} ms (forward {fwd_fraction * compute_s * 1e3:.2f}, "
-                 f"backward {(1 - fwd_fraction) * compute_s * 1e3:.2f})")
+                 f"{compute_s * 1e3:.2f} ms alone (not overlappable "
+                 f"{fwd_fraction * compute_s * 1e3:.2f}, backward "
+                 f"{(1 - fwd_fraction) * compute_s * 1e3:.2f})"
+                 + (f", decentralized {dec_compute_s * 1e3:.2f} ms"
+                    if dec_compute_s is not None and dec_compute_s != compute_s else ""))
+    if cpu is not None:
+        lines.append(f"# cpu: {cpu.describe()}")
     w = max(13, max(len(r["method"]) for r in rows) + 1)
     lines.append(f"{'method':<{w}}{'step ms':>10}{'comm ms':>10}{'speedup':>9}"
                  f"{'uplink flows':>14}{'period':>8}  bound")
@@ -734,10 +1311,10 @@ def _fraction(text: str) -> float:
     return x
 
 
-def _contention(text: str) -> float:
+def _pace(text: str) -> float:
     x = float(text)
-    if not 1 <= x <= 2:
-        raise argparse.ArgumentTypeError(f"must be in [1, 2], got {text}")
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return x
 
 
