@@ -24,13 +24,13 @@ class Options:
     small_bytes: int = 64 * 1024
     #: Pipeline granularity of ring and chain algorithms (4 MiB measured best, README).
     piece_bytes: int = 4 << 20
-    #: Tensor fusion (collectives/fusion.py): async all_reduces of tensors up to this many
+    #: Tensor fusion (collectives/fusion.py): all_reduces of one tensor of up to this many
     #: bytes are packed into fused all_reduces of at most this many bytes; 0 turns it off.
     fusion_bytes: int = 4 << 20
     #: How long a fusable all_reduce waits for more to fuse with, when nobody waits on it yet.
     cycle_ms: float = 1.0
     #: Priority scheduling (collectives/priority.py): a layer's gradients are all-reduced in
-    #: partitions of at most this many bytes, so a more urgent layer's overtake them.
+    #: partitions of at most this many bytes, which a more urgent layer's partitions overtake.
     partition_bytes: int = 4 << 20
 
     @classmethod
