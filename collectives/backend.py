@@ -111,7 +111,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                             label=group_name or "")
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
-        metrics.set_info(nsocks=self._options.transport.nsocks,
+        metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
                                    else rank))

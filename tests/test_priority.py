@@ -247,3 +247,20 @@ def _not_linerate(rank, world, lr):
 def test_needs_a_linerate_group():
     for msg in run_ranks(_not_linerate, 2, timeout=60):
         assert "needs a linerate process group" in msg
+
+
+def test_nsocks_auto_is_two_on_one_rail_one_per_rail_on_several():
+    from transport.options import sockets_per_rail
+    assert TransportOptions.from_env({}).nsocks == 0
+    assert TransportOptions.from_env({"LINERATE_NSOCKS": "auto"}).nsocks == 0
+    assert TransportOptions.from_env({"LINERATE_NSOCKS": "3"}).nsocks == 3
+    assert [sockets_per_rail(0, r) for r in (1, 2, 4)] == [2, 1, 1]
+    assert sockets_per_rail(3, 4) == 3
+    with pytest.raises(ValueError, match="LINERATE_NSOCKS"):
+        TransportOptions.from_env({"LINERATE_NSOCKS": "many"})
+    c0, c1 = _pair()  # nsocks=1 given: kept
+    try:
+        assert c0.options.nsocks == 1 and c0.nconns == 1
+    finally:
+        c0.close(timeout=5)
+        c1.close(timeout=5)

@@ -998,7 +998,7 @@ def test_options_from_os_environ(monkeypatch):
 
 
 @pytest.mark.parametrize("var,text", [
-    ("LINERATE_NSOCKS", "0"), ("LINERATE_NSOCKS", "65"), ("LINERATE_NSOCKS", "-1"),
+    ("LINERATE_NSOCKS", "65"), ("LINERATE_NSOCKS", "-1"),
     ("LINERATE_CHUNK_BYTES", "1K"), ("LINERATE_CHUNK_BYTES", "4G"), ("LINERATE_CHUNK_BYTES", "0"),
     ("LINERATE_CONNECT_TIMEOUT", "0"), ("LINERATE_CONNECT_TIMEOUT", "-3"),
 ])

@@ -19,6 +19,7 @@ size (bounded by ``max_unexpected_bytes``) and copied once the receive comes.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import json
 import logging
@@ -34,7 +35,7 @@ import numpy as np
 from . import framing, handshake, metrics, rdma
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .interfaces import listen_addresses
-from .options import TransportOptions
+from .options import TransportOptions, sockets_per_rail
 from .request import MismatchError, PeerFailure, Request, TransportError
 
 log = logging.getLogger("linerate.transport")
@@ -132,6 +133,9 @@ class Context:
         rails = self.options.ifnames
         self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
         self.nrails = len(self.addresses)
+        if not self.options.nsocks:  # auto: resolved once the rails are known
+            self.options = dataclasses.replace(
+                self.options, nsocks=sockets_per_rail(0, self.nrails))
         self.nconns = self.options.nsocks * self.nrails
         self.peers: dict[int, _Peer] = {p: _Peer(p, self.nconns) for p in range(size) if p != rank}
         self._mesh_cond = threading.Condition(self._lock)

@@ -64,6 +64,18 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"cannot parse boolean {text!r}: expected 1/0, true/false, yes/no, on/off")
 
 
+def _parse_nsocks(text: str) -> int:
+    s = text.strip().lower()
+    return 0 if s == "auto" else int(s)
+
+
+def sockets_per_rail(nsocks: int, nrails: int) -> int:
+    """The connections per peer per rail that ``nsocks`` (0: auto) means with ``nrails``."""
+    if nsocks:
+        return nsocks
+    return 2 if nrails <= 1 else 1
+
+
 TRANSPORTS = ("tcp", "rdma", "auto")
 
 
@@ -99,9 +111,11 @@ def parse_env(env: Mapping[str, str], var: str, parse):
 class TransportOptions:
     """Settings of one transport context (one per process group)."""
 
-    #: TCP connections per peer on each interface (rail). Measured on loopback (2 cores):
-    #: 2 beats 1 by ~35% and 4 adds nothing; see README "Performance".
-    nsocks: int = 2
+    #: TCP connections per peer on each interface (rail); 0: auto, 2 with one rail and 1 per
+    #: rail with several. Measured on 2 cores: with one rail 2 beats 1 by ~35% (loopback) and 4
+    #: adds nothing; with 4 rails x 250 Mbit/s (netlab, 4 hosts) 1 per rail reached 0.90 Gbit/s
+    #: and 2 per rail 0.68 (README "Performance").
+    nsocks: int = 0
     #: Local interfaces to use, comma separated (``eth0,eth1`` = two rails). Empty: the
     #: interface that routes to MASTER_ADDR (or the hostname's address).
     socket_ifname: str = ""
@@ -138,7 +152,7 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
         env = os.environ if env is None else env
         o = cls()
-        parsers = {"LINERATE_NSOCKS": ("nsocks", int),
+        parsers = {"LINERATE_NSOCKS": ("nsocks", _parse_nsocks),
                    "LINERATE_SOCKET_IFNAME": ("socket_ifname", str.strip),
                    "LINERATE_CHUNK_BYTES": ("chunk_bytes", parse_size),
                    "LINERATE_CONNECT_TIMEOUT": ("connect_timeout", float),
@@ -161,8 +175,8 @@ class TransportOptions:
         return o
 
     def validate(self) -> None:
-        if not 1 <= self.nsocks <= 64:
-            raise ValueError(f"LINERATE_NSOCKS must be between 1 and 64, got {self.nsocks}")
+        if not 0 <= self.nsocks <= 64:
+            raise ValueError(f"LINERATE_NSOCKS must be between 1 and 64 (or 0 / auto), got {self.nsocks}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"LINERATE_CHUNK_BYTES must be at least 4096, got {self.chunk_bytes}")
         if self.chunk_bytes >= 1 << 32:
