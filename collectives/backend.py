@@ -255,10 +255,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             op, seq, fn, stage, timeout, work, result, nbytes, desc = item
             comm = None
             try:
-                broken = self._ctx.broken
-                if broken is not None:
-                    raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
-                                         f"earlier: {broken}")
+                self._check_usable(op, seq)
                 comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
                 t0 = time.perf_counter()
                 comm.set_call(desc)
@@ -266,11 +263,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 stage.finish()
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # every failure reaches the Work, and the peers
-                if isinstance(e, OpTimeout):
-                    self._ctx.report_error(str(e))
-                elif not isinstance(e, TransportError):
-                    log.exception("rank %d: %s #%d failed", self.rank(), op, seq)
-                    self._ctx.report_error(f"rank {self.rank()}: {op} #{seq} failed: {e}")
+                self._report_failure(e, op, seq)
                 if (comm is not None and desc and isinstance(e, TransportError)
                         and desc not in str(e)):  # say what this rank called, beside the peer's
                     wrapped = TransportError(f"{e} [rank {self.rank()} was in {op} #{seq} ({desc})]")
@@ -293,10 +286,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         comm = None
         taken = offered
         try:
-            broken = self._ctx.broken
-            if broken is not None:
-                raise TransportError(f"rank {self.rank()}: all_reduce #{head.seq} cannot run: the "
-                                     f"group failed earlier: {broken}")
+            self._check_usable("all_reduce", head.seq)
             comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
                         self._options.piece_bytes, self._scratch)
             t0 = time.perf_counter()
@@ -314,13 +304,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 e.stage.finish()
             seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Works, and the peers
-            if isinstance(e, OpTimeout):
-                self._ctx.report_error(str(e))
-            elif not isinstance(e, TransportError):
-                if not isinstance(e, ValueError):
-                    log.exception("rank %d: fused all_reduce #%d failed", self.rank(), head.seq)
-                self._ctx.report_error(str(e) if isinstance(e, ValueError) else
-                                       f"rank {self.rank()}: all_reduce #{head.seq} failed: {e}")
+            # agree() raises ValueError naming the differing calls
+            self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
             if comm is not None:
                 comm.end()
             self._pop_entries(len(taken))
@@ -338,6 +323,21 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         with self._qcond:
             for _ in range(n):
                 self._queue.popleft()
+
+    def _check_usable(self, op: str, seq: int) -> None:
+        broken = self._ctx.broken
+        if broken is not None:
+            raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
+                                 f"earlier: {broken}")
+
+    def _report_failure(self, e: BaseException, op: str, seq: int, named: tuple = ()) -> None:
+        """Tell the peers why this rank's op failed (a peer's own failure they know of).
+        ``named``: exception types whose text already names rank, op and calls."""
+        if isinstance(e, (OpTimeout,) + named):
+            self._ctx.report_error(str(e))
+        elif not isinstance(e, TransportError):
+            log.exception("rank %d: %s #%d failed", self.rank(), op, seq)
+            self._ctx.report_error(f"rank {self.rank()}: {op} #{seq} failed: {e}")
 
     # ------------------------------------------------------------------ checks
     def _check_tensor(self, t, what: str) -> None:
@@ -462,10 +462,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             scratch = self._prio_scratch.s = Scratch()
         comm = None
         try:
-            broken = self._ctx.broken
-            if broken is not None:
-                raise TransportError(f"rank {self.rank()}: all_reduce #{seq} cannot run: the group "
-                                     f"failed earlier: {broken}")
+            self._check_usable("all_reduce", seq)
             comm = Comm(self._ctx, "all_reduce", seq, timeout, self._options.piece_bytes, scratch)
             comm.priority = priority
             t0 = time.perf_counter()
@@ -474,11 +471,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             stage.finish()
             t1 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
-            if isinstance(e, OpTimeout):
-                self._ctx.report_error(str(e))
-            elif not isinstance(e, TransportError):
-                log.exception("rank %d: all_reduce #%d failed", self.rank(), seq)
-                self._ctx.report_error(f"rank {self.rank()}: all_reduce #{seq} failed: {e}")
+            self._report_failure(e, "all_reduce", seq)
             if comm is not None:
                 comm.end()
             work._complete(e)

@@ -157,3 +157,28 @@ def _reap(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             _signal_group(p, signal.SIGKILL)
         p.wait()
+
+
+#: Variables that torchrun sets: with them (and no --nproc) a tool's process is one rank.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def dispatch(prog: str, module: str, args, rank_argv, run_worker, default_nproc: int,
+             timeout: float, on_lab=None) -> int:
+    """Where a benchmark's ranks run: one per host of ``args.netlab`` (``on_lab(lab)`` first,
+    e.g. to probe the links), this process as a rank under torchrun, or ``args.nproc`` local
+    ranks. ``rank_argv()`` gives the ranks' arguments (called after ``on_lab``)."""
+    if getattr(args, "netlab", None) is not None:
+        from tools import netlab
+        reason = netlab.check_prereqs()
+        if reason:
+            print(f"{prog}: --netlab: {reason}", file=sys.stderr)
+            return 2
+        lab = netlab.load(args.netlab)
+        if on_lab is not None:
+            on_lab(lab)
+        return netlab.run_ranks(lab, args.nproc or len(lab.hosts), ["-m", module] + rank_argv(),
+                                timeout=timeout, prefix_output=False)
+    if args.nproc is None and all(k in os.environ for k in TORCHRUN_ENV):
+        return run_worker(args)
+    return launch_local(module, rank_argv(), args.nproc or default_nproc, timeout)

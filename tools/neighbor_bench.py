@@ -20,11 +20,10 @@ import sys
 import time
 
 from tools.bench import LAUNCH_GRACE_S, _positive_int, _size
-from tools.launch import launch_local
+from tools.launch import dispatch
 
 DEFAULT_TOPOLOGIES = "one-peer-exp,ring,exp"
 DEFAULT_NPROC = 4
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -79,21 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"neighbor_bench: error: {err}", file=sys.stderr)
         return 2
-    timeout = args.timeout + LAUNCH_GRACE_S
-    if args.netlab is not None:
-        from tools import netlab
-        reason = netlab.check_prereqs()
-        if reason:
-            print(f"neighbor_bench: --netlab: {reason}", file=sys.stderr)
-            return 2
-        lab = netlab.load(args.netlab)
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
-                                ["-m", "tools.neighbor_bench"] + rank_argv(args),
-                                timeout=timeout, prefix_output=False)
-    if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
-        return run_worker(args)
-    return launch_local("tools.neighbor_bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
-                        timeout)
+    return dispatch("neighbor_bench", "tools.neighbor_bench", args, lambda: rank_argv(args),
+                    run_worker, DEFAULT_NPROC, args.timeout + LAUNCH_GRACE_S)
 
 
 # ----------------------------------------------------------------------------- one rank

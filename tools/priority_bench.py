@@ -27,10 +27,9 @@ import sys
 import time
 
 from tools.argtypes import positive_int, size
-from tools.launch import launch_local
+from tools.launch import dispatch
 
 DEFAULT_NPROC = 4
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_GRACE_S = 30.0
 
 
@@ -71,25 +70,15 @@ def run(args) -> int:
     if not parts or any(p not in ("fusion", "train") for p in parts):
         print("priority_bench: error: --parts takes fusion and/or train", file=sys.stderr)
         return 2
-    timeout = args.timeout + LAUNCH_GRACE_S
-    if args.netlab is not None:
+
+    def probe_links(lab) -> None:
         from tools import netlab
-        reason = netlab.check_prereqs()
-        if reason:
-            print(f"priority_bench: --netlab: {reason}", file=sys.stderr)
-            return 2
-        lab = netlab.load(args.netlab)
         if args.link_gbit is None and "train" in parts and len(lab.hosts) > 1:
-            bps = netlab.probe(lab, 0, 1)
-            args.link_gbit = bps / 1e9
+            args.link_gbit = netlab.probe(lab, 0, 1) / 1e9
             print(f"raw link capacity host 0 -> host 1: {args.link_gbit:.3f} Gbit/s")
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
-                                ["-m", "tools.priority_bench"] + rank_argv(args),
-                                timeout=timeout, prefix_output=False)
-    if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
-        return run_worker(args)
-    return launch_local("tools.priority_bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
-                        timeout)
+
+    return dispatch("priority_bench", "tools.priority_bench", args, lambda: rank_argv(args),
+                    run_worker, DEFAULT_NPROC, args.timeout + LAUNCH_GRACE_S, on_lab=probe_links)
 
 
 # ----------------------------------------------------------------------------- one rank
