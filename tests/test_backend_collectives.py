@@ -282,8 +282,11 @@ def fam_scatters(c: Ctx):
                 got = torch.full((seg,), 1, dtype=dtype)
                 dist.reduce_scatter(want, [t.clone() for t in ins], op=_gloo_op(op))
                 _finish_ref(want, op, P)
-                dist.reduce_scatter(got, [t.clone() for t in ins], op=op, group=c.lr)
+                mine = [t.clone() for t in ins]
+                dist.reduce_scatter(got, mine, op=op, group=c.lr)
                 c.check(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}", got, want)
+                for i, (t, u) in enumerate(zip(mine, ins)):
+                    c.check(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}: input {i} unchanged", t, u)
                 c.at(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}")
                 flat = torch.cat(ins)
                 want = torch.full((seg,), 1, dtype=dtype)
@@ -294,6 +297,12 @@ def fam_scatters(c: Ctx):
                 dist.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
                 c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}", got, want)
                 c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}: input unchanged", inp, flat)
+                # in place, as FSDP may call it: the output is this rank's chunk of the input
+                c.at(f"reduce_scatter_tensor in place {_name(dtype)} {_name(op)} seg={seg}")
+                inp = flat.clone()
+                got = inp[c.rank * seg:(c.rank + 1) * seg]
+                dist.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
+                c.check(f"reduce_scatter_tensor in place {_name(dtype)} {_name(op)} seg={seg}", got, want)
     for root in range(P):  # scatter from every root
         c.at(f"scatter (every root) root={root}")
         g = c.gen()
