@@ -524,11 +524,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ neighbor all-reduce
     def neighbor_allreduce(self, tensor, self_weight, in_weights: dict, out_peers: list,
-                           timeout=None, call: str = ""):
+                           timeout=None, call: str = "", out=None):
         """``tensor <- self_weight * tensor + sum_j in_weights[j] * (rank j's tensor)``, sending
         this rank's tensor to every rank in ``out_peers`` (collectives.neighbor.mix). ``call``
         names the mixing step (topology and step) and must be the same on every rank, like the
-        dtype and size; the weights and peers are this rank's own. Returns a Work."""
+        dtype and size; the weights and peers are this rank's own. With ``out`` the result goes
+        there instead (same shape and dtype, not overlapping ``tensor``). Returns a Work."""
         what = "neighbor_allreduce"
         me, size = self.rank(), self.size()
         if not isinstance(tensor, torch.Tensor):
@@ -558,15 +559,37 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         elif isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         stage = _Stage()
-        buf = stage.out(tensor, keep=True)
+        if out is None:
+            buf = dst = stage.out(tensor, keep=True)
+        else:
+            self._check_out(tensor, out, what)
+            buf, dst = stage.inp(tensor), stage.out(out)
         handshake = not self._small(tensor.numel() * tensor.element_size())  # same on every rank
 
         def run(comm: Comm):
             from .neighbor import mix
-            mix(comm, _flat(buf), sw, ins, outs, handshake)
+            mix(comm, _flat(buf), sw, ins, outs, handshake, out=None if out is None else _flat(dst))
 
-        return self._submit(what, run, [tensor], stage, float(timeout),
+        return self._submit(what, run, [tensor if out is None else out], stage, float(timeout),
                             desc=f"{_dts([tensor])} {call}".rstrip())
+
+    def _check_out(self, tensor: torch.Tensor, out, what: str) -> None:
+        """``out`` of an out-of-place op: a dense tensor like ``tensor``, on its device, apart
+        from it in memory."""
+        me = self.rank()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"rank {me}: {what}: out must be a tensor, got {type(out).__name__}")
+        if out.layout != torch.strided:
+            raise ValueError(f"rank {me}: {what}: out is {out.layout} (dense only)")
+        if out.dtype != tensor.dtype or out.shape != tensor.shape or out.device != tensor.device:
+            raise ValueError(f"rank {me}: {what}: out {_desc(out)} on {out.device} must match the "
+                             f"tensor {_desc(tensor)} on {tensor.device}")
+        if out.numel() and tensor.numel():
+            a0, a1 = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+            b0, b1 = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"rank {me}: {what}: out overlaps the tensor in memory; pass "
+                                 f"a separate buffer, or no out to mix in place")
 
     # ------------------------------------------------------------------ rooted ops
     def broadcast(self, tensors, opts=None):

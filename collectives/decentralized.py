@@ -87,27 +87,39 @@ class DecentralizedDataParallel(torch.nn.Module):
             dist.broadcast(p.data, dist.get_global_rank(group, 0) if group is not None else 0,
                            group=group)
         self.buckets = _buckets(self.params, bucket_bytes)
-        self._flat = [torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                      for b in self.buckets]
+        # Two flat buffers per bucket. The parameters are views of one (x(t), what the exchange
+        # sends); the exchange writes W x(t) into the other, the update is applied there, and
+        # the parameters then become views of it. No copies per step (copying the parameters
+        # in and out of one exchange buffer cost two passes over the model per step).
+        self._bufs = [[torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                       for b in self.buckets] for _ in range(2)]
+        self._views = [[], []]
+        for side in (0, 1):
+            for bucket, flat in zip(self.buckets, self._bufs[side]):
+                off = 0
+                for p in bucket:
+                    self._views[side].append(flat[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+        self._cur = 0
+        with torch.no_grad():
+            for p, v in zip(self.params, self._views[0]):
+                v.copy_(p)
+                p.data = v
         self._works: list | None = None
-        self._state = [{} for _ in self.params]
+        n = len(self.params)
+        self._m: list = [None] * n     # Adam's moments / SGD's momentum buffer, per parameter
+        self._v: list = [None] * n
+        self._acc: list = [None] * n   # accumulation: the gradient sum of the current window
+        self._tmp: list = [None] * n   # scratch: the denominator, and the look-ahead moments
         self._windows = 0  # completed accumulation windows (Adam's bias correction counts these)
 
     # ------------------------------------------------------------------ exchange
     def _start_exchange(self) -> None:
-        """Copy x(t) into the bucket buffers and start W x(t), bucket by bucket."""
+        """Start W x(t) from the parameters' buffers into the other ones, bucket by bucket."""
         step = self.steps
-        works = []
-        for bucket, flat in zip(self.buckets, self._flat):
-            off = 0
-            with torch.no_grad():
-                for p in bucket:
-                    n = p.numel()
-                    flat[off:off + n].copy_(p.detach().reshape(-1))
-                    off += n
-            works.append(neighbor_allreduce(flat, self.topology, step=step, async_op=True,
-                                            group=self.group))
-        self._works = works
+        src, dst = self._bufs[self._cur], self._bufs[1 - self._cur]
+        self._works = [neighbor_allreduce(s, self.topology, step=step, async_op=True,
+                                          group=self.group, out=d) for s, d in zip(src, dst)]
 
     def forward(self, *args, **kwargs):
         if self.overlap and self._works is None:
@@ -120,63 +132,102 @@ class DecentralizedDataParallel(torch.nn.Module):
         """x(t+1) = W x(t) - lr * d(x(t)); then clears the gradients."""
         if self._works is None:
             self._start_exchange()  # overlap=False, or step() without forward()
-        directions = [self._direction(i, p) for i, p in enumerate(self.params)]
-        if self.optimizer != "sgd" and (self.steps + 1) % self.accumulation == 0:
-            self._windows += 1
+        update = self._prepare()  # what needs only x(t) and the gradients, before the wait
         for w in self._works:
             w.wait()
         self._works = None
-        k = 0
-        for bucket, flat in zip(self.buckets, self._flat):
-            off = 0
-            for p in bucket:
-                n = p.numel()
-                p.copy_(flat[off:off + n].view_as(p))
-                d = directions[k]
-                if d is not None:
-                    p.add_(d, alpha=-self.lr)
-                off += n
-                k += 1
+        self._finish(self._views[1 - self._cur], update)
         self.steps += 1
         self.zero_grad()
 
-    def _direction(self, i: int, p: torch.Tensor) -> torch.Tensor | None:
-        g = p.grad
-        if g is None:
+    def _finish(self, new: list[torch.Tensor], update) -> None:
+        """Apply the update to the mixed parameters ``new`` (views of the other buffers) and
+        make the parameters views of them."""
+        if update is not None:
+            update(new)
+        for p, v in zip(self.params, new):
+            p.data = v
+        self._cur = 1 - self._cur
+
+    def _prepare(self):
+        """The optimizer's work on this step's gradients: the state is updated here, and a
+        function of the mixed parameters (list, in place) that subtracts lr * d is returned,
+        or None without gradients. Multi-tensor (``torch._foreach_*``) ops on preallocated
+        state, like torch's own foreach Adam: no temporaries per step."""
+        idx = []
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise ValueError("DecentralizedDataParallel: sparse gradients are not supported")
+                idx.append(i)
+        if not idx:
             return None
-        if g.is_sparse:
-            raise ValueError("DecentralizedDataParallel: sparse gradients are not supported")
-        st = self._state[i]
-        x = p.detach()
+        gs = [self.params[i].grad for i in idx]
+        xs = [self.params[i].detach() for i in idx]
+        lr, wd = self.lr, self.weight_decay
+
+        def pick(lst: list) -> list:
+            return [lst[i] for i in idx]
+
         if self.optimizer == "sgd":
-            d = g.add(x, alpha=self.weight_decay) if self.weight_decay else g.clone()
+            if wd:
+                gs = torch._foreach_add(gs, xs, alpha=wd)
+            d = gs
             if self.momentum:
-                buf = st.get("momentum")
-                buf = d.clone() if buf is None else buf.mul_(self.momentum).add_(d)
-                st["momentum"] = buf
-                d = buf.clone()
-            return d
+                for i, g in zip(idx, gs):
+                    if self._m[i] is None:
+                        self._m[i] = g.clone()   # the first step's buffer is the direction
+                    else:
+                        self._m[i].mul_(self.momentum).add_(g)
+                d = pick(self._m)
+            return lambda new: torch._foreach_add_([new[i] for i in idx], d, alpha=-lr)
+
         b1, b2 = self.betas
-        if self.optimizer == "adam" and self.weight_decay:
-            g = g.add(x, alpha=self.weight_decay)
-        if not st:
-            st["m"] = torch.zeros_like(x)
-            st["v"] = torch.zeros_like(x)
-            st["acc"] = torch.zeros_like(x)
+        if self.optimizer == "adam" and wd:
+            gs = torch._foreach_add(gs, xs, alpha=wd)
         A = self.accumulation
-        k = self.steps % A + 1  # steps of the current window so far, this one included
-        acc = st["acc"].add_(g)
-        mean = acc / k
-        m = st["m"] * b1 + mean * (1 - b1)       # look-ahead moments: the window's mean gradient
-        v = st["v"] * b2 + mean * mean * (1 - b2)
-        w = self._windows + 1                   # windows, this one included
-        d = (m / (1 - b1 ** w)) / ((v / (1 - b2 ** w)).sqrt_() + self.eps)
-        if k == A:                              # the window ends: the moments absorb its mean
-            st["m"], st["v"] = m, v
-            acc.zero_()
-        if self.optimizer == "adamw" and self.weight_decay:
-            d = d.add(x, alpha=self.weight_decay)
-        return d
+        k = self.steps % A + 1                  # steps of the current window so far, this one included
+        ends = k == A                           # the window ends: the moments absorb its mean
+        for i, x in zip(idx, xs):
+            if self._m[i] is None:
+                self._m[i], self._v[i] = torch.zeros_like(x), torch.zeros_like(x)
+                self._tmp[i] = [torch.empty_like(x) for _ in range(1 if A == 1 else 3)]
+                if A > 1:
+                    self._acc[i] = torch.zeros_like(x)
+        if A == 1:
+            mean = gs
+        else:
+            mean = pick(self._acc)
+            torch._foreach_add_(mean, gs)       # the window's sum; mean = sum / k below
+        if ends:
+            self._windows += 1
+            m, v = pick(self._m), pick(self._v)
+        else:                                   # look-ahead moments, the stored ones kept
+            m = [self._tmp[i][1] for i in idx]
+            v = [self._tmp[i][2] for i in idx]
+            torch._foreach_copy_(m, pick(self._m))
+            torch._foreach_copy_(v, pick(self._v))
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, mean, alpha=(1 - b1) / k)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, mean, mean, value=(1 - b2) / (k * k))
+        if ends and A > 1:
+            torch._foreach_zero_(mean)
+        w = self._windows + (0 if ends else 1)  # windows, this one included
+        bc1, bc2 = 1 - b1 ** w, 1 - b2 ** w
+        den = [self._tmp[i][0] for i in idx]
+        torch._foreach_copy_(den, v)
+        torch._foreach_sqrt_(den)
+        torch._foreach_div_(den, math.sqrt(bc2))
+        torch._foreach_add_(den, self.eps)     # d = (m / bc1) / (sqrt(v / bc2) + eps)
+        decay = xs if self.optimizer == "adamw" and wd else None
+
+        def update(new: list[torch.Tensor]) -> None:
+            mine = [new[i] for i in idx]
+            if decay is not None:
+                torch._foreach_add_(mine, decay, alpha=-lr * wd)
+            torch._foreach_addcdiv_(mine, m, den, value=-lr / bc1)
+        return update
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -194,17 +245,9 @@ class DecentralizedDataParallel(torch.nn.Module):
             for w in self._works:
                 w.wait()
             self._works = None
-        for flat, bucket in zip(self._flat, self.buckets):
-            off = 0
-            for p in bucket:
-                flat[off:off + p.numel()].copy_(p.reshape(-1))
-                off += p.numel()
+        for flat in self._bufs[self._cur]:   # the parameters are views of these
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.world)
-            off = 0
-            for p in bucket:
-                p.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
 
     @torch.no_grad()
     def consensus_distance(self) -> float:

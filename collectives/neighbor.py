@@ -58,8 +58,10 @@ def _linerate_backend(group):
 
 
 def neighbor_allreduce(tensor: torch.Tensor, topology: Topology, step: int | None = None,
-                       async_op: bool = False, group=None):
-    """Mix ``tensor`` in place with the neighbors' under ``topology`` at ``step``.
+                       async_op: bool = False, group=None, out: torch.Tensor | None = None):
+    """Mix ``tensor`` in place with the neighbors' under ``topology`` at ``step``; with ``out``
+    (same shape and dtype, not overlapping ``tensor``) the result goes there and ``tensor`` is
+    left unchanged (DecentralizedDataParallel mixes into a second buffer: no copies).
 
     Every rank of the group must call it with the same topology and step (checked: a rank that
     passes another topology, step, dtype or size fails the call on every rank). Returns a Work
@@ -84,7 +86,7 @@ def neighbor_allreduce(tensor: torch.Tensor, topology: Topology, step: int | Non
         work = backend.neighbor_allreduce(tensor, topology.self_weight(rank, step),
                                           topology.in_weights(rank, step),
                                           topology.out_peers(rank, step),
-                                          call=f"{topology!r} step={step}")
+                                          call=f"{topology!r} step={step}", out=out)
         _steps[backend] = counter + 1
     if async_op:
         return work
@@ -96,8 +98,10 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def mix(comm: Comm, flat: torch.Tensor, self_weight: float, in_weights: list[tuple[int, float]],
-        out_peers: list[int], handshake: bool = True) -> None:
-    """The algorithm (runs on the worker): ``flat <- self_weight * flat + sum in_w * x_j``.
+        out_peers: list[int], handshake: bool = True, out: torch.Tensor | None = None) -> None:
+    """The algorithm (runs on the worker): ``flat <- self_weight * flat + sum in_w * x_j``,
+    or into ``out`` (1-D, same size and dtype, not overlapping ``flat``) leaving ``flat`` as it
+    is: then a piece is combined without waiting for its sends.
 
     Every receive (one scratch buffer per in-neighbor) is posted at once, cut into pipeline
     pieces; piece k is combined as soon as it has arrived from every in-neighbor and been sent
@@ -148,16 +152,26 @@ def mix(comm: Comm, flat: torch.Tensor, self_weight: float, in_weights: list[tup
         for q in out_peers:
             send_to(q)
     acc_dtype = _ACC_DTYPE.get(flat.dtype)
+    in_place = out is None or out.data_ptr() == flat.data_ptr()
+    dst = own if in_place else pieces(out, step)
     for p, piece in enumerate(own):
         comm.wait_all(recvs[p])
-        comm.wait_all(sends[p])  # the sends read this piece, which is overwritten now
+        if in_place:
+            comm.wait_all(sends[p])  # the sends read this piece, which is overwritten now
+        d = dst[p]
         if acc_dtype is None:
-            if self_weight != 1.0:
-                piece.mul_(self_weight)
+            if in_place:
+                if self_weight != 1.0:
+                    piece.mul_(self_weight)
+            else:
+                torch.mul(piece, self_weight, out=d)
             for k, (_, w) in enumerate(in_weights):
-                piece.add_(theirs[k][p], alpha=w)
+                d.add_(theirs[k][p], alpha=w)
         else:
             acc = piece.to(acc_dtype).mul_(self_weight)
             for k, (_, w) in enumerate(in_weights):
                 acc.add_(theirs[k][p].to(acc_dtype), alpha=w)
-            piece.copy_(acc)
+            d.copy_(acc)
+    if not in_place:
+        for s in sends:
+            comm.wait_all(s)

@@ -81,3 +81,99 @@ def test_decentralized_adam_matches_allreduce_adam():
     # The ranks' models stayed close to each other (relative to the parameters' size).
     norm = sum(float(p.norm() ** 2) for p in _net().parameters()) ** 0.5
     assert dec[0][1] < 0.05 * norm, (dec[0][1], norm)
+
+
+# ----------------------------------------------------------------------------- the update rule
+def _ref_direction(cfg, st, x, g, steps, windows):
+    """The update direction d as the docstring of collectives/decentralized.py defines it,
+    one parameter at a time, with fresh tensors (float64): the reference for the multi-tensor
+    implementation."""
+    opt, wd, A = cfg["optimizer"], cfg.get("weight_decay", 0.0), cfg.get("accumulation", 1)
+    if opt == "sgd":
+        d = g + wd * x
+        if cfg.get("momentum"):
+            st["buf"] = d.clone() if "buf" not in st else st["buf"] * cfg["momentum"] + d
+            d = st["buf"].clone()
+        return d
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    if opt == "adam":
+        g = g + wd * x
+    st.setdefault("m", torch.zeros_like(x))
+    st.setdefault("v", torch.zeros_like(x))
+    st.setdefault("acc", torch.zeros_like(x))
+    k = steps % A + 1
+    st["acc"] = st["acc"] + g
+    mean = st["acc"] / k
+    m = st["m"] * b1 + (1 - b1) * mean
+    v = st["v"] * b2 + (1 - b2) * mean * mean
+    w = windows + 1
+    d = (m / (1 - b1 ** w)) / ((v / (1 - b2 ** w)).sqrt() + eps)
+    if k == A:
+        st["m"], st["v"] = m, v
+        st["acc"] = torch.zeros_like(x)
+    if opt == "adamw":
+        d = d + wd * x
+    return d
+
+
+def _check_update_rule(rank, world, lr_group, topo_name, cfg, steps):
+    """Every step: x_i(t+1) == sum_j W_ij x_j(t) - lr d_i(x_i(t)), with W from the topology,
+    x_j(t) gathered from every rank, d from _ref_direction."""
+    from collectives import DecentralizedDataParallel
+    from collectives.topology import by_name
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    lr = 1e-2
+    topo = by_name(topo_name, world)
+    model = DecentralizedDataParallel(net, cfg["optimizer"], lr=lr, topology=topo,
+                                      accumulation=cfg.get("accumulation", 1),
+                                      weight_decay=cfg.get("weight_decay", 0.0),
+                                      momentum=cfg.get("momentum", 0.0), group=lr_group,
+                                      overlap=cfg.get("overlap", True), bucket_bytes=64)
+    params = list(net.parameters())
+    states = [{} for _ in params]
+    windows, worst = 0, 0.0
+    for t in range(steps):
+        x_now = torch.cat([p.detach().reshape(-1) for p in params]).double()
+        everyone = [torch.empty_like(x_now) for _ in range(world)]
+        dist.all_gather(everyone, x_now, group=lr_group)
+        g = torch.Generator().manual_seed(100 * rank + t)
+        inp, target = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        torch.nn.functional.mse_loss(model(inp), target).backward()
+        want, off = [], 0
+        for p, st in zip(params, states):
+            n = p.numel()
+            mixed = topo.self_weight(rank, t) * everyone[rank][off:off + n]
+            for j, w in topo.in_weights(rank, t).items():
+                mixed = mixed + w * everyone[j][off:off + n]
+            d = _ref_direction(cfg, st, x_now[off:off + n], p.grad.detach().reshape(-1).double(),
+                               t, windows)
+            want.append(mixed - lr * d)
+            off += n
+        if cfg["optimizer"] != "sgd" and (t + 1) % cfg.get("accumulation", 1) == 0:
+            windows += 1
+        model.step()
+        assert all(p.grad is None for p in params)
+        got = torch.cat([p.detach().reshape(-1) for p in params]).double()
+        worst = max(worst, float((got - torch.cat(want)).abs().max()))
+    return worst
+
+
+UPDATE_CASES = [
+    ("ring", 3, {"optimizer": "adam"}),
+    ("one-peer-exp", 4, {"optimizer": "adam", "accumulation": 3, "weight_decay": 0.01}),
+    ("exp", 4, {"optimizer": "adamw", "weight_decay": 0.1, "overlap": False}),
+    ("ring", 3, {"optimizer": "sgd"}),
+    ("one-peer-exp", 4, {"optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.01}),
+    ("ring", 1, {"optimizer": "adam", "accumulation": 2}),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("topo,world,cfg", UPDATE_CASES,
+                         ids=[f"{t}-{w}-" + "-".join(f"{k}={v}" for k, v in c.items())
+                              for t, w, c in UPDATE_CASES])
+def test_update_rule_matches_reference(topo, world, cfg):
+    worst = run_ranks(_check_update_rule, world, topo, cfg, 7, timeout=90)
+    assert max(worst) < 2e-6, worst

@@ -301,6 +301,22 @@ def _run_neighbor(rank, world, lr):
         assert not x.is_contiguous()
         neighbor_allreduce(x, topo, step=0, group=g)
         check(f"k={k} non-contiguous", x.t(), (W @ X.numpy())[rank], 1e-12)
+        # out=: the result elsewhere, the input unchanged; small (direct) and 10,001 elements
+        # (pieces, the ready handshake), float64 and float16 (accumulated in float32), 3 in flight
+        for m, dtype, atol in ((9, torch.float64, 1e-12), (10_001, torch.float64, 1e-12),
+                               (10_001, torch.float16, 2e-3)):
+            X = _inputs(k, m, seed=13, dtype=dtype)
+            xs = [X[rank].clone() for _ in range(3)]
+            outs = [torch.full_like(x, 7.0) for x in xs]
+            topo1 = T.one_peer_exponential(k)
+            works = [neighbor_allreduce(x, topo1, step=st, async_op=True, group=g, out=o)
+                     for st, (x, o) in enumerate(zip(xs, outs))]
+            for w in works:
+                w.wait()
+            for st, (x, o) in enumerate(zip(xs, outs)):
+                check(f"k={k} out= {m} {dtype} step {st}", o,
+                      (topo1.matrix(st) @ X.double().numpy())[rank], atol)
+                check(f"k={k} out= {m} {dtype} step {st}: input unchanged", x, X[rank].double().numpy(), 0)
 
     # bad input: a clear error before anything is sent; the group stays usable
     errors = {}
@@ -310,6 +326,10 @@ def _run_neighbor(rank, world, lr):
         "not a topology": lambda: neighbor_allreduce(torch.ones(3), "ring"),
         "gloo group": lambda: neighbor_allreduce(torch.ones(3), T.ring(world), group=gloo),
         "sparse": lambda: neighbor_allreduce(torch.ones(3).to_sparse(), T.ring(world)),
+        "out dtype": lambda: neighbor_allreduce(torch.ones(3), T.ring(world),
+                                                out=torch.ones(3, dtype=torch.float64)),
+        "out shape": lambda: neighbor_allreduce(torch.ones(3), T.ring(world), out=torch.ones(4)),
+        "out overlaps": lambda: (lambda b: neighbor_allreduce(b[:3], T.ring(world), out=b[2:]))(torch.ones(5)),
     }.items():
         try:
             call()
@@ -358,6 +378,9 @@ def test_neighbor_allreduce_all_sizes():
         assert "TypeError" in e["not a topology"], e
         assert "RuntimeError" in e["gloo group"] and "linerate" in e["gloo group"], e
         assert "ValueError" in e["sparse"] and "dense" in e["sparse"], e
+        assert "ValueError" in e["out dtype"] and "must match" in e["out dtype"], e
+        assert "ValueError" in e["out shape"] and "must match" in e["out shape"], e
+        assert "ValueError" in e["out overlaps"] and "overlaps" in e["out overlaps"], e
     for case in range(3):
         outcomes = [res[rank]["disagree"][case] for rank in range(4)]
         for rank, out in enumerate(outcomes):

@@ -245,26 +245,14 @@ def _rank(args) -> int:
     dm = None
 
     def dcompute_step():
-        """Decentralized Adam's step without the exchange: what DecentralizedDataParallel does
-        around it (parameters copied into the exchange buffers, the directions, the mixed
-        buffers copied back and the update), the buffers left unmixed."""
+        """Decentralized Adam's step without the exchange: the optimizer's work on the
+        gradients and the update, applied to the parameters where they are (unmixed)."""
         loss_fn(dm.module(x), y).backward()
         with torch.no_grad():
-            for flat_b, bucket in zip(dm._flat, dm.buckets):
-                off = 0
-                for p in bucket:
-                    flat_b[off:off + p.numel()].copy_(p.reshape(-1))
-                    off += p.numel()
-            dirs = [dm._direction(i, p) for i, p in enumerate(dm.params)]
-            k = 0
-            for flat_b, bucket in zip(dm._flat, dm.buckets):
-                off = 0
-                for p in bucket:
-                    p.copy_(flat_b[off:off + p.numel()].view_as(p))
-                    if dirs[k] is not None:
-                        p.add_(dirs[k], alpha=-dm.lr)
-                    off += p.numel()
-                    k += 1
+            update = dm._prepare()
+            if update is not None:
+                update(dm._views[dm._cur])
+        dm.steps += 1
         dm.zero_grad()
 
     def dcompute1_step():
