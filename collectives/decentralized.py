@@ -9,8 +9,12 @@ The update is "communicate while adapt" (see ../shared/BACKGROUND.md, section 2)
 The direction d_i is computed from the gradient at the rank's own, unmixed parameters x_i(t), so
 the exchange of x(t) can start when step t's forward pass starts and run during the whole
 forward and backward pass: a step costs max(compute, exchange) instead of compute + exchange.
-What travels is parameters, bucket by bucket (one flat buffer per bucket of about
-``bucket_bytes``), with ``neighbor_allreduce``.
+What travels is parameters, bucket by bucket (about ``bucket_bytes`` each), with
+``neighbor_allreduce``. The parameters are views of one of two flat buffers per bucket: the
+exchange reads them and writes W x(t) into the other buffer (``out=``), the update is applied
+there, and the parameters become views of it, so a step copies nothing. The optimizers run as
+multi-tensor (``torch._foreach_*``) ops on preallocated state, as torch's foreach Adam does;
+what needs only the gradients and x(t) is done before waiting for the exchange.
 
 Optimizers:
 - ``"sgd"``: d = g (+ weight decay), with optional momentum (heavy ball on the local gradient).

@@ -252,8 +252,7 @@ def _rank(args) -> int:
             update = dm._prepare()
             if update is not None:
                 update(dm._views[dm._cur])
-        dm.steps += 1
-        dm.zero_grad()
+        dm.zero_grad()  # dm.steps stays: dcompute1 runs on rank 0 alone, the exchange's step is agreed
 
     def dcompute1_step():
         if rank == 0:
