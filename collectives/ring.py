@@ -17,13 +17,17 @@ from .comm import Comm, pieces
 from .reduce_ops import reduce_into
 
 
-def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None,
+def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_piece_sent=None,
                    on_final_piece=None) -> None:
     """Reduce segment i over all ranks into ``segs[i]`` of rank i (in place; the other
     segments of a rank are left holding partial results). ``segs`` are 1-D, one dtype.
 
-    ``on_step_sent(step)`` is called once the sends of a step have completed, i.e. once
-    segment (r-step-1) may be overwritten (all_reduce posts its all-gather receives there).
+    ``on_piece_sent(step, k)`` is called once piece k of the segment that step ``step`` sends,
+    (r-step-1), has been sent, i.e. may be overwritten (all_reduce posts its all-gather
+    receives there), in order of k and step; by the end of a step, for all of its pieces. Per
+    piece, not per step: with 2 ranks the last step is the first, and the peer's all-gather
+    pieces arrive while it runs (per step, 4-5 of the 8 pieces of a 64 MB op arrived before
+    their receive and were staged and copied).
     ``on_final_piece(k, piece)`` is called as each piece of this rank's own segment is
     complete (all_reduce starts sending it on at once: the two phases overlap)."""
     comm.algorithm = "ring"
@@ -51,22 +55,37 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_step_sent=None,
     nxt = post(0)
     sends = [[comm.isend(right, x, comm.slot(base, 0, 0, k))
               for k, x in enumerate(pieces(segs[(r - 1) % P], pe))]]
+    posted = 0  # pieces of sends[step] reported to on_piece_sent
+
+    def report(step: int) -> int:
+        n, s = posted, sends[step]
+        while n < len(s) and s[n].is_completed():
+            on_piece_sent(step, n)
+            n += 1
+        return n
+
     for step in range(P - 1):
         mine, bufs, reqs = nxt
         last = step == P - 2
         if not last:
             nxt = post(step + 1)
             sends.append([])
+        posted = 0
         for k, (x, b, q) in enumerate(zip(mine, bufs, reqs)):
+            if on_piece_sent is not None:
+                posted = report(step)
             comm.wait(q)
+            if on_piece_sent is not None:
+                posted = report(step)
             reduce_into(x, b, op)
             if not last:
                 sends[step + 1].append(comm.isend(right, x, comm.slot(base, 0, step + 1, k)))
             elif on_final_piece is not None:
                 on_final_piece(k, x)
         comm.wait_all(sends[step])  # issued one step ago: normally complete already
-        if on_step_sent is not None:
-            on_step_sent(step)
+        if on_piece_sent is not None:
+            for k in range(posted, len(sends[step])):
+                on_piece_sent(step, k)
 
 
 class AllGather:
@@ -80,13 +99,29 @@ class AllGather:
         self.pe = comm.piece_elems(segs[0], max(s.numel() for s in segs))
         self.recvs: list = []
         self.sends: list = []
+        self._posted: dict[int, int] = {}  # step -> pieces whose receive is posted
+        self._cut_step, self._cut = -1, []  # the pieces of the step being posted
+
+    def post_piece(self, step: int, k: int) -> None:
+        """Post the receive of piece k of step ``step`` (segment (r-step-1) from the left, in
+        place). Steps in order, pieces in order within a step."""
+        c = self.comm
+        assert self._posted.get(step, 0) == k and (step == 0 or step - 1 in self._posted)
+        x = self._pieces(step)[k]
+        self.recvs.append((step, k, x, c.irecv((c.rank - 1) % c.size, x,
+                                               c.slot(self.base, 0, step, k))))
+        self._posted[step] = k + 1
+
+    def _pieces(self, step: int) -> list[torch.Tensor]:
+        if self._cut_step != step:
+            c = self.comm
+            self._cut_step, self._cut = step, pieces(self.segs[(c.rank - step - 1) % c.size], self.pe)
+        return self._cut
 
     def post_step(self, step: int) -> None:
-        """Post the receives of step ``step``: segment (r-step-1) from the left, in place."""
-        c = self.comm
-        left = (c.rank - 1) % c.size
-        for k, x in enumerate(pieces(self.segs[(c.rank - step - 1) % c.size], self.pe)):
-            self.recvs.append((step, k, x, c.irecv(left, x, c.slot(self.base, 0, step, k))))
+        """Post the receives of step ``step`` not posted yet."""
+        for k in range(self._posted.get(step, 0), len(self._pieces(step))):
+            self.post_piece(step, k)
 
     def send_own(self, k: int, x: torch.Tensor) -> None:
         """Send piece k of this rank's own segment now (step 0), before ``run``."""
@@ -98,7 +133,7 @@ class AllGather:
         P, r = c.size, c.rank
         if P == 1:
             return
-        for step in range(len({s for s, *_ in self.recvs}), P - 1):
+        for step in range(P - 1):
             self.post_step(step)
         right = (r + 1) % P
         own = pieces(self.segs[r], self.pe)
@@ -129,9 +164,9 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         segs.append(flat[off:off + k])
         off += k
     # All-gather step s receives into segment (r-s-1), the one reduce-scatter step s sent:
-    # post those receives as soon as that send is done, so that all-gather data finds its
-    # receive posted (no staging copy). Each piece of this rank's segment goes out as soon as
+    # post each piece's receive as soon as that piece is sent, so that all-gather data finds
+    # its receive posted (no staging copy). Each piece of this rank's segment goes out as soon as
     # it is reduced, so the all-gather overlaps the end of the reduce-scatter.
     ag = AllGather(comm, segs)
-    reduce_scatter(comm, segs, op, on_step_sent=ag.post_step, on_final_piece=ag.send_own)
+    reduce_scatter(comm, segs, op, on_piece_sent=ag.post_piece, on_final_piece=ag.send_own)
     ag.run()
