@@ -102,3 +102,32 @@ def test_one_rank_rejects_its_call_the_others_fail_fast():
     for rank, (msg, secs) in enumerate(run_ranks(_one_rank_bad, 3, timeout=50)):
         assert "different collectives" in msg and "scatter" in msg and "#1" in msg, (rank, msg)
         assert secs < 10, (rank, secs)
+
+
+def _differing_settings(rank, world, lr, env_name, values):
+    """A linerate group whose ranks disagree on a setting: (seconds, error text) per rank."""
+    import os
+    import time
+    os.environ[env_name] = values[rank]
+    t0 = time.monotonic()
+    try:
+        g = dist.new_group(backend="linerate")
+        dist.barrier(group=g)
+        return time.monotonic() - t0, None
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return time.monotonic() - t0, f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_settings_all_fail_fast():
+    """Rank 2 of 4 sets LINERATE_CHECKSUM=1: it fails at once naming the setting, and the
+    other ranks fail within seconds with its message (not after LINERATE_CONNECT_TIMEOUT,
+    60 s here, nor after the store's timeout while waiting for rank 2's address)."""
+    res = run_ranks(_differing_settings, 4, "LINERATE_CHECKSUM", ["0", "0", "1", "0"],
+                    timeout=100, env={"LINERATE_CONNECT_TIMEOUT": "60"})
+    for rank, (took, err) in enumerate(res):
+        assert err is not None, f"rank {rank} built the group"
+        assert "LINERATE_CHECKSUM is 1 here but 0 on rank 0" in err, (rank, err)
+        assert "rank 2" in err and took < 20, (rank, took, err)
+        if rank != 2:
+            assert "another rank failed" in err, (rank, err)

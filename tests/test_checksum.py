@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -42,13 +43,21 @@ def test_ranks_must_agree_on_checksums():
 
     threads = [threading.Thread(target=build, args=(0, True), daemon=True),
                threading.Thread(target=build, args=(1, False), daemon=True)]
+    t0 = time.monotonic()
     threads[1].start()
     threads[0].start()
-    threads[1].join(30)
+    for t in threads:
+        t.join(30)
+    took = time.monotonic() - t0
     for c in ctxs:
         c.close(timeout=1.0)
+    assert not ctxs, "a group with different checksum settings was built"
     assert any(isinstance(e, ValueError) and "LINERATE_CHECKSUM is 0 here but 1 on rank 0"
                in str(e) for e in errors), errors
+    # rank 0 fails too, at once (not after LINERATE_CONNECT_TIMEOUT), with rank 1's reason
+    assert any(isinstance(e, TransportError) and str(e).startswith("rank 0: another rank failed")
+               and "rank 1: LINERATE_CHECKSUM is 0 here" in str(e) for e in errors), errors
+    assert took < 10, took
 
 
 @pytest.mark.timeout(60)

@@ -305,11 +305,15 @@ def test_agreement_auto_picks_rdma_and_settings_must_match(fake, caplog):
         assert any("using RDMA" in r.getMessage() for r in caplog.records)
     finally:
         _close(res)
-    # as with LINERATE_CHECKSUM, rank 0 learns of it only when its mesh times out
-    res = _contexts(2, lambda r: _opts(transport="rdma" if r else "tcp", connect_timeout=1.0))
+    # rank 1 finds the difference; rank 0 learns it from rank 1's report, at once (the
+    # connect timeout is a minute)
+    t0 = time.monotonic()
+    res = _contexts(2, lambda r: _opts(transport="rdma" if r else "tcp", connect_timeout=60.0))
     try:
+        assert time.monotonic() - t0 < 15
         assert isinstance(res[1], ValueError) and "LINERATE_TRANSPORT is rdma here but tcp on rank 0" in str(res[1])
-        assert isinstance(res[0], TransportError)
+        assert isinstance(res[0], TransportError) and "another rank failed" in str(res[0]) \
+            and "rank 1: LINERATE_TRANSPORT is rdma here" in str(res[0]), res[0]
     finally:
         _close(res)
 

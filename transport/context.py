@@ -149,14 +149,28 @@ class Context:
 
     # ------------------------------------------------------------------ set-up
     def _build_mesh(self, store) -> None:
+        """Rendezvous and connect. A rank that fails here tells the others through the store,
+        so that they fail at once with its message instead of waiting for it until
+        LINERATE_CONNECT_TIMEOUT (or the store's own timeout)."""
+        deadline = time.monotonic() + self.options.connect_timeout
+        rv = _Rendezvous(store, self.rank, deadline, self.options.connect_timeout)
+        try:
+            self._build_mesh_on(rv, deadline)
+        except BaseException as e:
+            if not isinstance(e, _PeerSetupFailed):
+                rv.report(f"rank {self.rank}: {e}")
+            raise
+
+    def _build_mesh_on(self, store: "_Rendezvous", deadline: float) -> None:
         opts = self.options
-        deadline = time.monotonic() + opts.connect_timeout
         if self.rank == 0:
             self._secret = os.urandom(32)
             store.set(_STORE_PREFIX + "checksum", "1" if opts.checksum else "0")
             store.set(_STORE_PREFIX + "secret", self._secret.hex())
+            store.generation = self._secret.hex()[:16]
         else:
             self._secret = bytes.fromhex(_store_get(store, _STORE_PREFIX + "secret").decode())
+            store.generation = self._secret.hex()[:16]
             theirs = _store_get(store, _STORE_PREFIX + "checksum") == b"1"
             if theirs != opts.checksum:
                 raise ValueError(f"rank {self.rank}: LINERATE_CHECKSUM is {int(opts.checksum)} here "
@@ -196,7 +210,8 @@ class Context:
                         f"rank {self.rank}: connections from ranks {missing} did not arrive within "
                         f"{opts.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); are all ranks "
                         f"started and is their address reachable?")
-                self._mesh_cond.wait(min(left, 1.0))
+                self._mesh_cond.wait(min(left, 0.2))
+                store.raise_if_failed("while waiting for connections")
         for ls in listeners:  # mesh complete: nobody else may connect
             try:
                 ls.close()
@@ -1035,6 +1050,63 @@ def _thread_peer(name: str) -> int | None:
         return int(name.rsplit("-", 1)[1].split(".", 1)[0])
     except (IndexError, ValueError):
         return None
+
+
+class _PeerSetupFailed(TransportError):
+    """Another rank of the group failed while the mesh was being built."""
+
+
+class _Rendezvous:
+    """The store as mesh set-up uses it. ``get`` polls (``check``: no blocking wait, whose
+    timeouts torch logs as warnings) until the key is there, and gives up when a rank of the
+    group reported a set-up failure (a key that rank would have set never comes) or at the
+    deadline, naming the key. Failures are reported under a key of this generation (rank 0's
+    secret), so a failure of an earlier group with the same store prefix is not taken for
+    one of this group."""
+
+    def __init__(self, store, rank: int, deadline: float, timeout: float):
+        self._store, self._rank = store, rank
+        self._deadline, self._timeout = deadline, timeout
+        self.generation: str | None = None   # known once rank 0's secret is
+
+    def _fail_key(self) -> str:
+        return f"{_STORE_PREFIX}setup_failed/{self.generation}"
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        delay = 0.002
+        while True:
+            if self._store.check([key]):
+                return _store_get(self._store, key)
+            self.raise_if_failed(f"while waiting for {key!r} in the store")
+            if time.monotonic() >= self._deadline:
+                raise TransportError(f"rank {self._rank}: {key!r} did not appear in the store "
+                                     f"within {self._timeout:.0f}s (LINERATE_CONNECT_TIMEOUT): "
+                                     f"a rank of the group has not got that far; is it running?")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def raise_if_failed(self, doing: str) -> None:
+        if self.generation is None or not self._store.check([self._fail_key()]):
+            return
+        why = _store_get(self._store, self._fail_key()).decode(errors="replace")
+        raise _PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
+                               f"connections were being set up ({doing}): {why}")
+
+    def report(self, message: str) -> None:
+        """Tell the other ranks (best effort: the store may be what failed)."""
+        if self.generation is None:
+            return
+        try:
+            if not self._store.check([self._fail_key()]):  # the first failure is the cause
+                self._store.set(self._fail_key(), message[:2000])
+        except Exception:  # noqa: BLE001 - reporting must not hide the failure itself
+            pass
+
+    def __getattr__(self, name):  # anything else (rdma's agreement uses set/get only)
+        return getattr(self._store, name)
 
 
 def _store_get(store, key: str) -> bytes:
