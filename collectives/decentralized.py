@@ -233,6 +233,60 @@ class DecentralizedDataParallel(torch.nn.Module):
             torch._foreach_addcdiv_(mine, m, den, value=-lr / bc1)
         return update
 
+    # ------------------------------------------------------------------ checkpoints
+    def optimizer_state_dict(self) -> dict:
+        """This rank's optimizer state (moments or momentum buffers, the accumulation sum, the
+        step and window counters), for ``torch.save`` beside ``module.state_dict()``: in
+        decentralized training every rank has its own parameters and state, so every rank
+        saves its own. Tensors are copies."""
+        state = {}
+        for i in range(len(self.params)):
+            entry = {k: t.detach().clone() for k, t in
+                     (("m", self._m[i]), ("v", self._v[i]), ("acc", self._acc[i])) if t is not None}
+            if entry:
+                state[i] = entry
+        return {"optimizer": self.optimizer, "accumulation": self.accumulation,
+                "steps": self.steps, "windows": self._windows, "state": state}
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        """Restore ``optimizer_state_dict()``. Load the parameters after wrapping (the wrapper
+        starts every rank from rank 0's model): ``model.module.load_state_dict(...)``, then
+        this. Every rank must restore the same step (the exchange checks it)."""
+        where = f"rank {self.rank}: DecentralizedDataParallel.load_optimizer_state_dict"
+        for key in ("optimizer", "accumulation", "steps", "windows", "state"):
+            if key not in sd:
+                raise ValueError(f"{where}: the state has no {key!r}")
+        if sd["optimizer"] != self.optimizer or sd["accumulation"] != self.accumulation:
+            raise ValueError(f"{where}: saved by optimizer {sd['optimizer']!r} with accumulation "
+                             f"{sd['accumulation']}, this one is {self.optimizer!r} with "
+                             f"{self.accumulation}")
+        if self._works is not None:
+            raise RuntimeError(f"{where}: an exchange is in flight (forward() was called); "
+                               f"load before the next forward")
+        n = len(self.params)
+        m, v, acc, tmp = [None] * n, [None] * n, [None] * n, [None] * n
+        for i, entry in sd["state"].items():
+            if not isinstance(i, int) or not 0 <= i < n:
+                raise ValueError(f"{where}: parameter index {i!r} is not one of this model's {n}")
+            p = self.params[i]
+            for k, t in entry.items():
+                if k not in ("m", "v", "acc") or not isinstance(t, torch.Tensor):
+                    raise ValueError(f"{where}: parameter {i}: unexpected entry {k!r}")
+                if t.shape != p.shape:
+                    raise ValueError(f"{where}: parameter {i}: {k} has shape {tuple(t.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+            m[i] = entry["m"].to(p).clone() if "m" in entry else None
+            if self.optimizer != "sgd":
+                if "v" not in entry or (self.accumulation > 1) != ("acc" in entry):
+                    raise ValueError(f"{where}: parameter {i}: incomplete Adam state "
+                                     f"({', '.join(sorted(entry))})")
+                v[i] = entry["v"].to(p).clone()
+                acc[i] = entry["acc"].to(p).clone() if "acc" in entry else None
+                tmp[i] = [torch.empty_like(p) for _ in range(1 if self.accumulation == 1 else 3)]
+        self._m, self._v, self._acc, self._tmp = m, v, acc, tmp
+        self.steps, self._windows = int(sd["steps"]), int(sd["windows"])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             if set_to_none:

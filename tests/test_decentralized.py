@@ -177,3 +177,58 @@ UPDATE_CASES = [
 def test_update_rule_matches_reference(topo, world, cfg):
     worst = run_ranks(_check_update_rule, world, topo, cfg, 7, timeout=90)
     assert max(worst) < 2e-6, worst
+
+
+def _resume(rank, world, lr_group, cfg):
+    """Train 4 steps, checkpoint (module + optimizer state), train 3 more; then a fresh wrapper
+    restores the checkpoint and trains the same 3 steps: the parameters must be identical."""
+    import copy
+
+    from collectives import DecentralizedDataParallel
+    torch.set_num_threads(1)
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        return DecentralizedDataParallel(net, cfg["optimizer"], lr=1e-2, topology="one-peer-exp",
+                                         accumulation=cfg.get("accumulation", 1),
+                                         momentum=cfg.get("momentum", 0.0), group=lr_group,
+                                         bucket_bytes=64)
+
+    def train(model, steps):
+        for t in steps:
+            g = torch.Generator().manual_seed(100 * rank + t)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            model.step()
+
+    a = make()
+    train(a, range(4))
+    module_sd = copy.deepcopy(a.module.state_dict())
+    optim_sd = copy.deepcopy(a.optimizer_state_dict())
+    train(a, range(4, 7))
+    b = make()
+    b.module.load_state_dict(module_sd)
+    b.load_optimizer_state_dict(optim_sd)
+    train(b, range(4, 7))
+    same = all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters()))
+    errors = []
+    for bad in ({**optim_sd, "accumulation": 5}, {k: v for k, v in optim_sd.items() if k != "state"},
+                {**optim_sd, "state": {0: {"m": torch.zeros(2)}}}):
+        try:
+            b.load_optimizer_state_dict(bad)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return same, errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cfg", [{"optimizer": "adam", "accumulation": 3},
+                                 {"optimizer": "sgd", "momentum": 0.9}], ids=["adam-acc3", "sgd-momentum"])
+def test_resume_from_checkpoint(cfg):
+    for rank, (same, errors) in enumerate(run_ranks(_resume, 3, cfg, timeout=90)):
+        assert same, f"rank {rank}: resumed training differs"
+        assert errors[0] and "accumulation" in errors[0] and f"rank {rank}" in errors[0], errors
+        assert errors[1] and "'state'" in errors[1], errors
+        assert errors[2] and "shape" in errors[2], errors
