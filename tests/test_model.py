@@ -668,3 +668,13 @@ def test_measure_netlab_two_tier(capsys):
     costs = out["cpu_costs"]
     assert costs["raw"]["where"].endswith("4 ranks") and 0 < costs["net_s_per_byte"] < 1e-7
     assert 0 < costs["pace_beside_compute"] <= 1 and costs["shared_net_s_per_byte"] >= 0
+
+
+def test_cluster_from_an_unshaped_lab_asks_for_a_measurement():
+    from tools import netlab
+    shaped = model.cluster_from_lab(netlab.plan("m1", 4, 1, 10**9, nodes=2, inter_rate_bps=4 * 10**8))
+    assert (shaped.nodes, shaped.ranks_per_node, shaped.intra_gbit, shaped.inter_gbit) == (2, 2, 1.0, 0.4)
+    for lab, flag in ((netlab.plan("m2", 4, 1, 0), "--rate none"),
+                      (netlab.plan("m3", 4, 1, 10**9, nodes=2, inter_rate_bps=0), "--inter-rate none")):
+        with pytest.raises(ValueError, match=f"unshaped \\({flag}\\).*--measure"):
+            model.cluster_from_lab(lab)

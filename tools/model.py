@@ -791,7 +791,13 @@ def _node_hosts(lab) -> list[list]:
 
 def cluster_from_lab(lab, intra_latency_s: float = 50e-6,
                      inter_latency_s: float = 100e-6) -> Cluster:
-    """The lab as configured: tbf rates, one rank per host, hosts grouped by node."""
+    """The lab as configured: tbf rates, one rank per host, hosts grouped by node. An
+    unshaped lab (``--rate none``) has no configured rate: measure it."""
+    if not lab.rate_bps or lab.inter_rate_bps == 0:
+        which = "--rate none" if not lab.rate_bps else "--inter-rate none"
+        raise ValueError(f"netlab {lab.name!r} is unshaped ({which}): its links have no "
+                         f"configured rate; measure them with --measure (or give --intra-gbit "
+                         f"and --inter-gbit)")
     per_node = _node_hosts(lab)
     return Cluster(nodes=len(per_node), ranks_per_node=max(len(h) for h in per_node),
                    intra_gbit=lab.rate_bps / 1e9 * lab.rails,
