@@ -201,7 +201,8 @@ def check_addresses(case) -> str:
 
 # ============================================================================ live pair
 class _DictStore:
-    """The two Store calls a Context makes (set, and a get that waits), in memory."""
+    """The two Store calls a Context needs (set, and a get that waits), in memory. No check():
+    like a user's Store subclass without it, the Context then waits with blocking gets."""
 
     def __init__(self):
         self._d: dict = {}

@@ -1068,6 +1068,23 @@ class _Rendezvous:
         self._store, self._rank = store, rank
         self._deadline, self._timeout = deadline, timeout
         self.generation: str | None = None   # known once rank 0's secret is
+        self._can_check = True               # False: a store without check (blocking gets)
+
+    def _check(self, key: str) -> bool | None:
+        """Whether the key is set; None if this store cannot say without blocking (a user's
+        Store subclass need not implement check)."""
+        if self._can_check:
+            try:
+                return bool(self._store.check([key]))
+            except (AttributeError, NotImplementedError):
+                self._can_check = False
+            except RuntimeError as e:
+                if "not implemented" not in str(e).lower():
+                    raise
+                self._can_check = False
+            log.debug("rank %d: the store has no check(): mesh set-up waits with blocking gets "
+                      "and cannot learn of other ranks' failures early", self._rank)
+        return None
 
     def _fail_key(self) -> str:
         return f"{_STORE_PREFIX}setup_failed/{self.generation}"
@@ -1078,7 +1095,10 @@ class _Rendezvous:
     def get(self, key: str) -> bytes:
         delay = 0.002
         while True:
-            if self._store.check([key]):
+            have = self._check(key)
+            if have is None:
+                return _store_get(self._store, key)
+            if have:
                 return _store_get(self._store, key)
             self.raise_if_failed(f"while waiting for {key!r} in the store")
             if time.monotonic() >= self._deadline:
@@ -1089,7 +1109,7 @@ class _Rendezvous:
             delay = min(delay * 2, 0.1)
 
     def raise_if_failed(self, doing: str) -> None:
-        if self.generation is None or not self._store.check([self._fail_key()]):
+        if self.generation is None or not self._check(self._fail_key()):
             return
         why = _store_get(self._store, self._fail_key()).decode(errors="replace")
         raise _PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
@@ -1100,7 +1120,7 @@ class _Rendezvous:
         if self.generation is None:
             return
         try:
-            if not self._store.check([self._fail_key()]):  # the first failure is the cause
+            if not self._check(self._fail_key()):  # the first failure is the cause
                 self._store.set(self._fail_key(), message[:2000])
         except Exception:  # noqa: BLE001 - reporting must not hide the failure itself
             pass
