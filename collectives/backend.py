@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, fusion, ring, stats, timeline
+from . import chain, direct, fusion, halving, ring, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
@@ -487,8 +487,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                          self.size())
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
-        if algo == "direct" or (algo == "auto" and self._small(flat.numel() * flat.element_size())):
+        nbytes = flat.numel() * flat.element_size()
+        if algo == "direct" or (algo == "auto" and self._small(nbytes)):
             direct.all_reduce(comm, flat, op)
+        elif algo == "hd" or (algo == "auto" and comm.size >= halving.AUTO_MIN_RANKS
+                              and nbytes <= halving.AUTO_MAX_BYTES):
+            halving.all_reduce(comm, flat, op)
         else:
             ring.all_reduce(comm, flat, op)
         finish_avg(flat, op, comm.size)

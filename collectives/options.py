@@ -7,7 +7,7 @@ from typing import Mapping
 
 from transport import TransportOptions, parse_size
 
-ALLREDUCE_ALGOS = ("auto", "ring", "direct")
+ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd")
 ROOTED_ALGOS = ("auto", "chain", "direct")
 
 
@@ -16,7 +16,8 @@ class Options:
     """Everything the ``linerate`` backend can be told; ``from_env`` reads ``LINERATE_*``."""
 
     transport: TransportOptions = dataclasses.field(default_factory=TransportOptions)
-    #: all_reduce algorithm: auto (by size), ring (bandwidth-optimal), direct (one round).
+    #: all_reduce algorithm: auto (by size), ring (bandwidth-optimal), direct (one round),
+    #: hd (halving-doubling: bandwidth-optimal in 2 log2(P) exchanges).
     allreduce_algo: str = "auto"
     #: broadcast/reduce algorithm: auto (by size), chain (pipelined), direct (root to all).
     rooted_algo: str = "auto"

@@ -640,6 +640,19 @@ def test_collectives_pipelined_ring_chain(P):
          timeout=TIMEOUT, env=PIPELINED_ENV)
 
 
+HD_ENV = {"LINERATE_ALLREDUCE_ALGO": "hd", "LINERATE_PIECE_BYTES": "4096",
+          "LINERATE_SMALL_BYTES": "0"}
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P", [2, 3, 5, 6, 7, 8])
+def test_all_reduce_halving_doubling(P):
+    """LINERATE_ALLREDUCE_ALGO=hd with 4 KiB pieces for every size: powers of two and the
+    folded ranks of the others (3, 5, 6, 7: 1-3 pairs sit out), every dtype and op of the
+    pipelined set, against Gloo."""
+    _run(P, ("all_reduce",), variant="pipelined", timeout=TIMEOUT, env=HD_ENV)
+
+
 # ----------------------------------------------------------------------------- regressions
 def _ring_all_reduce_fn(rank, P, lr, sizes):
     """Ring all_reduce (> 64 KiB) on P ranks, with segment lengths equal and unequal; a
