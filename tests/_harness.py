@@ -214,3 +214,28 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
                 c.close()
         del store
         tmpdir.cleanup()
+
+
+def free_port_range(n: int) -> int:
+    """A base port such that base .. base+n-1 are free now, below the kernel's ephemeral range
+    (ip_local_port_range), so that the sockets the ranks open later (the transport's listeners
+    and connections take ephemeral ports) cannot take them first."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(low, 2048) - n
+    for _ in range(100):
+        base = random.randint(1024, top) if top > 1024 else random.randint(20000, 30000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from _harness import run_ranks
+from _harness import free_port_range, run_ranks
 from transport import metrics
 
 # Prometheus naming: base units and the suffix that says so (node_exporter's style).
@@ -147,7 +147,7 @@ def _exchange(rank, world, lr, base, sub_ranks):
 
 @pytest.mark.timeout(90)
 def test_exported_counts_match_the_transport():
-    base = free_port()
+    base = free_port_range(3)
     out = run_ranks(_exchange, 3, base, [1, 2], timeout=80, env={"LINERATE_METRICS_HOST": "hostA"})
     for rank, (own, text, after) in enumerate(out):
         sent = samples(text, "linerate_sent_bytes_total")

@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from _harness import run_ranks
+from _harness import free_port_range, run_ranks
 from test_dashboard import dashboard_exprs
 
 WORLD = 4
@@ -76,20 +76,7 @@ def _free_port() -> int:
 
 
 def _free_port_range(n: int) -> int:
-    """A base port such that base .. base+n-1 are free right now."""
-    for _ in range(50):
-        base = _free_port()
-        if base + n > 65535:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for p in range(base, base + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
+    return free_port_range(n)
 
 
 def _get(url: str, timeout: float = 5.0) -> dict:

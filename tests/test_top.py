@@ -531,21 +531,8 @@ def exporter_available() -> bool:
 
 
 def consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    pytest.skip(f"no {n} consecutive free ports")
+    from _harness import free_port_range
+    return free_port_range(n)
 
 
 def _all_reduce_until_told(rank, world, lr, base, stop_file, max_s):
