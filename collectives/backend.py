@@ -264,12 +264,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # every failure reaches the Work, and the peers
                 self._report_failure(e, op, seq)
-                if (comm is not None and desc and isinstance(e, TransportError)
-                        and desc not in str(e)):  # say what this rank called, beside the peer's
-                    wrapped = TransportError(f"{e} [rank {self.rank()} was in {op} #{seq} ({desc})]")
-                    wrapped.__cause__ = e
-                    e = wrapped
                 if comm is not None:
+                    e = self._annotate(e, op, seq, desc)
                     comm.end()
                 work._complete(e)
             else:
@@ -307,6 +303,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             # agree() raises ValueError naming the differing calls
             self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
             if comm is not None:
+                e = self._annotate(e, "all_reduce", head.seq, head.desc)
                 comm.end()
             self._pop_entries(len(taken))
             Work._complete_many([entry.work for entry in taken], e)
@@ -318,6 +315,15 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         Work._complete_many([e.work for e in taken])
         if metrics.enabled():
             stats.record("all_reduce", comm.algorithm, nbytes, seconds, self.size())
+
+    def _annotate(self, e: BaseException, op: str, seq: int, desc: str) -> BaseException:
+        """A transport failure (often a peer's report) with what this rank called beside it,
+        so that every rank's error shows its own arguments (the peer names its own)."""
+        if not desc or not isinstance(e, TransportError) or desc in str(e):
+            return e
+        wrapped = TransportError(f"{e} [rank {self.rank()} was in {op} #{seq} ({desc})]")
+        wrapped.__cause__ = e
+        return wrapped
 
     def _pop_entries(self, n: int) -> None:
         with self._qcond:
