@@ -60,18 +60,16 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         comm.wait_all(sends)
 
     # Fold: ranks 2i and 2i+1 (i < rem) become one.
+    whole = pieces(flat, comm.piece_elems(flat))  # fold / unfold messages
     if r < 2 * rem:
         if r % 2 == 0:
-            sends = [comm.isend(r + 1, x, comm.slot(base, _FOLD, 0, k))
-                     for k, x in enumerate(pieces(flat, comm.piece_elems(flat)))]
-            comm.wait_all(sends)
-            recvs = [comm.irecv(r + 1, x, comm.slot(base, _UNFOLD, 0, k))
-                     for k, x in enumerate(pieces(flat, comm.piece_elems(flat)))]
-            comm.wait_all(recvs)
+            comm.wait_all([comm.isend(r + 1, x, comm.slot(base, _FOLD, 0, k))
+                           for k, x in enumerate(whole)])
+            comm.wait_all([comm.irecv(r + 1, x, comm.slot(base, _UNFOLD, 0, k))
+                           for k, x in enumerate(whole)])
             return
-        buf = comm.scratch.get(0, n, flat.dtype)
-        mine = pieces(flat, comm.piece_elems(flat))
-        theirs = pieces(buf, comm.piece_elems(flat))
+        mine = whole
+        theirs = pieces(comm.scratch.get(0, n, flat.dtype), comm.piece_elems(flat))
         recvs = [comm.irecv(r - 1, b, comm.slot(base, _FOLD, 0, k)) for k, b in enumerate(theirs)]
         for x, b, q in zip(mine, theirs, recvs):
             comm.wait(q)
@@ -114,4 +112,4 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         step += 1
     if r < 2 * rem:  # unfold: the partner that sat out gets the result
         comm.wait_all([comm.isend(r - 1, x, comm.slot(base, _UNFOLD, 0, k))
-                       for k, x in enumerate(pieces(flat, comm.piece_elems(flat)))])
+                       for k, x in enumerate(whole)])

@@ -1068,23 +1068,16 @@ class _Rendezvous:
         self._store, self._rank = store, rank
         self._deadline, self._timeout = deadline, timeout
         self.generation: str | None = None   # known once rank 0's secret is
-        self._can_check = True               # False: a store without check (blocking gets)
+        # A user's Store subclass need not implement check(): without it set-up waits with
+        # blocking gets and cannot learn of other ranks' failures early.
+        self._can_check = _has_check(store)
+        if not self._can_check:
+            log.debug("rank %d: the store has no check(): mesh set-up waits with blocking gets",
+                      rank)
 
     def _check(self, key: str) -> bool | None:
-        """Whether the key is set; None if this store cannot say without blocking (a user's
-        Store subclass need not implement check)."""
-        if self._can_check:
-            try:
-                return bool(self._store.check([key]))
-            except (AttributeError, NotImplementedError):
-                self._can_check = False
-            except RuntimeError as e:
-                if "not implemented" not in str(e).lower():
-                    raise
-                self._can_check = False
-            log.debug("rank %d: the store has no check(): mesh set-up waits with blocking gets "
-                      "and cannot learn of other ranks' failures early", self._rank)
-        return None
+        """Whether the key is set; None if this store cannot say without blocking."""
+        return bool(self._store.check([key])) if self._can_check else None
 
     def _fail_key(self) -> str:
         return f"{_STORE_PREFIX}setup_failed/{self.generation}"
@@ -1127,6 +1120,19 @@ class _Rendezvous:
 
     def __getattr__(self, name):  # anything else (rdma's agreement uses set/get only)
         return getattr(self._store, name)
+
+
+def _has_check(store) -> bool:
+    """Whether ``store.check`` works (one probe of a key nobody sets)."""
+    try:
+        store.check([_STORE_PREFIX + "probe"])
+    except (AttributeError, NotImplementedError):
+        return False
+    except RuntimeError as e:  # a pybind Store subclass without the override says so
+        if "not implemented" in str(e).lower():
+            return False
+        raise
+    return True
 
 
 def _store_get(store, key: str) -> bytes:
