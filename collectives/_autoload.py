@@ -1,6 +1,6 @@
 """Registration of the ``linerate`` backend with torch.distributed.
 
-``register`` is what torch's ``torch.backends`` entry point (``linerate_autoload``) calls during
+``register`` is what torch's ``torch.backends`` entry point (``linerate._torch_hook``, through ``import linerate``) calls during
 ``import torch``: it must be cheap (no transport import, no sockets) and idempotent.
 """
 from __future__ import annotations

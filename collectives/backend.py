@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from transport import CHANNEL_P2P, Context, TransportError, metrics
+from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics
 
 from . import chain, direct, fusion, halving, ring, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
+from linerate.transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
 
 # Opcodes travel in every frame so that a rank in a different collective is named, not mixed in.
 OPCODES = {

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from transport import CHANNEL_COLLECTIVE
+from linerate.transport import CHANNEL_COLLECTIVE
 
 from .reduce_ops import finish_avg, reduce_into
 

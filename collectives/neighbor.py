@@ -69,7 +69,7 @@ def neighbor_allreduce(tensor: torch.Tensor, topology: Topology, step: int | Non
     backend = _linerate_backend(group)
     rank, size = backend.rank(), backend.size()
     if not isinstance(topology, Topology):
-        raise TypeError(f"rank {rank}: neighbor_allreduce: topology must be a collectives.topology."
+        raise TypeError(f"rank {rank}: neighbor_allreduce: topology must be a linerate.topology."
                         f"Topology, got {type(topology).__name__}")
     if topology.n != size:
         raise ValueError(f"rank {rank}: neighbor_allreduce: topology {topology!r} has {topology.n} "

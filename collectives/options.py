@@ -5,7 +5,7 @@ import dataclasses
 import os
 from typing import Mapping
 
-from transport import TransportOptions, parse_size
+from linerate.transport import TransportOptions, parse_size
 
 ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd")
 ROOTED_ALGOS = ("auto", "chain", "direct")

@@ -2,7 +2,7 @@
 bandwidth factor (nccl-tests' definitions, so that busbw compares with the link rate)."""
 from __future__ import annotations
 
-from transport import metrics
+from linerate.transport import metrics
 
 #: busbw = algbw * factor(world); algbw = size / time, size as nccl-tests counts it.
 _FACTORS = {

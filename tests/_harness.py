@@ -59,7 +59,7 @@ def _rank_main(fn, rank, world_size, port, env, backend, timeout, stack_file, co
             os.environ["WORLD_SIZE"] = str(world_size)
             import torch.distributed as dist
 
-            import collectives  # noqa: F401 - registers the backend
+            import linerate  # noqa: F401 - registers the backend
 
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                                   timeout=timedelta(seconds=timeout))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import bench, bench_worker, cli
-from tools.bench_ops import OPS, element_count
-from tools.bench_report import Result, Row, Table
+from linerate.tools import bench, bench_worker, cli
+from linerate.tools.bench_ops import OPS, element_count
+from linerate.tools.bench_report import Result, Row, Table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def linerate_registered() -> bool:
 
 def run_cli(*argv, timeout=110):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "linerate.tools.cli", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from _harness import run_ranks
 from test_transport import FakePeer, _hash_store, _opts, mesh
-from transport import CHANNEL_P2P, Context, TransportError, TransportOptions
+from linerate.transport import CHANNEL_P2P, Context, TransportError, TransportOptions
 
 
 @pytest.mark.timeout(60)

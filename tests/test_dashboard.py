@@ -228,7 +228,7 @@ def test_compose_file():
     services = compose["services"]
     assert set(services) >= {"rank0", "ranks", "prometheus", "grafana"}
     want = ("torchrun --nnodes ${LINERATE_RANKS:-4} --nproc-per-node 1 --rdzv-backend c10d "
-            "--rdzv-endpoint rank0:29400 --rdzv-id linerate-demo -m tools.bench "
+            "--rdzv-endpoint rank0:29400 --rdzv-id linerate-demo -m linerate.tools.bench "
             "--metrics-port 9400 --loop")
     for name in ("rank0", "ranks"):
         assert services[name]["command"] == want, name

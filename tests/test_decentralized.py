@@ -41,7 +41,7 @@ def _eval_loss(model):
 
 
 def _train(rank, world, lr_group, method, accumulation, steps=STEPS, lr=1e-2):
-    from collectives import DecentralizedDataParallel
+    from linerate import DecentralizedDataParallel
     torch.set_num_threads(1)
     net = _net()
     if method == "allreduce":
@@ -119,8 +119,8 @@ def _ref_direction(cfg, st, x, g, steps, windows):
 def _check_update_rule(rank, world, lr_group, topo_name, cfg, steps):
     """Every step: x_i(t+1) == sum_j W_ij x_j(t) - lr d_i(x_i(t)), with W from the topology,
     x_j(t) gathered from every rank, d from _ref_direction."""
-    from collectives import DecentralizedDataParallel
-    from collectives.topology import by_name
+    from linerate import DecentralizedDataParallel
+    from linerate.collectives.topology import by_name
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
@@ -184,7 +184,7 @@ def _resume(rank, world, lr_group, cfg):
     restores the checkpoint and trains the same 3 steps: the parameters must be identical."""
     import copy
 
-    from collectives import DecentralizedDataParallel
+    from linerate import DecentralizedDataParallel
     torch.set_num_threads(1)
 
     def make():

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import run_ranks
-from tools import netlab
+from linerate.tools import netlab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ import json, os, signal, sys, threading, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-import collectives  # noqa: F401 - registers the backend
+import linerate  # noqa: F401 - registers the backend
 
 scenario = sys.argv[1]
 rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -463,7 +463,7 @@ def test_dead_link_found_on_idle_connections(tmp_path):
 
 
 def test_link_timeout_setting(monkeypatch):
-    from transport import context
+    from linerate.transport import context
     assert context.link_timeout_from_env({}) == context.LINK_TIMEOUT_DEFAULT == 60
     assert context.link_timeout_from_env({"LINERATE_LINK_TIMEOUT": "2.5"}) == 2.5
     assert context.link_timeout_from_env({"LINERATE_LINK_TIMEOUT": "0"}) == 0
@@ -478,7 +478,7 @@ def test_link_timeout_setting(monkeypatch):
 def test_tune_sets_user_timeout_and_keepalive():
     import socket
 
-    from transport import context
+    from linerate.transport import context
     ls = socket.create_server(("127.0.0.1", 0))
     a = socket.create_connection(ls.getsockname())
     b, _ = ls.accept()

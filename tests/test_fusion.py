@@ -174,7 +174,7 @@ def test_differing_async_calls_fail_fast_on_every_rank(case, needle):
 
 
 def test_fusion_options_are_validated():
-    from collectives.options import Options
+    from linerate.collectives.options import Options
     o = Options.from_env({"LINERATE_FUSION_BYTES": "1M", "LINERATE_CYCLE_MS": "2.5"})
     assert (o.fusion_bytes, o.cycle_ms) == (1 << 20, 2.5)
     with pytest.raises(ValueError, match="LINERATE_CYCLE_MS"):
@@ -184,7 +184,7 @@ def test_fusion_options_are_validated():
 
 
 def test_plan_is_deterministic_and_bounded():
-    from collectives import fusion
+    from linerate.collectives import fusion
 
     def entry(seq, n, op="SUM"):
         return fusion.Entry(seq, torch.zeros(n), None, None, op, None, None, 1.0, "d", 0)

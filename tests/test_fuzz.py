@@ -1,7 +1,7 @@
 """Property-based fuzzing of the wire parsers (hypothesis), with CI-sized example counts.
 
-The properties and strategies are those of ``tools/fuzz.py`` (see its docstring for what each
-asserts); ``python -m tools.fuzz --examples 100000`` runs them at benchmark scale. Here each runs
+The properties and strategies are those of ``tools/dev/fuzz.py`` (see its docstring for what each
+asserts); ``python -m linerate.tools.dev.fuzz --examples 100000`` runs them at benchmark scale. Here each runs
 a few hundred derandomized examples, plus regression cases for what the fuzzing found:
 
 * a header buffer of the wrong length raised struct.error, not FrameError;
@@ -21,10 +21,10 @@ import pytest
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from tools import fuzz  # noqa: E402
-from transport import context as context_mod  # noqa: E402
-from transport import framing  # noqa: E402
-from transport.request import PeerFailure, TransportError  # noqa: E402
+from linerate.tools.dev import fuzz  # noqa: E402
+from linerate.transport import context as context_mod  # noqa: E402
+from linerate.transport import framing  # noqa: E402
+from linerate.transport.request import PeerFailure, TransportError  # noqa: E402
 
 STRATEGIES = fuzz.strategies()
 

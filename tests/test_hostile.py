@@ -39,7 +39,7 @@ import time
 import pytest
 
 from _harness import run_ranks
-from transport import handshake
+from linerate.transport import handshake
 
 HANDSHAKE_TIMEOUT = 10.0  # Context: min(10 s, LINERATE_CONNECT_TIMEOUT)
 SLOW_EARLY = 6            # silent connections per listener, opened before the other attacks
@@ -95,7 +95,7 @@ def _hostile_rank(rank, world_size, lr, workdir):
     import torch
     import torch.distributed as dist
 
-    from transport import context as context_mod
+    from linerate.transport import context as context_mod
 
     torch.set_num_threads(1)
     handler = logging.FileHandler(os.path.join(workdir, f"rank{rank}.log"))

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from tools.bench_report import Result, Row, Table
-from tools.linkprobe import LinkProbeError, _iperf_received, format_lines, probe_ring
+from linerate.tools.bench_report import Result, Row, Table
+from linerate.tools.linkprobe import LinkProbeError, _iperf_received, format_lines, probe_ring
 
 from test_bench_cli import run_cli, table_rows
 

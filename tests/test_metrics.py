@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _harness import free_port_range, run_ranks
-from transport import metrics
+from linerate.transport import metrics
 
 # Prometheus naming: base units and the suffix that says so (node_exporter's style).
 _NAME_RULES = {

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tools import netlab
+from linerate.tools import netlab
 
 _REASON = netlab.check_prereqs() if sys.platform.startswith("linux") else "needs Linux"
 needs_netlab = pytest.mark.skipif(_REASON is not None, reason=f"netlab unavailable: {_REASON}")

@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
-from tools import cli, model
-from tools.model import Cluster, Pattern, predict, recommend
-from tools import whatif
-from tools.whatif import AddCost, Bucket, Grad, make_buckets, schedule, scaling_factor
+from linerate.tools import cli, model
+from linerate.tools.model import Cluster, Pattern, predict, recommend
+from linerate.tools import whatif
+from linerate.tools.whatif import AddCost, Bucket, Grad, make_buckets, schedule, scaling_factor
 
 M = 1_000_000
 MS = 1e-3
@@ -353,7 +353,7 @@ def test_topology_object_as_method():
 @pytest.mark.parametrize("n,rpn", [(8, 4), (16, 4), (12, 3), (6, 2), (8, 1), (5, 1), (32, 8)])
 def test_model_patterns_are_the_library_topologies(n, rpn):
     """The model's copy of collectives.topology: same periods, same out-peers at every step."""
-    topology = pytest.importorskip("collectives.topology")
+    topology = pytest.importorskip("linerate.collectives.topology")
     for name in model.TOPOLOGIES:
         lib = topology.by_name(name, n, **({"ranks_per_node": rpn} if name == "aer" else {}))
         ours = Pattern(name, n, rpn)
@@ -635,7 +635,7 @@ def test_whatif_plot_without_matplotlib(monkeypatch, capsys):
 def _netlab_reason():
     if not sys.platform.startswith("linux"):
         return "needs Linux"
-    from tools import netlab
+    from linerate.tools import netlab
     return netlab.check_prereqs()
 
 
@@ -646,7 +646,7 @@ def test_measure_netlab_two_tier(capsys):
     reason = _netlab_reason()
     if reason:
         pytest.skip(f"netlab unavailable: {reason}")
-    from tools import netlab
+    from linerate.tools import netlab
     name = f"m{uuid.uuid4().hex[:8]}"
     try:
         netlab.up(name, hosts=4, rate="400mbit", nodes=2, inter_rate="100mbit")
@@ -671,7 +671,7 @@ def test_measure_netlab_two_tier(capsys):
 
 
 def test_cluster_from_an_unshaped_lab_asks_for_a_measurement():
-    from tools import netlab
+    from linerate.tools import netlab
     shaped = model.cluster_from_lab(netlab.plan("m1", 4, 1, 10**9, nodes=2, inter_rate_bps=4 * 10**8))
     assert (shaped.nodes, shaped.ranks_per_node, shaped.intra_gbit, shaped.inter_gbit) == (2, 2, 1.0, 0.4)
     for lab, flag in ((netlab.plan("m2", 4, 1, 0), "--rate none"),

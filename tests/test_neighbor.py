@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _harness import run_ranks
-from collectives import topology as T
+from linerate import topology as T
 
 SIZES = range(1, 13)
 
@@ -219,7 +219,7 @@ def _inputs(k, m, seed, dtype=torch.float64):
 def _run_neighbor(rank, world, lr):
     import torch.distributed as dist
 
-    from collectives import neighbor_allreduce
+    from linerate import neighbor_allreduce
 
     fails = []
     ncases = 0
@@ -266,7 +266,7 @@ def _run_neighbor(rank, world, lr):
         for w in works:
             assert w is not None
             w.wait()
-        from collectives.neighbor import _linerate_backend, _steps
+        from linerate.collectives.neighbor import _linerate_backend, _steps
         after = _steps[_linerate_backend(g)]
         first = after - 3
         for i, x in enumerate(xs):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import netlab
+from linerate.tools import netlab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ needs_netlab = pytest.mark.skipif(_REASON is not None, reason=f"netlab unavailab
 
 
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "netlab", *argv], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -40,7 +40,7 @@ def lab_name():
 @pytest.mark.timeout(30)
 def test_unavailable_exits_2(monkeypatch, capsys):
     """Without root, every action prints one line saying why and exits 2."""
-    from tools import cli as cli_mod
+    from linerate.tools import cli as cli_mod
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     reason = netlab.check_prereqs()
     assert reason and "root" in reason and "\n" not in reason
@@ -192,7 +192,7 @@ def test_run_linerate_all_reduce(lab_name, tmp_path):
     lab = netlab.load(lab_name)
     env = {k: v for k, v in os.environ.items()
            if k not in ("LINERATE_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-    r = subprocess.run([sys.executable, "-m", "tools.cli", "netlab", "run", "--name", lab_name,
+    r = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", "run", "--name", lab_name,
                         "--nproc", "2", "--timeout", "60", str(script)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -208,7 +208,7 @@ def test_run_propagates_failure(lab_name, tmp_path):
                       " os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'])\n"
                       "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     lab = netlab.up(lab_name, hosts=2, rate="100mbit")
-    r = subprocess.run([sys.executable, "-m", "tools.cli", "netlab", "run", "--name", lab_name,
+    r = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", "run", "--name", lab_name,
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "[rank 0] rank 0 0 0 2" in r.stdout and "[rank 1] rank 1 1 0 2" in r.stdout
@@ -223,7 +223,7 @@ def test_run_ctrl_c_stops_every_rank(lab_name):
     import time
     netlab.up(lab_name, hosts=2, rate="100mbit")
     code = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
-    p = subprocess.Popen([sys.executable, "-m", "tools.cli", "netlab", "run", "--name", lab_name,
+    p = subprocess.Popen([sys.executable, "-m", "linerate.tools.cli", "netlab", "run", "--name", lab_name,
                           "--", "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                          # SIGINT is ignored when pytest itself runs as a background job
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

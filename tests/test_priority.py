@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import run_ranks
-from transport import CHANNEL_P2P, Context, TransportOptions
+from linerate.transport import CHANNEL_P2P, Context, TransportOptions
 
 
 def _pair(**kw):
@@ -64,7 +64,7 @@ def test_credit_option_is_validated():
     with pytest.raises(ValueError, match="LINERATE_CREDIT_BYTES"):
         TransportOptions.from_env({"LINERATE_CREDIT_BYTES": "lots"})
     assert TransportOptions.from_env({"LINERATE_CREDIT_BYTES": "256K"}).credit_bytes == 256 << 10
-    from collectives.options import Options
+    from linerate.collectives.options import Options
     assert Options.from_env({"LINERATE_PARTITION_BYTES": "1M"}).partition_bytes == 1 << 20
     with pytest.raises(ValueError, match="LINERATE_PARTITION_BYTES"):
         Options.from_env({"LINERATE_PARTITION_BYTES": "100"})
@@ -101,7 +101,7 @@ def _train(model, opt, rank, steps, sched=None):
 def _compare(rank, world, lr, optim, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
 
     def make_opt(params):
         if optim == "sgd":
@@ -142,7 +142,7 @@ def test_loss_curve_equals_ddp_over_gloo(optim, world):
 
 
 def _timeline(rank, world, lr, path):
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
     net = _mlp(0)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     pdp = PriorityDataParallel(net, opt, process_group=lr, partition_bytes=4096)
@@ -157,7 +157,7 @@ def test_timeline_shows_queued_sent_applied(tmp_path):
     path = str(tmp_path / "tl.json")
     files = run_ranks(_timeline, 2, path, timeout=90, env={"LINERATE_TIMELINE": path})
     assert files == [str(tmp_path / "tl.rank0.json"), str(tmp_path / "tl.rank1.json")]
-    from collectives.timeline import merge
+    from linerate.collectives.timeline import merge
     n = merge(files, str(tmp_path / "all.json"))
     events = json.load(open(tmp_path / "all.json"))["traceEvents"]
     assert n == len(events)
@@ -173,7 +173,7 @@ def test_timeline_shows_queued_sent_applied(tmp_path):
 
 
 def _unused(rank, world, lr):
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
 
     class Two(torch.nn.Module):
         def __init__(self):
@@ -202,7 +202,7 @@ def test_unused_parameters_are_named():
 
 
 def _tied(rank, world, lr):
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -234,7 +234,7 @@ def test_tied_parameters_train_and_stay_equal():
 
 
 def _not_linerate(rank, world, lr):
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
     net = _mlp(0)
     try:
         PriorityDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))  # default: Gloo
@@ -250,7 +250,7 @@ def test_needs_a_linerate_group():
 
 
 def test_nsocks_auto_is_two_on_one_rail_one_per_rail_on_several():
-    from transport.options import sockets_per_rail
+    from linerate.transport.options import sockets_per_rail
     assert TransportOptions.from_env({}).nsocks == 0
     assert TransportOptions.from_env({"LINERATE_NSOCKS": "auto"}).nsocks == 0
     assert TransportOptions.from_env({"LINERATE_NSOCKS": "3"}).nsocks == 3

@@ -39,7 +39,7 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
     import torch
     import torch.distributed as dist
 
-    from transport import metrics
+    from linerate.transport import metrics
 
     # The harness gives every rank the same environment (no per-rank LOCAL_RANK), so the
     # exporter is started here rather than through LINERATE_METRICS_PORT.

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from transport import Context, TransportError, TransportOptions, metrics, rdma, verbs
-from transport.framing import CHANNEL_P2P
+from linerate.transport import Context, TransportError, TransportOptions, metrics, rdma, verbs
+from linerate.transport.framing import CHANNEL_P2P
 
 from _harness import run_ranks
 from test_transport import FAKE_PYVERBS, REPO, real_rdma_reason, use_transport
@@ -389,7 +389,7 @@ def test_system_pyverbs_is_found_without_its_folder_on_the_path():
 
 _BUILD = """
 import json, sys
-from transport import rdma, verbs
+from linerate.transport import rdma, verbs
 pv = verbs.load()
 e = pv.e
 remote = {"qpn": 0x1234, "psn": 0xABCDE, "lid": 0, "mtu": e.IBV_MTU_1024, "port": "x:1",
@@ -441,14 +441,14 @@ def test_real_rdma_skip_reason_names_the_cause():
 # ----------------------------------------------------------------------------- probe
 def test_probe_command():
     env = {"LINERATE_PYVERBS_PATH": FAKE_PYVERBS}
-    out = _python("from tools.cli import main; main(['probe'])", **env)
+    out = _python("from linerate.tools.cli import main; main(['probe'])", **env)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "Network interfaces:" in text and "lo " in text and "127.0.0.1/8" in text
     assert "fakerxe0:1" in text and "ACTIVE" in text and "RoCE v2" in text
     assert "* GID 3" in text and "0000:ffff:7f00:0001" in text
     assert "auto would use RDMA here" in text
-    out = _python("from tools.cli import main; main(['probe', '--json'])", FAKE_PYVERBS_DEVICES="enosys", **env)
+    out = _python("from linerate.tools.cli import main; main(['probe', '--json'])", FAKE_PYVERBS_DEVICES="enosys", **env)
     report = json.loads(out.stdout)
     assert report["rdma"]["auto"]["transport"] == "tcp"
     assert "ibv_get_device_list failed" in report["rdma"]["error"]

@@ -1,4 +1,4 @@
-"""The soak benchmark (tools/soak.py) at CI size: 2 local ranks, 300 random collectives, every
+"""The soak benchmark (tools/dev/soak.py) at CI size: 2 local ranks, 300 random collectives, every
 result checked, no wrong result and no leaked descriptor; and its checker does catch a wrong
 result (exit code 1)."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from tools.soak import OPS
+from linerate.tools.dev.soak import OPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _soak(*argv, timeout=80):
-    return subprocess.run([sys.executable, "-m", "tools.soak", "--nproc", "2", "--progress", "0",
+    return subprocess.run([sys.executable, "-m", "linerate.tools.dev.soak", "--nproc", "2", "--progress", "0",
                            "--run-timeout", str(timeout - 10), *argv],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tools import cli, top
+from linerate.tools import cli, top
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_top(*argv, timeout=30):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "tools.cli", "top", *argv], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "linerate.tools.cli", "top", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -497,7 +497,7 @@ def test_table_frames_and_ctrl_c(fake_ranks):
     assert "slowest: all_reduce on rank 1 (fake1)" in p.stdout
     assert "nsocks=2" in p.stdout
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "top", "--interval", "0.2",
+    proc = subprocess.Popen([sys.executable, "-m", "linerate.tools.cli", "top", "--interval", "0.2",
                              "--json", f"127.0.0.1:{base}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -524,7 +524,7 @@ def test_nothing_answers_exits_1():
 # ----------------------------------------------------------------------------- real ranks
 def exporter_available() -> bool:
     try:
-        import transport.metrics as m
+        import linerate.transport.metrics as m
         return callable(m.start_exporter)
     except Exception:
         return False
@@ -541,7 +541,7 @@ def _all_reduce_until_told(rank, world, lr, base, stop_file, max_s):
     the same number of collectives."""
     import torch
     import torch.distributed as dist
-    from transport import metrics
+    from linerate.transport import metrics
 
     metrics.start_exporter(base + rank, "127.0.0.1")
     x = torch.empty(1 << 18)

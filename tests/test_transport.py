@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
+from linerate.transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
                        TransportError, TransportOptions, parse_size)
-from transport import context as context_mod
-from transport import framing, handshake, verbs
+from linerate.transport import context as context_mod
+from linerate.transport import framing, handshake, verbs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPNAMES = {1: "allreduce", 2: "broadcast"}
@@ -561,7 +561,7 @@ def test_broken_context_refuses_new_collectives(transport):
 CHILD = textwrap.dedent("""
     import datetime, sys, time
     import torch.distributed as dist
-    from transport import CHANNEL_P2P, Context, TransportOptions
+    from linerate.transport import CHANNEL_P2P, Context, TransportOptions
     rank, size, port = map(int, sys.argv[1:4])
     transport, link_timeout = sys.argv[4], float(sys.argv[5])
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))

@@ -1,12 +1,3 @@
-"""Command-line tools of linerate: the ``linerate`` console script and its subcommands."""
-from importlib.metadata import PackageNotFoundError, version as _dist_version
-
-
-def _version() -> str:
-    try:
-        return _dist_version("linerate")
-    except PackageNotFoundError:  # running from a source tree that is not installed
-        return "0.1.0"
-
-
-__version__ = _version()
+"""linerate.tools: the ``linerate`` command and its subcommands (``linerate.tools.dev`` holds the
+development drivers: fuzz, soak and the research benchmarks, run as ``python -m``)."""
+from linerate import __version__  # noqa: F401 - ``linerate --version``

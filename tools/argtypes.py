@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from transport.options import parse_size
+from linerate.transport.options import parse_size
 
 
 def size(text: str) -> int:

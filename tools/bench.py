@@ -2,7 +2,7 @@
 
 Local mode (the default): `linerate bench --nproc 4` starts 4 ranks on loopback itself.
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, no --nproc), each process
-is one rank: `torchrun --nnodes 2 --nproc-per-node 1 ... -m tools.bench`.
+is one rank: `torchrun --nnodes 2 --nproc-per-node 1 ... -m linerate.tools.bench`.
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import argparse
 import os
 import sys
 
-from tools.argtypes import port as _port
-from tools.argtypes import positive_float as _positive_float
-from tools.argtypes import positive_int as _positive_int
-from tools.argtypes import size as _size
-from tools.launch import launch_local
-from transport.options import parse_size
+from linerate.tools.argtypes import port as _port
+from linerate.tools.argtypes import positive_float as _positive_float
+from linerate.tools.argtypes import positive_int as _positive_int
+from linerate.tools.argtypes import size as _size
+from linerate.tools.launch import launch_local
+from linerate.transport.options import parse_size
 
 OP_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -100,27 +100,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json = os.path.abspath(args.json)
     if args.plot:
-        from tools.bench_plot import matplotlib_missing
+        from linerate.tools.bench_plot import matplotlib_missing
         missing = matplotlib_missing()
         if missing:
             print(f"linerate bench: error: --plot {missing}", file=sys.stderr)
             return 2
         args.plot = os.path.abspath(args.plot)
     if args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         reason = netlab.check_prereqs()
         if reason:
             print(f"linerate bench: --netlab: {reason}", file=sys.stderr)
             return 2
         lab = netlab.load(args.netlab)
         return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
-                                ["-m", "tools.bench"] + rank_argv(args),
+                                ["-m", "linerate.tools.bench"] + rank_argv(args),
                                 timeout=None if args.loop else args.timeout + LAUNCH_GRACE_S,
                                 prefix_output=False)
     if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
-        from tools.bench_worker import run_worker  # imports torch: only in ranks
+        from linerate.tools.bench_worker import run_worker  # imports torch: only in ranks
         return run_worker(args)
-    return launch_local("tools.bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
+    return launch_local("linerate.tools.bench", rank_argv(args), args.nproc or DEFAULT_NPROC,
                         None if args.loop else args.timeout + LAUNCH_GRACE_S)
 
 
@@ -183,7 +183,7 @@ def _op_list(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     return run(parser.parse_args(argv))

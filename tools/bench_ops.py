@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from collectives.stats import bus_factor
+from linerate.collectives.stats import bus_factor
 
 # torch 2.13 renamed the tensor forms; keep working with the older names (torch >= 2.4).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from tools.bench_report import Row
+from linerate.tools.bench_report import Row
 
 INSTALL_HINT = "needs matplotlib, which is not installed: pip install matplotlib"
 

@@ -20,10 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools import __version__
-from tools.bench_ops import OPS, Collective, element_count
-from tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
-from tools.linkprobe import LinkProbeError, ProbeResult, format_lines, probe_ring
+from linerate.tools import __version__
+from linerate.tools.bench_ops import OPS, Collective, element_count
+from linerate.tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
+from linerate.tools.linkprobe import LinkProbeError, ProbeResult, format_lines, probe_ring
 
 #: With automatic iteration counts: seconds of timed iterations per size and backend.
 TARGET_S = 0.3
@@ -160,7 +160,7 @@ def _metrics_lines(base_port: int) -> list[str]:
     """Where the metrics are, and a sample of rank 0's exposition."""
     from prometheus_client import generate_latest
 
-    from transport import metrics
+    from linerate.transport import metrics
     ports = metrics.exporter_ports()
     if not ports:
         return [f"# metrics: rank 0 could not serve on port {base_port} (see the warning above)"]
@@ -207,7 +207,7 @@ def _raw_capacity(args, world: int, hosts: list[str]) -> tuple[ProbeResult | Non
 
 
 def _plot(args, world: int, labels: list[str], rows: list[Row], capacity: float | None) -> None:
-    from tools.bench_plot import plot_busbw
+    from linerate.tools.bench_plot import plot_busbw
     title = (f"linerate bench: {world} ranks, {args.dtype}"
              + (f", raw link capacity {capacity:.2f} Gbit/s" if capacity else ""))
     try:

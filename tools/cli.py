@@ -10,11 +10,11 @@ import argparse
 import importlib
 import sys
 
-from tools import __version__
+from linerate.tools import __version__
 
 #: Modules that register a subcommand, in the order ``--help`` lists them.
-SUBCOMMANDS = ("tools.bench", "tools.netlab", "tools.top", "tools.model", "tools.whatif",
-               "tools.probe", "tools.timeline")
+SUBCOMMANDS = ("linerate.tools.bench", "linerate.tools.netlab", "linerate.tools.top", "linerate.tools.model", "linerate.tools.whatif",
+               "linerate.tools.probe", "linerate.tools.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import linerate
+
 #: Seconds the other ranks get to exit on their own after one rank failed.
 FAIL_GRACE_S = 3.0
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -22,7 +24,8 @@ KILL_GRACE_S = 5.0
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 
-_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+# The folder that holds the ``linerate`` package: a source tree (not installed) runs as well.
+_SOURCE_ROOT = str(Path(linerate.__file__).resolve().parent.parent)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,7 +172,7 @@ def dispatch(prog: str, module: str, args, rank_argv, run_worker, default_nproc:
     e.g. to probe the links), this process as a rank under torchrun, or ``args.nproc`` local
     ranks. ``rank_argv()`` gives the ranks' arguments (called after ``on_lab``)."""
     if getattr(args, "netlab", None) is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         reason = netlab.check_prereqs()
         if reason:
             print(f"{prog}: --netlab: {reason}", file=sys.stderr)

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from transport.interfaces import listen_addresses
+from linerate.transport.interfaces import listen_addresses
 
 DEFAULT_STREAMS = 4
 DEFAULT_SECONDS = 2.0

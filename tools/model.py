@@ -39,10 +39,10 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 
-from tools.argtypes import nonneg_float as _nonneg_float
-from tools.argtypes import positive_float as _positive_float
-from tools.argtypes import positive_int as _positive_int
-from tools.argtypes import size as _size
+from linerate.tools.argtypes import nonneg_float as _nonneg_float
+from linerate.tools.argtypes import positive_float as _positive_float
+from linerate.tools.argtypes import positive_int as _positive_int
+from linerate.tools.argtypes import size as _size
 
 #: The topologies of collectives.topology (by_name keys), exchanged point to point by
 #: neighbor_allreduce; the model mirrors their definitions (docs/model.md).
@@ -743,7 +743,7 @@ print(statistics.median(rtt), flush=True)
 
 def _one_way_latency(lab, src, dst, pings: int = DEFAULT_PINGS) -> float:
     """Half the median round trip of a 1-byte TCP ping-pong between two netlab hosts."""
-    from tools import netlab
+    from linerate.tools import netlab
     s, d = lab.host(src), lab.host(dst)
     echo = subprocess.Popen(netlab.netns_argv(d, [sys.executable, "-c", _ECHO, d.addrs[0]]),
                             stdout=subprocess.PIPE, text=True)
@@ -816,7 +816,7 @@ def measure_netlab(name: str = "lab", seconds: float = DEFAULT_MEASURE_SECONDS,
     latencies: half the median round trip of a 1-byte TCP ping-pong. Rail 0 is measured; with
     several rails the bandwidths are multiplied by the rail count (identical fabrics, striped).
     """
-    from tools import netlab
+    from linerate.tools import netlab
     lab = netlab.load(name)
     if not netlab.is_up(lab):
         raise RuntimeError(f"netlab {name!r} is not up (run: linerate netlab up --name {name})")
@@ -856,8 +856,8 @@ import json, os, resource, sys, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from collectives.neighbor import neighbor_allreduce
-from collectives.topology import by_name
+from linerate.collectives.neighbor import neighbor_allreduce
+from linerate.collectives.topology import by_name
 torch.set_num_threads(1)
 out, nbytes, seconds, cycles = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("linerate", timeout=timedelta(seconds=300))
@@ -961,7 +961,7 @@ def _cpu_probe(ranks: int, cores: float, lab=None, nbytes: int = 16 << 20,
     Each figure is the median over the cycles."""
     import statistics
     import tempfile
-    from tools import launch
+    from linerate.tools import launch
     fd, out = tempfile.mkstemp(prefix="linerate_cpu_probe", suffix=".json")
     os.close(fd)
     try:
@@ -970,7 +970,7 @@ def _cpu_probe(ranks: int, cores: float, lab=None, nbytes: int = 16 << 20,
             port = launch.free_port()
             runs = [(args, launch.rank_env(r, ranks, port)) for r in range(ranks)]
         else:
-            from tools import netlab
+            from linerate.tools import netlab
             port = netlab.free_port_in(lab.hosts[0])
             runs = [(netlab.netns_argv(lab.hosts[r], args), netlab.rank_env(lab, r, ranks, port))
                     for r in range(ranks)]
@@ -1031,7 +1031,7 @@ def measure_cpu_costs(lab_name: str | None = None, seconds: float = DEFAULT_CPU_
     cores = cores or os.cpu_count() or 1
     lab = None
     if lab_name is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         lab = netlab.load(lab_name)
         if not netlab.is_up(lab):
             raise RuntimeError(f"netlab {lab_name!r} is not up")
@@ -1149,7 +1149,7 @@ def build_cluster(args: argparse.Namespace) -> tuple[Cluster, dict | None]:
                          "with `linerate bench` (raw link capacity) or iperf3 and pass "
                          "--intra-gbit and --inter-gbit")
     if args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         reason = netlab.check_prereqs()
         if reason:
             raise RuntimeError(f"--netlab: {reason}")
@@ -1335,7 +1335,7 @@ def _method_list(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     return run(parser.parse_args(argv))

@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.launch import supervise
-from transport.options import parse_rate  # noqa: F401 - part of netlab's API
+from linerate.tools.launch import supervise
+from linerate.transport.options import parse_rate  # noqa: F401 - part of netlab's API
 
 STATE_DIR = Path(os.environ.get("LINERATE_NETLAB_STATE", "/run/linerate-netlab"))
 PREFIX = "lr-"

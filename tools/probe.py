@@ -63,7 +63,7 @@ def interfaces() -> list[dict]:
 
 def rdma_report(env=None) -> dict:
     """pyverbs, ports and auto's choice (a dict: what --json prints under "rdma")."""
-    from transport import TransportOptions, rdma, verbs
+    from linerate.transport import TransportOptions, rdma, verbs
 
     opts = TransportOptions.from_env(env)
     out: dict = {"pyverbs": None, "fake": False, "ports": [], "error": None}

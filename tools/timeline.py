@@ -49,7 +49,7 @@ def summarize(events: list[dict]) -> list[dict]:
 
 
 def _cmd_merge(args) -> int:
-    from collectives.timeline import merge
+    from linerate.collectives.timeline import merge
     n = merge(args.files, args.output)
     print(f"{args.output}: {n} events from {len(args.files)} file(s)")
     return 0

@@ -29,11 +29,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from tools.argtypes import nonneg_float as _nonneg_float
-from tools.argtypes import nonneg_int as _nonneg_int
-from tools.argtypes import positive_float as _positive_float
-from tools.argtypes import positive_int as _positive_int
-from tools.argtypes import size as _size
+from linerate.tools.argtypes import nonneg_float as _nonneg_float
+from linerate.tools.argtypes import nonneg_int as _nonneg_int
+from linerate.tools.argtypes import positive_float as _positive_float
+from linerate.tools.argtypes import positive_int as _positive_int
+from linerate.tools.argtypes import size as _size
 
 BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "transformer-small")
 DEFAULT_GBIT = (1.0, 10.0, 25.0, 100.0)
@@ -569,7 +569,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.whatif", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.whatif", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     return run(parser.parse_args(argv))

@@ -30,7 +30,6 @@ import struct
 import threading
 import time
 import weakref
-from importlib.metadata import PackageNotFoundError, version as _dist_version
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -76,10 +75,8 @@ _rank_label: str | None = None
 
 
 def _version() -> str:
-    try:
-        return _dist_version("linerate")
-    except PackageNotFoundError:
-        return "0.1.0"
+    from linerate import __version__
+    return __version__
 
 
 # ----------------------------------------------------------------------------- hot path

@@ -1,9 +1,9 @@
 """linerate soak: thousands of random collectives, every result checked, memory and descriptors
 watched.
 
-    python -m tools.soak --nproc 4 --ops 10000 [--seed S]            # local ranks (loopback)
-    python -m tools.soak --netlab NAME --nproc 4 --ops 10000          # one rank per netlab host
-    torchrun --nproc-per-node 2 -m tools.soak --ops 1000               # under torchrun
+    python -m linerate.tools.dev.soak --nproc 4 --ops 10000 [--seed S]            # local ranks (loopback)
+    python -m linerate.tools.dev.soak --netlab NAME --nproc 4 --ops 10000          # one rank per netlab host
+    torchrun --nproc-per-node 2 -m linerate.tools.dev.soak --ops 1000               # under torchrun
 
 Every rank draws the same sequence from the seed: the op (all_reduce with SUM, MAX, MIN or
 PRODUCT, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather, scatter, barrier),
@@ -30,7 +30,7 @@ import os
 import sys
 import time
 
-from tools.launch import launch_local
+from linerate.tools.launch import launch_local
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
@@ -280,7 +280,7 @@ def format_summary(s: dict) -> str:
 
 # ----------------------------------------------------------------------------- launcher
 def rank_argv(args) -> list[str]:
-    argv = ["-m", "tools.soak", "--ops", str(args.ops), "--seed", str(args.seed),
+    argv = ["-m", "linerate.tools.dev.soak", "--ops", str(args.ops), "--seed", str(args.seed),
             "--max-bytes", str(args.max_bytes), "--warmup", str(args.warmup),
             "--timeout", repr(args.timeout), "--progress", str(args.progress),
             "--corrupt-op", str(args.corrupt_op)]
@@ -297,7 +297,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.dev.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=_positive, default=None,
                         help="ranks to start (default 2 locally, every host with --netlab; "
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc is None and args.netlab is None and all(k in os.environ for k in _TORCHRUN_ENV):
         return run_rank(args)
     if args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         reason = netlab.check_prereqs()
         if reason:
             print(f"soak: --netlab: {reason}", file=sys.stderr)
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         lab = netlab.load(args.netlab)
         return netlab.run_ranks(lab, args.nproc or len(lab.hosts), rank_argv(args),
                                 timeout=args.run_timeout, prefix_output=False)
-    return launch_local("tools.soak", rank_argv(args)[2:], args.nproc or 2, args.run_timeout)
+    return launch_local("linerate.tools.dev.soak", rank_argv(args)[2:], args.nproc or 2, args.run_timeout)
 
 
 if __name__ == "__main__":

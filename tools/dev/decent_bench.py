@@ -1,8 +1,8 @@
 """Step time of decentralized training against DDP, side by side in one run, with the runtime
 model's prediction beside each.
 
-    python -m tools.decent_bench --netlab NAME [--nproc 8] [--width 1024 --depth 12]
-    python -m tools.decent_bench --nproc 4            # local ranks on loopback
+    python -m linerate.tools.dev.decent_bench --netlab NAME [--nproc 8] [--width 1024 --depth 12]
+    python -m linerate.tools.dev.decent_bench --nproc 4            # local ranks on loopback
 
 Each rank trains the same MLP (``--depth`` layers of ``--width``, batch ``--batch``). Methods
 (``--methods``, default all), timed in turn in every one of ``--rounds`` rounds so that each sees
@@ -42,7 +42,7 @@ METHODS = ("compute1", "dcompute1", "compute", "dcompute", "allreduce", "exchang
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.decent_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m linerate.tools.dev.decent_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--netlab", metavar="NAME", default=None, help="run on this netlab cluster")
     p.add_argument("--nproc", type=int, default=None,
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
               f"{', '.join(METHODS)}", file=sys.stderr)
         return 2
     if args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         reason = netlab.check_prereqs()
         if reason:
             print(f"decent_bench: --netlab: {reason}", file=sys.stderr)
@@ -98,15 +98,15 @@ def main(argv=None) -> int:
 
 def _launch(args, fwd: list[str]) -> int:
     if args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         lab = netlab.load(args.netlab)
         # the ranks learn the lab from LINERATE_NETLAB (netlab.rank_env) and read its state
         fwd = _without(fwd, "--netlab", 1)
         return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
-                                ["-m", "tools.decent_bench", *fwd], timeout=args.timeout,
+                                ["-m", "linerate.tools.dev.decent_bench", *fwd], timeout=args.timeout,
                                 prefix_output=False)
-    from tools.launch import launch_local
-    return launch_local("tools.decent_bench", fwd, args.nproc or 4, args.timeout)
+    from linerate.tools.launch import launch_local
+    return launch_local("linerate.tools.dev.decent_bench", fwd, args.nproc or 4, args.timeout)
 
 
 def _methods(args) -> list[str]:
@@ -121,10 +121,10 @@ def _cpu_costs_file(args) -> str:
     import tempfile
     from dataclasses import asdict
 
-    from tools import model as rt
+    from linerate.tools import model as rt
     nproc = args.nproc
     if nproc is None and args.netlab is not None:
-        from tools import netlab
+        from linerate.tools import netlab
         nproc = len(netlab.load(args.netlab).hosts)
     out: dict = {}
     if args.cpu_costs:
@@ -193,9 +193,9 @@ def _rank(args) -> int:
     import torch
     import torch.distributed as dist
 
-    import collectives
-    from collectives.neighbor import neighbor_allreduce
-    from collectives.topology import by_name
+    import linerate
+    from linerate.collectives.neighbor import neighbor_allreduce
+    from linerate.collectives.topology import by_name
     torch.set_num_threads(1)
     dist.init_process_group("linerate", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -282,7 +282,7 @@ def _rank(args) -> int:
             dopt.zero_grad()
         fns["ddp"] = ddp_step
     if {"dec", "dcompute1", "dcompute"} & set(methods):
-        dec = collectives.DecentralizedDataParallel(net(), "adam", lr=1e-4, topology=topo)
+        dec = linerate.DecentralizedDataParallel(net(), "adam", lr=1e-4, topology=topo)
 
         def dec_step():
             loss_fn(dec(x), y).backward()
@@ -358,7 +358,7 @@ def topo_name(args, world: int):
     """The topology for the model: a name, or for aer the library's object (ranks per node)."""
     if args.topology != "aer":
         return args.topology
-    from collectives.topology import by_name
+    from linerate.collectives.topology import by_name
     return by_name("aer", world, ranks_per_node=_ranks_per_node(world))
 
 
@@ -374,7 +374,7 @@ def _lab():
     if not name:
         return None
     try:
-        from tools import netlab
+        from linerate.tools import netlab
         return netlab.load(name)
     except Exception:  # noqa: BLE001 - without the lab's state there is no lab model
         return None
@@ -389,7 +389,7 @@ def predictions(cluster, nbytes: int, compute1_s: float, dcompute1_s: float | No
     cannot overlap an All-Reduce (forward and optimizer step, measured). ``shared``: the
     compute with every rank at once, measured ({"compute": s, "dcompute": s}), to use as C'
     instead of rho * C (the second set of predictions)."""
-    from tools import model as rt
+    from linerate.tools import model as rt
     cpu = rt.CpuModel(cores=cores, ranks=ranks_per_machine, costs=costs)
     f = rt.DEFAULT_FWD_FRACTION if fwd_fraction is None else fwd_fraction
     dc = compute1_s if dcompute1_s is None else dcompute1_s
@@ -409,7 +409,7 @@ def predictions(cluster, nbytes: int, compute1_s: float, dcompute1_s: float | No
 
 def _report(args, world: int, nbytes: int, period: int, rounds: dict,
             backgrounds: list[float], fwd_fraction: float | None) -> None:
-    from tools import model as rt
+    from linerate.tools import model as rt
     lab = _lab()
     cores = args.cores or os.cpu_count() or 1
     with open(args.cpu_costs) as f:

@@ -1,8 +1,8 @@
 """Tensor fusion and priority scheduling against Gloo, side by side in one run.
 
-    python -m tools.priority_bench --netlab pb                 # one rank per netlab host
-    python -m tools.priority_bench --nproc 4                   # local ranks, loopback
-    torchrun --nproc-per-node 4 -m tools.priority_bench        # under torchrun
+    python -m linerate.tools.dev.priority_bench --netlab pb                 # one rank per netlab host
+    python -m linerate.tools.dev.priority_bench --nproc 4                   # local ranks, loopback
+    torchrun --nproc-per-node 4 -m linerate.tools.dev.priority_bench        # under torchrun
 
 Two parts (``--parts fusion,train``):
 
@@ -26,8 +26,8 @@ import os
 import sys
 import time
 
-from tools.argtypes import positive_int, size
-from tools.launch import dispatch
+from linerate.tools.argtypes import positive_int, size
+from linerate.tools.launch import dispatch
 
 DEFAULT_NPROC = 4
 LAUNCH_GRACE_S = 30.0
@@ -72,12 +72,12 @@ def run(args) -> int:
         return 2
 
     def probe_links(lab) -> None:
-        from tools import netlab
+        from linerate.tools import netlab
         if args.link_gbit is None and "train" in parts and len(lab.hosts) > 1:
             args.link_gbit = netlab.probe(lab, 0, 1) / 1e9
             print(f"raw link capacity host 0 -> host 1: {args.link_gbit:.3f} Gbit/s")
 
-    return dispatch("priority_bench", "tools.priority_bench", args, lambda: rank_argv(args),
+    return dispatch("priority_bench", "linerate.tools.dev.priority_bench", args, lambda: rank_argv(args),
                     run_worker, DEFAULT_NPROC, args.timeout + LAUNCH_GRACE_S, on_lab=probe_links)
 
 
@@ -127,7 +127,7 @@ def _train(args, rank, world, gloo, lr_group, prio_group) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from collectives import PriorityDataParallel
+    from linerate import PriorityDataParallel
 
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
@@ -179,7 +179,7 @@ def run_worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    import collectives  # noqa: F401 - registers the backend
+    import linerate  # noqa: F401 - registers the backend
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -233,7 +233,7 @@ def run_worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.priority_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.dev.priority_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     return run(parser.parse_args(argv))

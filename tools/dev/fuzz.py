@@ -1,7 +1,7 @@
 """Property-based fuzzing of every parser that reads bytes from the network.
 
-    python -m tools.fuzz --examples 100000              # every property, 100k inputs each
-    python -m tools.fuzz --only header_bytes,hello -n 5000 --seed 1
+    python -m linerate.tools.dev.fuzz --examples 100000              # every property, 100k inputs each
+    python -m linerate.tools.dev.fuzz --only header_bytes,hello -n 5000 --seed 1
 
 The properties (each a plain function of one generated input, returning an outcome label that is
 counted) and their hypothesis strategies live here; ``tests/test_fuzz.py`` runs the same
@@ -41,10 +41,10 @@ import threading
 import time
 import traceback
 
-from transport import context as context_mod
-from transport import framing, handshake
-from transport.options import TransportOptions
-from transport.request import PeerFailure, TransportError
+from linerate.transport import context as context_mod
+from linerate.transport import framing, handshake
+from linerate.transport.options import TransportOptions
+from linerate.transport.request import PeerFailure, TransportError
 
 log = logging.getLogger("linerate.fuzz")
 
@@ -547,7 +547,7 @@ def run_property(name: str, examples: int, seed: int | None = None) -> tuple[col
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.dev.fuzz", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--examples", type=int, default=100_000,
                         help="inputs per property (default 100000)")
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default random)")
     args = parser.parse_args(argv)
     if st is None:
-        print("tools.fuzz needs hypothesis: pip install -e '.[test]'", file=sys.stderr)
+        print("linerate.tools.dev.fuzz needs hypothesis: pip install -e '.[test]'", file=sys.stderr)
         return 2
     # the live property makes the context log every peer it fails: thousands of lines
     logging.getLogger("linerate").setLevel(logging.CRITICAL + 1)

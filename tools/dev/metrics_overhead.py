@@ -1,6 +1,6 @@
 """What the metrics cost: all_reduce busbw with metrics off and on, measured in one run.
 
-    python -m tools.metrics_overhead [--nproc 4] [--sizes 4K,1M,64M] [--rounds 6]
+    python -m linerate.tools.dev.metrics_overhead [--nproc 4] [--sizes 4K,1M,64M] [--rounds 6]
 
 Each rank alternates rounds with metrics off and on (on: collectives recorded, the sampler
 running, and a scraper thread reading the rank's own /metrics every second, more often than
@@ -19,14 +19,14 @@ import time
 import urllib.request
 from datetime import timedelta
 
-from tools.launch import free_port, launch_local
+from linerate.tools.launch import free_port, launch_local
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from transport.options import parse_size
-    p = argparse.ArgumentParser(prog="python -m tools.metrics_overhead", description=__doc__,
+    from linerate.transport.options import parse_size
+    p = argparse.ArgumentParser(prog="python -m linerate.tools.dev.metrics_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="local ranks (default 4)")
     p.add_argument("--sizes", default="4K,1M,64M",
@@ -49,15 +49,15 @@ def main(argv=None) -> int:
            "--seconds", str(args.seconds), "--scrape-interval", str(args.scrape_interval),
            "--metrics-port", str(args.metrics_port or free_port())]
     budget = len(args.sizes) * args.rounds * 2 * (args.seconds + 2) + 60
-    return launch_local("tools.metrics_overhead", fwd, args.nproc or 4, budget)
+    return launch_local("linerate.tools.dev.metrics_overhead", fwd, args.nproc or 4, budget)
 
 
 def _rank(args) -> int:
     import torch
     import torch.distributed as dist
 
-    import collectives  # noqa: F401  (registers the backend)
-    from transport import metrics
+    import linerate  # noqa: F401  (registers the backend)
+    from linerate.transport import metrics
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("linerate", timeout=timedelta(seconds=120))

@@ -1,8 +1,8 @@
 """neighbor_allreduce against a ring all_reduce of the same tensor, in one run.
 
-    python -m tools.neighbor_bench --nproc 4 --bytes 64M                  # local ranks, loopback
-    python -m tools.neighbor_bench --netlab nb --bytes 64M                # one rank per netlab host
-    torchrun --nproc-per-node 4 -m tools.neighbor_bench --bytes 64M       # under torchrun
+    python -m linerate.tools.dev.neighbor_bench --nproc 4 --bytes 64M                  # local ranks, loopback
+    python -m linerate.tools.dev.neighbor_bench --netlab nb --bytes 64M                # one rank per netlab host
+    torchrun --nproc-per-node 4 -m linerate.tools.dev.neighbor_bench --bytes 64M       # under torchrun
 
 For each topology (``--topologies``, by_name keys) and for linerate's all_reduce (the ring
 algorithm: LINERATE_ALLREDUCE_ALGO=ring unless set), rounds of back-to-back ops are timed in
@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-from tools.bench import LAUNCH_GRACE_S, _positive_int, _size
-from tools.launch import dispatch
+from linerate.tools.bench import LAUNCH_GRACE_S, _positive_int, _size
+from linerate.tools.launch import dispatch
 
 DEFAULT_TOPOLOGIES = "one-peer-exp,ring,exp"
 DEFAULT_NPROC = 4
@@ -62,7 +62,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _check_topologies(args) -> str | None:
-    from collectives.topology import NAMES
+    from linerate.collectives.topology import NAMES
     names = [t.strip() for t in args.topologies.split(",") if t.strip()]
     unknown = [t for t in names if t not in NAMES]
     if unknown or not names:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"neighbor_bench: error: {err}", file=sys.stderr)
         return 2
-    return dispatch("neighbor_bench", "tools.neighbor_bench", args, lambda: rank_argv(args),
+    return dispatch("neighbor_bench", "linerate.tools.dev.neighbor_bench", args, lambda: rank_argv(args),
                     run_worker, DEFAULT_NPROC, args.timeout + LAUNCH_GRACE_S)
 
 
@@ -100,9 +100,9 @@ def run_worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    import collectives  # noqa: F401 - registers the backend
-    from collectives import neighbor_allreduce
-    from collectives import topology as T
+    import linerate  # noqa: F401 - registers the backend
+    from linerate import neighbor_allreduce
+    from linerate import topology as T
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("linerate", rank=rank, world_size=world,
@@ -186,7 +186,7 @@ def _report(args, world, numel, dtype, topos, per_op, best, count) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.neighbor_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m linerate.tools.dev.neighbor_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     return run(parser.parse_args(argv))
