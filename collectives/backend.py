@@ -103,7 +103,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                  options: Options | None = None, group_name: str = "",
                  global_ranks: list[int] | None = None):
         super().__init__(rank, size)
-        self._options = options or Options.from_env()
+        # Every setting is parsed (LINERATE_*) or checked (pg_options) here, before any socket.
+        self._options = Options.from_env() if options is None else options
+        self._options.validate()
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""
@@ -114,7 +116,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
-                                   else rank))
+                                   else rank), self._options.metrics)
         self._seq = 0
         self._seq_lock = threading.Lock()
         # The worker's queue: op tuples, fusion.Entry objects, and None (stop).
@@ -131,7 +133,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._prio_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._prio_scratch = threading.local()
         self.timeline = timeline.get(global_ranks[rank] if global_ranks and len(global_ranks) == size
-                                     else rank)
+                                     else rank, path=self._options.timeline)
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
         self._worker.start()

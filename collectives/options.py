@@ -1,21 +1,27 @@
-"""Algorithm settings of the backend (``LINERATE_*`` env variables), beside the transport's."""
+"""Algorithm settings of the backend, beside the transport's: the typed result of the
+``LINERATE_*`` registry (linerate/settings.py), which declares every variable once."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Mapping
 
-from linerate.transport import TransportOptions, parse_size
-
-ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd")
-ROOTED_ALGOS = ("auto", "chain", "direct")
+from linerate import settings as _settings
+from linerate.settings import ALLREDUCE_ALGOS, ROOTED_ALGOS  # noqa: F401 - this module's API
+from linerate.transport.options import MetricsOptions, TransportOptions
 
 
 @dataclasses.dataclass
 class Options:
-    """Everything the ``linerate`` backend can be told; ``from_env`` reads ``LINERATE_*``."""
+    """Everything the ``linerate`` backend can be told; ``from_env`` reads ``LINERATE_*``.
+
+    Pass one to torch as ``dist.init_process_group("linerate", pg_options=linerate.Options(...))``
+    (or ``dist.new_group(backend="linerate", pg_options=...)``): the group then uses it as it
+    is and reads no environment variable. Without one, a group reads ``Options.from_env()``.
+    """
 
     transport: TransportOptions = dataclasses.field(default_factory=TransportOptions)
+    #: The Prometheus exporter (one per process, started by the first group that asks).
+    metrics: MetricsOptions = dataclasses.field(default_factory=MetricsOptions)
     #: all_reduce algorithm: auto (by size), ring (bandwidth-optimal), direct (one round),
     #: hd (halving-doubling: bandwidth-optimal in 2 log2(P) exchanges).
     allreduce_algo: str = "auto"
@@ -33,47 +39,24 @@ class Options:
     #: Priority scheduling (collectives/priority.py): a layer's gradients are all-reduced in
     #: partitions of at most this many bytes, which a more urgent layer's partitions overtake.
     partition_bytes: int = 4 << 20
+    #: Write a Chrome trace per rank to this path (collectives/timeline.py); empty: off.
+    timeline: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
-        env = os.environ if env is None else env
-        o = cls(transport=TransportOptions.from_env(env))
-        if "LINERATE_ALLREDUCE_ALGO" in env:
-            o.allreduce_algo = env["LINERATE_ALLREDUCE_ALGO"].strip().lower()
-        if "LINERATE_ROOTED_ALGO" in env:
-            o.rooted_algo = env["LINERATE_ROOTED_ALGO"].strip().lower()
-        if "LINERATE_SMALL_BYTES" in env:
-            o.small_bytes = parse_size(env["LINERATE_SMALL_BYTES"])
-        if "LINERATE_PIECE_BYTES" in env:
-            o.piece_bytes = parse_size(env["LINERATE_PIECE_BYTES"])
-        if "LINERATE_FUSION_BYTES" in env:
-            o.fusion_bytes = parse_size(env["LINERATE_FUSION_BYTES"])
-        if "LINERATE_PARTITION_BYTES" in env:
-            o.partition_bytes = parse_size(env["LINERATE_PARTITION_BYTES"])
-        if "LINERATE_CYCLE_MS" in env:
-            raw = env["LINERATE_CYCLE_MS"]
-            try:
-                o.cycle_ms = float(raw)
-            except ValueError:
-                raise ValueError(f"LINERATE_CYCLE_MS must be a number of milliseconds, got {raw!r}") from None
+        """The defaults, then every ``LINERATE_*`` variable set in ``env`` (default: this
+        process's environment); a bad value raises a ValueError naming the variable and what it
+        accepts."""
+        o = cls(transport=TransportOptions.from_env(env), metrics=MetricsOptions.from_env(env))
+        _settings.fill(o, "", env)
         o.validate()
         return o
 
     def validate(self) -> None:
-        if self.allreduce_algo not in ALLREDUCE_ALGOS:
-            raise ValueError(f"LINERATE_ALLREDUCE_ALGO must be one of {', '.join(ALLREDUCE_ALGOS)}, "
-                             f"got {self.allreduce_algo!r}")
-        if self.rooted_algo not in ROOTED_ALGOS:
-            raise ValueError(f"LINERATE_ROOTED_ALGO must be one of {', '.join(ROOTED_ALGOS)}, "
-                             f"got {self.rooted_algo!r}")
-        if self.piece_bytes < 4096:
-            raise ValueError(f"LINERATE_PIECE_BYTES must be at least 4096, got {self.piece_bytes}")
-        if self.small_bytes < 0:
-            raise ValueError(f"LINERATE_SMALL_BYTES must be >= 0, got {self.small_bytes}")
-        if self.fusion_bytes < 0:
-            raise ValueError(f"LINERATE_FUSION_BYTES must be >= 0 (0: no fusion), got {self.fusion_bytes}")
-        if self.partition_bytes < 4096:
-            raise ValueError(f"LINERATE_PARTITION_BYTES must be at least 4096, got {self.partition_bytes}")
-        if not 0 <= self.cycle_ms <= 10_000:
-            raise ValueError(f"LINERATE_CYCLE_MS must be between 0 and 10000, got {self.cycle_ms}")
+        if not isinstance(self.transport, TransportOptions):
+            raise TypeError(f"Options.transport must be a TransportOptions, got {type(self.transport).__name__}")
+        if not isinstance(self.metrics, MetricsOptions):
+            raise TypeError(f"Options.metrics must be a MetricsOptions, got {type(self.metrics).__name__}")
+        _settings.validate(self, "")
         self.transport.validate()
+        self.metrics.validate()

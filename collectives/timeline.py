@@ -98,10 +98,13 @@ _timelines: dict[int, Timeline] = {}
 _lock = threading.Lock()
 
 
-def get(rank: int, env=None) -> Timeline | None:
-    """This process's timeline for ``rank`` if ``LINERATE_TIMELINE`` is set, else None."""
-    env = os.environ if env is None else env
-    path = env.get("LINERATE_TIMELINE", "").strip()
+def get(rank: int, env=None, path: str | None = None) -> Timeline | None:
+    """This process's timeline for ``rank`` if ``path`` (a group's ``Options.timeline``;
+    None: ``LINERATE_TIMELINE`` in ``env``, read through the registry) is set, else None."""
+    if path is None:
+        from linerate import settings
+        path = settings.read("LINERATE_TIMELINE", env)
+    path = path.strip()
     if not path:
         return None
     with _lock:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def linerate_registered() -> bool:
     try:
-        importlib.import_module("collectives")
+        importlib.import_module("linerate")
     except Exception:
         return False
     import torch.distributed as dist
@@ -128,10 +128,10 @@ def test_link_deltas():
 
 def test_linerate_unavailable_is_reported(monkeypatch):
     def fail(name):
-        raise ImportError("no module named collectives")
+        raise ImportError("no module named linerate.collectives")
     monkeypatch.setattr(bench_worker.importlib, "import_module", fail)
     ok, reason = bench_worker._linerate_available()
-    assert not ok and "import collectives failed" in reason
+    assert not ok and "import linerate.collectives failed" in reason
 
 
 # ---------------------------------------------------------------------------- real runs

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from linerate import settings
 from linerate.tools import __version__
 from linerate.tools.bench_ops import OPS, Collective, element_count
 from linerate.tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
@@ -62,8 +63,6 @@ class Sweep:
 def run_worker(args) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     watchdog = _start_watchdog(args.timeout, rank)
-    if getattr(args, "metrics_port", None):
-        os.environ["LINERATE_METRICS_PORT"] = str(args.metrics_port)  # read by the backend
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=args.timeout))
@@ -99,7 +98,7 @@ def _bench(args, rank: int, world: int, watchdog: threading.Timer | None = None)
     dist.all_gather_object(hosts, socket.gethostname())
     raw, raw_lines = _raw_capacity(args, world, hosts)  # before any group opens connections
     capacity = raw.capacity_gbit_s if raw else None
-    columns = _make_columns(args.backends, rank, args.timeout)
+    columns = _make_columns(args.backends, rank, args.timeout, getattr(args, "metrics_port", None))
     labels = [c.label for c in columns]
     sweep = Sweep(args.ops, args.sizes, args.dtype, args.warmup, args.iters, args.check)
     table = Table(labels, args.check, capacity)
@@ -188,7 +187,7 @@ def _raw_capacity(args, world: int, hosts: list[str]) -> tuple[ProbeResult | Non
     set); every rank must agree, so the decision is the max over ranks."""
     auto = args.raw is None
     wanted = args.raw if not auto else (len(set(hosts)) > 1
-                                        or bool(os.environ.get("LINERATE_SOCKET_IFNAME", "").strip()))
+                                        or bool(settings.read("LINERATE_SOCKET_IFNAME")))
     agreed = torch.tensor([int(wanted)])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     if not agreed.item() or world < 2:
@@ -220,15 +219,26 @@ def _plot(args, world: int, labels: list[str], rows: list[Row], capacity: float 
 # ---------------------------------------------------------------------------- groups
 def _linerate_available() -> tuple[bool, str]:
     try:
-        importlib.import_module("collectives")
+        importlib.import_module("linerate.collectives")
     except Exception as e:  # the backend may be absent, or broken while being written
-        return False, f"import collectives failed: {type(e).__name__}: {e}"
+        return False, f"import linerate.collectives failed: {type(e).__name__}: {e}"
     if "linerate" not in dist.Backend.backend_list:
-        return False, "import collectives did not register the 'linerate' backend"
+        return False, "import linerate did not register the 'linerate' backend"
     return True, ""
 
 
-def _make_columns(names: list[str], rank: int, timeout: float) -> list[Column]:
+def _linerate_options(metrics_port: int | None):
+    """The linerate group's settings: the LINERATE_* environment, and --metrics-port (passed to
+    the backend as pg_options, not through the environment)."""
+    from linerate import Options
+    options = Options.from_env()
+    if metrics_port:
+        options.metrics.port = metrics_port
+    return options
+
+
+def _make_columns(names: list[str], rank: int, timeout: float,
+                  metrics_port: int | None = None) -> list[Column]:
     available, reason = True, ""
     if "linerate" in names:
         available, reason = _linerate_available()
@@ -249,7 +259,9 @@ def _make_columns(names: list[str], rank: int, timeout: float) -> list[Column]:
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
-        group = dist.new_group(backend=actual, timeout=timedelta(seconds=timeout))
+        pg_options = _linerate_options(metrics_port) if actual == "linerate" else None
+        group = dist.new_group(backend=actual, timeout=timedelta(seconds=timeout),
+                               pg_options=pg_options)
         columns.append(Column(label, name, actual, group, reason if actual != name else ""))
     return columns
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
+from linerate import settings
 from linerate.transport.interfaces import listen_addresses
 
 DEFAULT_STREAMS = 4
@@ -129,11 +130,10 @@ def probe_ring(store=None, rank: int | None = None, world_size: int | None = Non
     if tool not in TOOLS:
         raise ValueError(f"tool must be one of {', '.join(TOOLS)}, got {tool!r}")
     if ifnames is None:
-        ifnames = [n.strip() for n in os.environ.get("LINERATE_SOCKET_IFNAME", "").split(",")
+        ifnames = [n.strip() for n in settings.read("LINERATE_SOCKET_IFNAME").split(",")
                    if n.strip()]
     if prefer_ipv6 is None:
-        prefer_ipv6 = os.environ.get("LINERATE_PREFER_IPV6", "0").strip().lower() in (
-            "1", "true", "yes", "on")
+        prefer_ipv6 = settings.read("LINERATE_PREFER_IPV6")
     probe = _Probe(store, rank, world_size, streams, seconds, tool, simultaneous,
                    listen_addresses(ifnames, prefer_ipv6),
                    seconds + (DEFAULT_GRACE_S if timeout is None else timeout))

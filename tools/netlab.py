@@ -28,10 +28,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from linerate import settings
 from linerate.tools.launch import supervise
 from linerate.transport.options import parse_rate  # noqa: F401 - part of netlab's API
 
-STATE_DIR = Path(os.environ.get("LINERATE_NETLAB_STATE", "/run/linerate-netlab"))
+STATE_DIR = Path(settings.read("LINERATE_NETLAB_STATE"))
 PREFIX = "lr-"
 #: Subnet of rail k is 10.77.k.0/24; host i is .i+1.
 SUBNET_BASE = (10, 77)

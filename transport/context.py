@@ -1038,10 +1038,11 @@ def link_timeout_from_env(env=None) -> float:
     """LINERATE_LINK_TIMEOUT (TransportOptions.link_timeout): seconds a peer may acknowledge
     nothing before its connections fail (0: the kernel's defaults). A bad value raises a
     ValueError naming the variable."""
-    env = os.environ if env is None else env
-    if not env.get("LINERATE_LINK_TIMEOUT", "").strip():
+    from linerate import settings
+    text = settings.raw("LINERATE_LINK_TIMEOUT", env)
+    if not (text or "").strip():
         return LINK_TIMEOUT_DEFAULT
-    return TransportOptions.from_env({"LINERATE_LINK_TIMEOUT": env["LINERATE_LINK_TIMEOUT"]}).link_timeout
+    return settings.parse("LINERATE_LINK_TIMEOUT", text)
 
 
 def _thread_peer(name: str) -> int | None:

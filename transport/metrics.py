@@ -11,7 +11,9 @@ What is counted where:
 A sampler thread (started with the exporter) turns byte totals into
 ``linerate_link_utilization_ratio`` over a window of ``LINERATE_METRICS_WINDOW`` seconds.
 
-Environment (read by ``start_from_env`` when a process group is created):
+Settings (``linerate.Options.metrics``, a ``MetricsOptions``, filled from these variables when
+a process group is created, which passes it to ``start_from_env``; before any group, they are
+read through the registry, linerate/settings.py):
   LINERATE_METRICS_PORT     serve /metrics on this port + LOCAL_RANK (unset: no exporter)
   LINERATE_METRICS_ADDR     bind address (default 0.0.0.0: every interface)
   LINERATE_METRICS_HOST     the ``host`` label (default: the hostname)
@@ -34,7 +36,9 @@ import weakref
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .options import parse_env, parse_rate
+from linerate import settings
+
+from .options import MetricsOptions, parse_env
 
 log = logging.getLogger("linerate.metrics")
 
@@ -72,6 +76,8 @@ _servers: dict[int, object] = {}
 _sampler: threading.Thread | None = None
 _iface_cache: dict[str, str] = {}
 _rank_label: str | None = None
+#: The settings of the group that configured the exporter (None: read through the registry).
+_config: MetricsOptions | None = None
 
 
 def _version() -> str:
@@ -220,19 +226,11 @@ def _address_map() -> dict[str, str]:
 
 
 def _capacity_env() -> dict[str, float]:
-    raw = os.environ.get("LINERATE_LINK_CAPACITY", "").strip()
-    if not raw:
-        return {}
-    out = {}
-    for item in raw.split(","):
-        item = item.strip()
-        name, _, rate = item.rpartition("=")
-        try:
-            out[name or "*"] = parse_rate(rate) / 8.0
-        except ValueError as e:
-            raise ValueError(f"LINERATE_LINK_CAPACITY: {item!r}: {e} (expected e.g. 10gbit, "
-                             f"or eth0=10gbit,eth1=25gbit)") from None
-    return out
+    """LINERATE_LINK_CAPACITY (the configuring group's, else the environment's) as bytes per
+    second by interface; a bad value raises a ValueError naming the variable."""
+    if _config is not None:
+        return _config.capacities
+    return settings.parse_capacity(settings.read("LINERATE_LINK_CAPACITY"))
 
 
 def link_capacity(ifname: str) -> float | None:
@@ -303,7 +301,8 @@ def _kernel_queued(sock: socket.socket) -> int:
 
 
 def _host() -> str:
-    return os.environ.get("LINERATE_METRICS_HOST") or socket.gethostname()
+    host = _config.host if _config is not None else settings.read("LINERATE_METRICS_HOST")
+    return host or socket.gethostname()
 
 
 def _rank() -> str:
@@ -325,13 +324,6 @@ def _env(var: str, default, parse):
     return parse_env(os.environ, var, parse)
 
 
-def _positive(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise ValueError("expected a positive number of seconds")
-    return v
-
-
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v < 65536:
@@ -340,7 +332,9 @@ def _port(text: str) -> int:
 
 
 def _window() -> float:
-    return _env("LINERATE_METRICS_WINDOW", 1.0, _positive)
+    if _config is not None:
+        return _config.window
+    return settings.read("LINERATE_METRICS_WINDOW")
 
 
 def _iface_totals() -> dict[tuple, int]:
@@ -519,23 +513,40 @@ def exporter_ports() -> list[int]:
         return sorted(_servers)
 
 
-def start_from_env(rank_label: str | None = None) -> int | None:
-    """Start the exporter if LINERATE_METRICS_PORT is set (port + LOCAL_RANK). A port that is
-    taken is logged, not raised: metrics never stop a training job."""
-    global _rank_label
+def start_from_env(rank_label: str | None = None,
+                   options: MetricsOptions | None = None) -> int | None:
+    """Start the exporter if ``options.port`` (a group's ``Options.metrics``; without options:
+    LINERATE_METRICS_PORT, read through the registry) is set (port + LOCAL_RANK). The options
+    of the group that starts the exporter configure it for the process. A port that is taken
+    is logged, not raised: metrics never stop a training job."""
+    global _rank_label, _config
+    explicit = options is not None
+    if options is None:
+        options = MetricsOptions.from_env()
+    else:
+        options.validate()
     if rank_label is not None and _rank_label is None:
         _rank_label = rank_label
-    base = _env("LINERATE_METRICS_PORT", 0, _port)
+    base = options.port
     if not base:
         return None
     local = _env("LOCAL_RANK", 0, _port)
     port = base + local
     if port > 65535:
         raise ValueError(f"LINERATE_METRICS_PORT={base} + LOCAL_RANK={local} is past port 65535")
-    addr = os.environ.get("LINERATE_METRICS_ADDR", "0.0.0.0")
+    addr = options.addr
+    configured = False
+    with _lock:
+        if explicit and not _servers:  # the group that starts the exporter configures it
+            _config, configured = options, True
     try:
         return start_exporter(port, addr)
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if configured:
+            with _lock:
+                _config = None
+        if isinstance(e, ValueError):
+            raise
         log.warning("linerate: cannot serve metrics on %s:%d (LINERATE_METRICS_PORT=%d + "
                     "LOCAL_RANK=%d): %s", addr, port, base, local, e)
         return None

@@ -1,72 +1,28 @@
-"""Every transport setting in one place: a dataclass filled from ``LINERATE_*`` env variables.
+"""Every transport setting as a dataclass, filled from the ``LINERATE_*`` registry.
 
-The README's settings table documents each field; keep the two in step.
+The variables, their parsers, defaults and what they accept are declared once, in
+linerate/settings.py (whose table README.md's "Settings" section holds); these dataclasses are
+the typed result. ``MetricsOptions`` holds the Prometheus exporter's settings (transport/metrics.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from typing import Mapping
 
-_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-                  "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-                  "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+from linerate import settings as _settings
+from linerate.settings import TRANSPORTS, parse_rate, parse_size  # noqa: F401 - this module's API
+
+__all__ = ["TransportOptions", "MetricsOptions", "parse_size", "parse_rate", "parse_env",
+           "sockets_per_rail", "TRANSPORTS"]
 
 
-def parse_size(text: str) -> int:
-    """Parse ``"512K"``, ``"4MB"``, ``"1048576"`` into a byte count (binary multiples)."""
-    s = text.strip().lower()
-    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    suffix = s[len(digits):]
-    if suffix not in _SIZE_SUFFIXES or not digits:
-        raise ValueError(f"cannot parse size {text!r}: expected a number with an optional K/M/G suffix")
-    return int(float(digits) * _SIZE_SUFFIXES[suffix])
-
-
-_RATE_UNITS = {  # tc's units: bit-based and byte-based (bps = bytes per second)
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
-}
-
-
-def parse_rate(text: str) -> int:
-    """``"1gbit"`` -> 1_000_000_000 (bits per second), tc's units; a bare number is bit/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m:
-        raise ValueError(f"bad rate {text!r} (e.g. 1gbit, 200mbit)")
-    unit = m.group(2).lower() or "bit"
-    if unit not in _RATE_UNITS:
-        raise ValueError(f"bad rate unit {m.group(2)!r} in {text!r} (bit, kbit, mbit, gbit, ...)")
-    bps = int(float(m.group(1)) * _RATE_UNITS[unit])
-    if bps < 8000:
-        raise ValueError(f"rate {text!r} too small")
-    return bps
-
-
-def _parse_seconds(text: str) -> float:
+def parse_env(env: Mapping[str, str], var: str, parse):
+    """Parse one variable with ``parse``; a bad value raises a ValueError that names the
+    variable. (Declared settings: use ``linerate.settings.read``.)"""
     try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e9:  # NaN fails too
-        raise ValueError("expected a number of seconds >= 0 (0: the kernel's defaults)")
-    return value
-
-
-def _parse_bool(text: str) -> bool:
-    s = text.strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"cannot parse boolean {text!r}: expected 1/0, true/false, yes/no, on/off")
-
-
-def _parse_nsocks(text: str) -> int:
-    s = text.strip().lower()
-    return 0 if s == "auto" else int(s)
+        return parse(env[var])
+    except ValueError as e:
+        raise ValueError(f"{var}={env[var]!r}: {e}") from None
 
 
 def sockets_per_rail(nsocks: int, nrails: int) -> int:
@@ -76,35 +32,11 @@ def sockets_per_rail(nsocks: int, nrails: int) -> int:
     return 2 if nrails <= 1 else 1
 
 
-TRANSPORTS = ("tcp", "rdma", "auto")
-
-
-def _parse_transport(text: str) -> str:
-    s = text.strip().lower()
-    if s not in TRANSPORTS:
-        raise ValueError(f"expected one of {', '.join(TRANSPORTS)}")
-    return s
-
-
-def _parse_gid_index(text: str) -> int:
-    s = text.strip()
-    if not s:
-        return -1
-    try:
-        value = int(s)
-    except ValueError:
-        value = -2
-    if not -1 <= value < 1 << 16:
-        raise ValueError("expected a GID table index (0, 1, ...; -1 or empty: chosen automatically)")
-    return value
-
-
-def parse_env(env: Mapping[str, str], var: str, parse):
-    """Parse one variable; a bad value raises a ValueError that names the variable."""
-    try:
-        return parse(env[var])
-    except ValueError as e:
-        raise ValueError(f"{var}={env[var]!r}: {e}") from None
+def _apply_overrides(o, overrides: dict, what: str) -> None:
+    for k, v in overrides.items():
+        if not hasattr(o, k):
+            raise TypeError(f"unknown {what} option {k!r}")
+        setattr(o, k, v)
 
 
 @dataclasses.dataclass
@@ -150,44 +82,15 @@ class TransportOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TransportOptions":
-        env = os.environ if env is None else env
-        o = cls()
-        parsers = {"LINERATE_NSOCKS": ("nsocks", _parse_nsocks),
-                   "LINERATE_SOCKET_IFNAME": ("socket_ifname", str.strip),
-                   "LINERATE_CHUNK_BYTES": ("chunk_bytes", parse_size),
-                   "LINERATE_CONNECT_TIMEOUT": ("connect_timeout", float),
-                   "LINERATE_MAX_UNEXPECTED_BYTES": ("max_unexpected_bytes", parse_size),
-                   "LINERATE_PREFER_IPV6": ("prefer_ipv6", _parse_bool),
-                   "LINERATE_CHECKSUM": ("checksum", _parse_bool),
-                   "LINERATE_LINK_TIMEOUT": ("link_timeout", _parse_seconds),
-                   "LINERATE_CREDIT_BYTES": ("credit_bytes", parse_size),
-                   "LINERATE_TRANSPORT": ("transport", _parse_transport),
-                   "LINERATE_RDMA_DEVICE": ("rdma_device", str.strip),
-                   "LINERATE_RDMA_GID_INDEX": ("rdma_gid_index", _parse_gid_index)}
-        for var, (field, parse) in parsers.items():
-            if var in env:
-                setattr(o, field, parse_env(env, var, parse))
-        for k, v in overrides.items():
-            if not hasattr(o, k):
-                raise TypeError(f"unknown transport option {k!r}")
-            setattr(o, k, v)
+        """The defaults, then the ``LINERATE_*`` variables set in ``env`` (default: this
+        process's environment), then ``overrides``; checked (a ValueError names the variable)."""
+        o = _settings.fill(cls(), "transport", env)
+        _apply_overrides(o, overrides, "transport")
         o.validate()
         return o
 
     def validate(self) -> None:
-        if not 0 <= self.nsocks <= 64:
-            raise ValueError(f"LINERATE_NSOCKS must be between 1 and 64 (or 0 / auto), got {self.nsocks}")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"LINERATE_CHUNK_BYTES must be at least 4096, got {self.chunk_bytes}")
-        if self.chunk_bytes >= 1 << 32:
-            raise ValueError(f"LINERATE_CHUNK_BYTES must be below 4 GiB, got {self.chunk_bytes}")
-        if self.connect_timeout <= 0:
-            raise ValueError(f"LINERATE_CONNECT_TIMEOUT must be positive, got {self.connect_timeout}")
-        if not 0 <= self.credit_bytes < 1 << 31:
-            raise ValueError(f"LINERATE_CREDIT_BYTES must be between 0 and 2 GiB, got {self.credit_bytes}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"LINERATE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, "
-                             f"got {self.transport!r}")
+        _settings.validate(self, "transport")
 
     @property
     def ifnames(self) -> list[str]:
@@ -196,3 +99,35 @@ class TransportOptions:
     @property
     def rdma_ports(self) -> list[str]:
         return [n.strip() for n in self.rdma_device.split(",") if n.strip()]
+
+
+@dataclasses.dataclass
+class MetricsOptions:
+    """The Prometheus exporter's settings (transport/metrics.py; one exporter per process,
+    started by the first group that asks for it)."""
+
+    #: Serve ``/metrics`` on this port + LOCAL_RANK; 0: no exporter.
+    port: int = 0
+    #: The exporter's bind address.
+    addr: str = "0.0.0.0"
+    #: The ``host`` label of every series; empty: the hostname.
+    host: str = ""
+    #: Seconds over which the utilization and busbw gauges are computed.
+    window: float = 1.0
+    #: Link rate where the driver reports none: ``10gbit``, or ``eth0=10gbit,eth1=25gbit``.
+    link_capacity: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "MetricsOptions":
+        o = _settings.fill(cls(), "metrics", env)
+        _apply_overrides(o, overrides, "metrics")
+        o.validate()
+        return o
+
+    def validate(self) -> None:
+        _settings.validate(self, "metrics")
+
+    @property
+    def capacities(self) -> dict[str, float]:
+        """link_capacity as bytes per second by interface name (``*``: every interface)."""
+        return _settings.parse_capacity(self.link_capacity)

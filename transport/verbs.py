@@ -105,7 +105,8 @@ def _package_dir(folder: str) -> str | None:
 
 
 def _load() -> types.SimpleNamespace:
-    explicit = os.environ.get("LINERATE_PYVERBS_PATH", "").strip()
+    from linerate import settings
+    explicit = settings.read("LINERATE_PYVERBS_PATH")
     if explicit:
         for folder in explicit.split(os.pathsep):
             pkg = _package_dir(folder) if folder else None

@@ -370,7 +370,8 @@ def _ranks_per_node(world: int) -> int:
 
 
 def _lab():
-    name = os.environ.get("LINERATE_NETLAB")
+    from linerate import settings
+    name = settings.read("LINERATE_NETLAB")
     if not name:
         return None
     try:

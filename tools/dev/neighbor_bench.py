@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+from linerate import settings
 from linerate.tools.bench import LAUNCH_GRACE_S, _positive_int, _size
 from linerate.tools.launch import dispatch
 
@@ -94,7 +95,6 @@ def theoretical_bytes(topo) -> float:
 
 
 def run_worker(args) -> int:
-    os.environ.setdefault("LINERATE_ALLREDUCE_ALGO", "ring")
     from datetime import timedelta
 
     import torch
@@ -105,7 +105,11 @@ def run_worker(args) -> int:
     from linerate import topology as T
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("linerate", rank=rank, world_size=world,
+    options = linerate.Options.from_env()
+    if not linerate.settings.is_set("LINERATE_ALLREDUCE_ALGO"):
+        options.allreduce_algo = "ring"  # this benchmark's default: the bandwidth-optimal one
+    args.allreduce_algo = options.allreduce_algo
+    dist.init_process_group("linerate", rank=rank, world_size=world, pg_options=options,
                             timeout=timedelta(seconds=args.timeout))
     try:
         dtype = getattr(torch, args.dtype)
@@ -166,10 +170,11 @@ def run_worker(args) -> int:
 def _report(args, world, numel, dtype, topos, per_op, best, count) -> None:
     ar = per_op["all_reduce"]
     ar_units = 2 * (world - 1) / world
-    where = f"netlab {os.environ['LINERATE_NETLAB']}" if os.environ.get("LINERATE_NETLAB") else "local"
+    lab = settings.read("LINERATE_NETLAB")
+    where = f"netlab {lab}" if lab else "local"
     print(f"neighbor_allreduce vs all_reduce: {world} ranks ({where}), {args.bytes / 2**20:g} MiB "
           f"{str(dtype).replace('torch.', '')} ({numel} elements), linerate, "
-          f"all_reduce algorithm {os.environ.get('LINERATE_ALLREDUCE_ALGO', 'auto')}")
+          f"all_reduce algorithm {getattr(args, 'allreduce_algo', 'ring')}")
     print(f"{'method':<30}{'s/op':>9}{'ratio':>8}{'best':>9}{'ratio':>8}{'theory':>8}"
           f"{'M/link':>8}{'ops':>6}  gap")
     print(f"{'all_reduce':<30}{ar:>9.4f}{1.0:>8.3f}{best['all_reduce']:>9.4f}{1.0:>8.3f}{1.0:>8.3f}"

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from linerate import settings
 from linerate.tools.argtypes import positive_int, size
 from linerate.tools.launch import dispatch
 
@@ -190,14 +191,16 @@ def run_worker(args) -> int:
         lr_group = dist.new_group(backend="linerate")
         prio_group = dist.new_group(backend="linerate")  # its own scratch and sequence
         parts = [p.strip() for p in args.parts.split(",")]
-        where = f"netlab {os.environ['LINERATE_NETLAB']}" if os.environ.get("LINERATE_NETLAB") else "local"
+        lab = settings.read("LINERATE_NETLAB")
+        where = f"netlab {lab}" if lab else "local"
+        shown = settings.raw
         if "fusion" in parts:
             res = _fusion(args, rank, world, [("gloo", gloo), ("linerate", lr_group)])
             if rank == 0:
                 print(f"fusion: {args.calls} async all_reduce of {args.call_bytes} bytes, {world} "
                       f"ranks ({where}); LINERATE_FUSION_BYTES="
-                      f"{os.environ.get('LINERATE_FUSION_BYTES', 'default')} "
-                      f"LINERATE_CYCLE_MS={os.environ.get('LINERATE_CYCLE_MS', 'default')}")
+                      f"{shown('LINERATE_FUSION_BYTES') or 'default'} "
+                      f"LINERATE_CYCLE_MS={shown('LINERATE_CYCLE_MS') or 'default'}")
                 print(f"  gloo      {res['gloo']:8.3f} s")
                 print(f"  linerate  {res['linerate']:8.3f} s   {res['gloo'] / res['linerate']:6.1f}x faster")
         if "train" in parts:
@@ -208,8 +211,8 @@ def run_worker(args) -> int:
                 print(f"train: MLP {args.layers} x {args.width}, {mbytes / 2**20:.1f} MiB of "
                       f"gradients, batch {args.batch}, {world} ranks ({where}), s/step (slowest "
                       f"rank, best of {args.rounds} rounds of {args.steps} steps); "
-                      f"LINERATE_PARTITION_BYTES={os.environ.get('LINERATE_PARTITION_BYTES', 'default')} "
-                      f"LINERATE_CREDIT_BYTES={os.environ.get('LINERATE_CREDIT_BYTES', 'default')}")
+                      f"LINERATE_PARTITION_BYTES={shown('LINERATE_PARTITION_BYTES') or 'default'} "
+                      f"LINERATE_CREDIT_BYTES={shown('LINERATE_CREDIT_BYTES') or 'default'}")
                 line = None
                 if args.link_gbit:
                     line = 2 * (world - 1) / world * mbytes * 8 / (args.link_gbit * 1e9)

@@ -1,0 +1,415 @@
+"""Every ``LINERATE_*`` environment variable, declared once.
+
+Each :class:`Setting` names its variable, how a value is parsed and checked, its default, one
+line of doc, its scope (``transport``, ``collectives``, ``metrics``, ``rdma``, ``tools``,
+``docker``) and a phrase saying what it accepts. A bad value raises a ``ValueError`` that names
+the variable and that phrase.
+
+The settings of a process group are parsed once, when the group is created:
+``linerate.Options.from_env()`` (which ``create_process_group`` calls when it is given no
+``linerate.Options`` through ``pg_options``) fills the typed dataclasses ``Options`` /
+``TransportOptions`` / ``MetricsOptions`` from this registry, through each setting's ``field``.
+The few process-wide settings (where pyverbs is loaded from, the netlab tools' state) are read
+here too, by :func:`read`. Nothing outside this module reads ``os.environ`` for a ``LINERATE_*``
+name (tests/test_settings.py checks it).
+
+``python -m linerate.settings`` prints the table that README.md's "Settings" section holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Callable, Iterator, Mapping
+
+__all__ = ["Setting", "SETTINGS", "read", "raw", "is_set", "parse", "check", "fields", "fill",
+           "parse_size", "parse_rate", "parse_capacity", "markdown_table",
+           "ALLREDUCE_ALGOS", "ROOTED_ALGOS", "TRANSPORTS"]
+
+ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd")
+ROOTED_ALGOS = ("auto", "chain", "direct")
+TRANSPORTS = ("tcp", "rdma", "auto")
+
+
+# ============================================================================ value parsers
+_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+                  "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+                  "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512K"``, ``"4MB"``, ``"1048576"`` into a byte count (binary multiples)."""
+    s = str(text).strip().lower()
+    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = s[len(digits):]
+    if suffix not in _SIZE_SUFFIXES or not digits:
+        raise ValueError(f"cannot parse size {text!r}: expected a number with an optional K/M/G suffix")
+    try:
+        value = float(digits)
+    except ValueError:
+        raise ValueError(f"cannot parse size {text!r}: expected a number with an optional "
+                         f"K/M/G suffix") from None
+    if not math.isfinite(value):
+        raise ValueError(f"cannot parse size {text!r}: not a finite number")
+    return int(value * _SIZE_SUFFIXES[suffix])
+
+
+_RATE_UNITS = {  # tc's units: bit-based and byte-based (bps = bytes per second)
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
+}
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000 (bits per second), tc's units; a bare number is bit/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"bad rate {text!r} (e.g. 1gbit, 200mbit)")
+    unit = m.group(2).lower() or "bit"
+    if unit not in _RATE_UNITS:
+        raise ValueError(f"bad rate unit {m.group(2)!r} in {text!r} (bit, kbit, mbit, gbit, ...)")
+    bps = int(float(m.group(1)) * _RATE_UNITS[unit])
+    if bps < 8000:
+        raise ValueError(f"rate {text!r} too small")
+    return bps
+
+
+def parse_capacity(text: str) -> dict[str, float]:
+    """LINERATE_LINK_CAPACITY: ``"10gbit"`` (every interface, key ``*``) or
+    ``"eth0=10gbit,eth1=25gbit"``, as bytes per second by interface name."""
+    out: dict[str, float] = {}
+    raw = str(text).strip()
+    if not raw:
+        return out
+    for item in raw.split(","):
+        item = item.strip()
+        name, _, rate = item.rpartition("=")
+        try:
+            out[name.strip() or "*"] = parse_rate(rate) / 8.0
+        except ValueError as e:
+            raise ValueError(f"{item!r}: {e}") from None
+    return out
+
+
+def _bool(text: str) -> bool:
+    s = text.strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"cannot parse boolean {text!r}")
+
+
+def _int(text: str) -> int:
+    return int(text.strip())
+
+
+def _number(text: str) -> float:
+    return float(text.strip())
+
+
+def _nsocks(text: str) -> int:
+    s = text.strip().lower()
+    return 0 if s == "auto" else int(s)
+
+
+def _word(text: str) -> str:
+    return text.strip().lower()
+
+
+def _text(text: str) -> str:
+    return text.strip()
+
+
+def _port_or_off(text: str) -> int:
+    s = text.strip()
+    return int(s) if s else 0
+
+
+def _gid_index(text: str) -> int:
+    s = text.strip()
+    return int(s) if s else -1
+
+
+def _optional_int(text: str) -> int | None:
+    s = text.strip()
+    return int(s) if s else None
+
+
+# ============================================================================ checks
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    """An integer with lo <= v < hi."""
+    return lambda v: _is_int(v) and lo <= v < hi
+
+
+def _duration(zero_ok: bool = False, limit: float = 1e9) -> Callable[[Any], bool]:
+    """A finite number of seconds (or ms) > 0 (>= 0 with zero_ok) and <= limit: nan and inf fail."""
+    return lambda v: (_is_num(v) and math.isfinite(v) and (v > 0 or (zero_ok and v == 0))
+                      and v <= limit)
+
+
+def _one_of(choices) -> Callable[[Any], bool]:
+    return lambda v: v in choices
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _capacity_ok(v) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        parse_capacity(v)
+    except ValueError:
+        return False
+    return True
+
+
+# ============================================================================ the registry
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``LINERATE_*`` variable."""
+
+    name: str
+    #: str -> value (raises ValueError, TypeError or OverflowError on text it cannot read).
+    convert: Callable[[str], Any]
+    #: value -> bool: whether a value (parsed, or set on an options object) is allowed.
+    ok: Callable[[Any], bool]
+    default: Any
+    #: How the README's table states the default: a value ``convert`` reads back to ``default``,
+    #: or a description in parentheses (or a word such as ``hostname``) where it is no value.
+    default_text: str
+    #: What a value may be (the error messages say "expected <accepts>").
+    accepts: str
+    doc: str
+    scope: str
+    #: The attribute of ``linerate.Options`` it fills (dotted: ``transport.nsocks``), or None for
+    #: a setting that is no group's (the tools', docker compose's, the pyverbs loader's).
+    field: str | None = None
+
+    def parse(self, text: str):
+        """Parse one value; a bad one raises a ValueError naming the variable."""
+        try:
+            value = self.convert(text)
+        except (ValueError, TypeError, OverflowError):
+            value = _BAD
+        if value is _BAD or not self.ok(value):
+            raise ValueError(f"{self.name}={text!r}: expected {self.accepts}") from None
+        return value
+
+    def check(self, value, where: str | None = None) -> None:
+        """Check a value set on an options object; a bad one raises a ValueError naming the
+        variable (and the options field)."""
+        if not self.ok(value):
+            at = f" (Options.{where or self.field})" if (where or self.field) else ""
+            raise ValueError(f"{self.name}{at}: expected {self.accepts}, got {value!r}")
+
+    def read(self, env: Mapping[str, str] | None = None):
+        """The value in ``env`` (default: this process's environment), or the default."""
+        text = raw(self.name, env)
+        return self.default if text is None else self.parse(text)
+
+
+_BAD = object()
+_SIZE = "a byte count with an optional K/M/G suffix (binary)"
+
+
+def _S(name, convert, ok, default, default_text, accepts, doc, scope, field=None) -> Setting:
+    return Setting(name, convert, ok, default, default_text, accepts, doc, scope, field)
+
+
+_ALL = [
+    # ---------------------------------------------------------------- transport
+    _S("LINERATE_NSOCKS", _nsocks, _int_in(0, 65), 0, "auto",
+       "an integer from 1 to 64, or auto (or 0)",
+       "TCP connections per peer per interface; auto: 2 with one interface, 1 per interface "
+       "with several", "transport", "transport.nsocks"),
+    _S("LINERATE_SOCKET_IFNAME", _text, _is_str, "", "(route to `MASTER_ADDR`)",
+       "comma-separated interface names (empty: the interface that routes to MASTER_ADDR)",
+       "comma-separated interfaces to use; several = multi-rail", "transport",
+       "transport.socket_ifname"),
+    _S("LINERATE_CHUNK_BYTES", parse_size, _int_in(4096, 1 << 32), 1 << 20, "1M",
+       f"{_SIZE}, from 4K to below 4G", "bytes per chunk striped over the connections",
+       "transport", "transport.chunk_bytes"),
+    _S("LINERATE_CONNECT_TIMEOUT", _number, _duration(), 300.0, "300",
+       "a finite number of seconds > 0", "seconds to build the connection mesh of a group",
+       "transport", "transport.connect_timeout"),
+    _S("LINERATE_LINK_TIMEOUT", _number, _duration(zero_ok=True), 60.0, "60",
+       "a finite number of seconds > 0, or 0 (the kernel's defaults)",
+       "seconds a peer may leave sent data unacknowledged before its connections fail",
+       "transport", "transport.link_timeout"),
+    _S("LINERATE_MAX_UNEXPECTED_BYTES", parse_size, _int_in(0, 1 << 62), 1 << 34, "16G",
+       _SIZE, "largest message a peer may send before its receive is posted", "transport",
+       "transport.max_unexpected_bytes"),
+    _S("LINERATE_PREFER_IPV6", _bool, _one_of((True, False)), False, "0",
+       "1/0, true/false, yes/no or on/off",
+       "with LINERATE_SOCKET_IFNAME, use the interfaces' global IPv6 addresses", "transport",
+       "transport.prefer_ipv6"),
+    _S("LINERATE_CHECKSUM", _bool, _one_of((True, False)), False, "0",
+       "1/0, true/false, yes/no or on/off",
+       "a CRC-32 after every chunk, checked on receipt (every rank must agree)", "transport",
+       "transport.checksum"),
+    _S("LINERATE_CREDIT_BYTES", parse_size, _int_in(0, 1 << 31), 0, "0",
+       f"{_SIZE}, from 0 to below 2G (0: the kernel's buffer size)",
+       "credit window of priority scheduling (TCP_NOTSENT_LOWAT) per connection", "transport",
+       "transport.credit_bytes"),
+    _S("LINERATE_TRANSPORT", _word, _one_of(TRANSPORTS), "tcp", "tcp",
+       "one of " + ", ".join(TRANSPORTS), "tcp, rdma or auto (every rank must agree)",
+       "transport", "transport.transport"),
+    _S("LINERATE_RDMA_DEVICE", _text, _is_str, "", "(first active port)",
+       "RDMA ports as dev[:port], comma separated (empty: the first active port)",
+       "RDMA ports to use (several = rails)", "rdma", "transport.rdma_device"),
+    _S("LINERATE_RDMA_GID_INDEX", _gid_index, _int_in(-1, 1 << 16), -1, "(auto)",
+       "a GID table index (0, 1, ...; -1 or empty: chosen automatically)",
+       "RoCE GID table index", "rdma", "transport.rdma_gid_index"),
+    _S("LINERATE_PYVERBS_PATH", _text, _is_str, "", "(system folders)",
+       "a folder that holds the pyverbs package, or several separated by ':' (empty: the "
+       "system folders)",
+       "a folder holding rdma-core's pyverbs package (read when pyverbs is first loaded)",
+       "rdma"),
+    # ---------------------------------------------------------------- collectives
+    _S("LINERATE_PIECE_BYTES", parse_size, _int_in(4096, 1 << 62), 4 << 20, "4M",
+       f"{_SIZE}, at least 4K", "pipeline granularity of the ring and chain algorithms",
+       "collectives", "piece_bytes"),
+    _S("LINERATE_SMALL_BYTES", parse_size, _int_in(0, 1 << 62), 64 << 10, "64K",
+       f"{_SIZE}, 0 or more", "messages up to this size use the one-round algorithms under auto",
+       "collectives", "small_bytes"),
+    _S("LINERATE_ALLREDUCE_ALGO", _word, _one_of(ALLREDUCE_ALGOS), "auto", "auto",
+       "one of " + ", ".join(ALLREDUCE_ALGOS), "the all_reduce algorithm", "collectives",
+       "allreduce_algo"),
+    _S("LINERATE_ROOTED_ALGO", _word, _one_of(ROOTED_ALGOS), "auto", "auto",
+       "one of " + ", ".join(ROOTED_ALGOS), "the broadcast/reduce algorithm", "collectives",
+       "rooted_algo"),
+    _S("LINERATE_FUSION_BYTES", parse_size, _int_in(0, 1 << 62), 4 << 20, "4M",
+       f"{_SIZE}, 0 or more (0: no fusion)", "tensor fusion: largest fused all_reduce",
+       "collectives", "fusion_bytes"),
+    _S("LINERATE_CYCLE_MS", _number, _duration(zero_ok=True, limit=10_000), 1.0, "1",
+       "a finite number of milliseconds from 0 (no wait) to 10000",
+       "how long a fusable all_reduce waits for more to fuse with", "collectives", "cycle_ms"),
+    _S("LINERATE_PARTITION_BYTES", parse_size, _int_in(4096, 1 << 62), 4 << 20, "4M",
+       f"{_SIZE}, at least 4K", "PriorityDataParallel's partition size", "collectives",
+       "partition_bytes"),
+    _S("LINERATE_TIMELINE", _text, _is_str, "", "(off)",
+       "a file path (`.rank<R>` is inserted, or `{rank}` replaced; empty: off)",
+       "write a Chrome trace per rank to this path", "collectives", "timeline"),
+    # ---------------------------------------------------------------- metrics
+    _S("LINERATE_METRICS_PORT", _port_or_off, _int_in(0, 65536), 0, "(off)",
+       "a TCP port from 1 to 65535 (0 or empty: no exporter)",
+       "serve Prometheus metrics on this port + LOCAL_RANK", "metrics", "metrics.port"),
+    _S("LINERATE_METRICS_ADDR", lambda t: t.strip() or "0.0.0.0", _is_str, "0.0.0.0", "0.0.0.0",
+       "an address to bind (empty: 0.0.0.0)", "the exporter's bind address", "metrics",
+       "metrics.addr"),
+    _S("LINERATE_METRICS_HOST", _text, _is_str, "", "hostname",
+       "any label value (empty: the hostname)", "the host label of every series", "metrics",
+       "metrics.host"),
+    _S("LINERATE_METRICS_WINDOW", lambda t: float(t) if t.strip() else 1.0, _duration(), 1.0,
+       "1", "a finite number of seconds > 0",
+       "seconds over which utilization and busbw gauges are computed", "metrics",
+       "metrics.window"),
+    _S("LINERATE_LINK_CAPACITY", _text, _capacity_ok, "", "(driver speed)",
+       "a rate such as 10gbit for every interface, or eth0=10gbit,eth1=25gbit (tc units: "
+       "gbps is gigaBYTES/s)", "link rate where the driver reports none", "metrics",
+       "metrics.link_capacity"),
+    # ---------------------------------------------------------------- tools
+    _S("LINERATE_NETLAB", _text, _is_str, "", "(set by netlab)",
+       "a netlab lab name", "the lab a rank runs in (netlab sets it for the ranks it starts)",
+       "tools"),
+    _S("LINERATE_NETLAB_HOST", _text, _is_str, "", "(set by netlab)",
+       "a netlab host name", "the lab host a rank runs on (netlab sets it)", "tools"),
+    _S("LINERATE_NETLAB_STATE", lambda t: t.strip() or "/run/linerate-netlab", _is_str,
+       "/run/linerate-netlab", "/run/linerate-netlab", "a folder",
+       "where netlab keeps the state of its labs", "tools"),
+    # ---------------------------------------------------------------- docker compose
+    _S("LINERATE_WORKERS", _optional_int, lambda v: v is None or _int_in(1, 1 << 16)(v), 3,
+       "3", "a number of containers >= 1",
+       "docker/compose.yaml: replicas of the `ranks` service", "docker"),
+    _S("LINERATE_RANKS", _optional_int, lambda v: v is None or _int_in(1, 1 << 16)(v), 4, "4",
+       "a number of ranks >= 2 (LINERATE_WORKERS + 1)",
+       "docker/compose.yaml: torchrun's --nnodes", "docker"),
+]
+
+#: Every setting by name.
+SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+assert len(SETTINGS) == len(_ALL)
+
+
+# ============================================================================ reading
+def raw(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The text of a declared variable in ``env`` (default: this process's environment), or
+    None where it is not set."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not a declared linerate setting (linerate/settings.py)")
+    return (os.environ if env is None else env).get(name)
+
+
+def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:
+    return raw(name, env) is not None
+
+
+def read(name: str, env: Mapping[str, str] | None = None):
+    """The parsed value of a declared variable, or its default where it is not set; a bad
+    value raises a ValueError naming the variable and what it accepts."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not a declared linerate setting (linerate/settings.py)")
+    return SETTINGS[name].read(env)
+
+
+def parse(name: str, text: str):
+    return SETTINGS[name].parse(text)
+
+
+def check(name: str, value, where: str | None = None) -> None:
+    SETTINGS[name].check(value, where)
+
+
+def fields(prefix: str) -> Iterator[tuple[Setting, str]]:
+    """(setting, attribute) for the settings that fill the options object at ``prefix``
+    (``""``: ``Options``' own fields; ``"transport"``, ``"metrics"``: its parts)."""
+    for s in _ALL:
+        if s.field is None:
+            continue
+        head, _, attr = s.field.rpartition(".")
+        if head == prefix:
+            yield s, attr
+
+
+def fill(obj, prefix: str, env: Mapping[str, str] | None = None):
+    """Set ``obj``'s fields from the variables set in ``env`` (default: this process's
+    environment); returns ``obj``. Unset variables leave the field as it is."""
+    env = os.environ if env is None else env
+    for s, attr in fields(prefix):
+        text = env.get(s.name)
+        if text is not None:
+            setattr(obj, attr, s.parse(text))
+    return obj
+
+
+def validate(obj, prefix: str) -> None:
+    """Check every field of ``obj`` that a setting fills (see ``Setting.check``)."""
+    for s, attr in fields(prefix):
+        s.check(getattr(obj, attr), s.field)
+
+
+# ============================================================================ docs
+def markdown_table(scopes=None) -> str:
+    """The README's settings table rows (variable, default, meaning) from the registry."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in _ALL:
+        if scopes is None or s.scope in scopes:
+            lines.append(f"| `{s.name}` | {s.default_text} | {s.doc}; accepts {s.accepts} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(markdown_table())
