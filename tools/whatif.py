@@ -241,6 +241,15 @@ ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 AUTOGRAD_EVENT = "autograd::engine::evaluate_function: "
 
 
+def _start(e: dict) -> float:
+    """A Chrome trace event's start, seconds (``ts`` is in microseconds)."""
+    return float(e["ts"]) / 1e6
+
+
+def _end(e: dict) -> float:
+    return (float(e["ts"]) + float(e.get("dur", 0))) / 1e6
+
+
 class _DeviceClock:
     """When work queued by the host up to a time had finished on the device: from the trace's
     kernels (cat kernel / gpu_memcpy / gpu_memset) and the launches (cuda_runtime,
@@ -252,13 +261,13 @@ class _DeviceClock:
         for e in events:
             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in \
                     (e.get("args") or {}):
-                launches[e["args"]["correlation"]] = float(e["ts"])
+                launches[e["args"]["correlation"]] = _start(e)
         pairs = []
         for e in events:
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
                 c = (e.get("args") or {}).get("correlation")
                 if c in launches:
-                    pairs.append((launches[c], float(e["ts"]) + float(e.get("dur", 0))))
+                    pairs.append((launches[c], _end(e)))
         pairs.sort()
         self.launch = [p[0] for p in pairs]
         self.done, best = [], -math.inf
@@ -282,31 +291,33 @@ def load_profiler_trace(path: str, data: dict) -> tuple[Timeline, dict]:
     backward runs from the first to the end of the last ``autograd::engine::evaluate_function``
     event; a gradient is ready when its ``torch::autograd::AccumulateGrad`` op ends (on a GPU:
     when the device has finished the work launched until then), its size from that op's input
-    dims and type; forward = step start to backward start, optimizer = backward end to step end.
-    Several steps: the median of each (the same gradients in the same order in every step)."""
+    dims and type (an unknown type counts 4 bytes); forward = step start to backward start,
+    optimizer = backward end to step end (without ProfilerStep events neither is known, nor the
+    iteration: --iter-ms). Several steps: the median of each (the same gradients in the same
+    order in every step)."""
     events = data.get("traceEvents")
     if not isinstance(events, list):
         raise TimelineError(f"{path}: traceEvents must be a list")
     spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
-             and "ts" in e and "dur" in e]
+             and all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur"))]
     clock = _DeviceClock(spans)
-    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in spans
+    steps = sorted((_start(e), _end(e)) for e in spans
                    if str(e.get("name", "")).startswith("ProfilerStep#"))
     host = [e for e in spans if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset")]
     whole = not steps
     if whole:
-        steps = [(min(float(e["ts"]) for e in host) if host else 0.0,
-                  max(float(e["ts"]) + float(e["dur"]) for e in host) if host else 0.0)]
+        steps = [(min(_start(e) for e in host) if host else 0.0,
+                  max(_end(e) for e in host) if host else 0.0)]
     per_step = []
     for n, (s0, s1) in enumerate(steps):
-        inside = [e for e in host if s0 <= float(e["ts"]) <= s1]
+        inside = [e for e in host if s0 <= _start(e) <= s1]
         auto = [e for e in inside if str(e.get("name", "")).startswith(AUTOGRAD_EVENT)]
         acc = sorted((e for e in inside if e.get("name") == ACCUMULATE_GRAD),
-                     key=lambda e: float(e["ts"]) + float(e["dur"]))
+                     key=lambda e: _end(e))
         if not auto or not acc:
             continue
-        b0 = clock(min(float(e["ts"]) for e in auto))
-        b1 = clock(max(float(e["ts"]) + float(e["dur"]) for e in auto))
+        b0 = clock(min(_start(e) for e in auto))
+        b1 = clock(max(_end(e) for e in auto))
         grads = []
         for i, e in enumerate(acc):
             args = e.get("args") or {}
@@ -317,9 +328,10 @@ def load_profiler_trace(path: str, data: dict) -> tuple[Timeline, dict]:
                     "torch.profiler.profile(record_shapes=True, ...)")
             nbytes = math.prod(int(d) for d in dims[0]) * _DTYPE_BYTES.get(
                 str(types[0]).lower(), 4)
-            grads.append(Grad(f"grad{i}", clock(float(e["ts"]) + float(e["dur"])) - b0,
+            grads.append(Grad(f"grad{i}[{'x'.join(str(d) for d in dims[0])}]",
+                              clock(_end(e)) - b0,
                               nbytes))
-        per_step.append((grads, b0 - clock(s0), b1 - b0,
+        per_step.append((grads, None if whole else b0 - clock(s0), b1 - b0,
                          None if whole else clock(s1) - b1))
     if not per_step:
         raise TimelineError(
@@ -333,9 +345,13 @@ def load_profiler_trace(path: str, data: dict) -> tuple[Timeline, dict]:
     first = per_step[0][0]
     grads = [Grad(g.name, statistics.median(s[0][i].ready_s for s in per_step), g.nbytes)
              for i, g in enumerate(first)]
-    med = lambda k: statistics.median(s[k] for s in per_step)  # noqa: E731
-    tl = Timeline(grads=sorted(grads, key=lambda g: g.ready_s), fwd_s=med(1), bwd_s=med(2),
-                  opt_s=None if whole else med(3), params=sum(g.nbytes for g in grads) // 4)
+
+    def med(k: int) -> float | None:
+        return None if whole else statistics.median(s[k] for s in per_step)
+
+    tl = Timeline(grads=sorted(grads, key=lambda g: g.ready_s), fwd_s=med(1),
+                  bwd_s=statistics.median(s[2] for s in per_step),
+                  opt_s=med(3), params=sum(g.nbytes for g in grads) // 4)
     return tl, {"steps": len(per_step), "device": "cuda" if clock.kernels else "cpu"}
 
 
@@ -538,8 +554,12 @@ def flat_ring_time(nbytes: float, ranks: int, gpus_per_host: int, bits_per_s: fl
     inside the host (B_intra), so a step takes S/P over min(B, B_intra) (B_intra alone when
     all ranks are on one host)."""
     g, hosts = host_shape(ranks, gpus_per_host)
-    rate = intra_bits_per_s if hosts == 1 else min(bits_per_s, intra_bits_per_s) \
-        if g > 1 else bits_per_s
+    if g == 1:
+        rate = bits_per_s
+    elif hosts == 1:
+        rate = intra_bits_per_s
+    else:
+        rate = min(bits_per_s, intra_bits_per_s)
     return allreduce_time(nbytes, ranks, rate, t_add, compression, latency_s)
 
 
