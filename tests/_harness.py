@@ -31,7 +31,9 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["run_ranks", "RankError", "RankTimeout"]
+__all__ = ["run_ranks", "RankError", "RankTimeout", "free_port", "free_port_range",
+           "netlab_reason", "REPO", "FAKE_PYVERBS", "CURRENT_TRANSPORT", "real_rdma_reason",
+           "use_transport"]
 
 _ERROR_GRACE = 5.0   # after one rank failed, how long the others may still report
 _STACK_CHARS = 12000  # per rank, in a timeout message
@@ -239,3 +241,73 @@ def free_port_range(n: int) -> int:
                 continue
         return base
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- netlab
+_netlab: dict = {}
+
+
+def netlab_reason() -> str | None:
+    """Why netlab cannot run here (None if it can); asked once per test session. The
+    ``netlab`` marker (tests/conftest.py) skips a test with this reason."""
+    if "reason" not in _netlab:
+        if not sys.platform.startswith("linux"):
+            _netlab["reason"] = "needs Linux"
+        else:
+            from linerate.tools import netlab
+            _netlab["reason"] = netlab.check_prereqs()
+    return _netlab["reason"]
+
+
+# ----------------------------------------------------------------------------- transports
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_PYVERBS = os.path.join(REPO, "tests", "fake_pyverbs")
+#: The transport the transport tests' helpers build meshes with (the ``transport`` fixture of
+#: tests/conftest.py sets it, through ``use_transport``).
+CURRENT_TRANSPORT = {"transport": "tcp"}
+_real_rdma: dict = {}
+
+
+def real_rdma_reason() -> str:
+    """Why this machine cannot run the RDMA transport ("" if it can): asked in a fresh
+    interpreter, so that the real pyverbs never mixes with the fake in this process."""
+    import json
+    import subprocess
+    if "reason" not in _real_rdma:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LINERATE_", "FAKE_PYVERBS"))}
+        code = ("import json; from linerate.transport import rdma, TransportOptions; "
+                "print(json.dumps(rdma.local_status(TransportOptions(transport='rdma'))))")
+        try:
+            out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=60)
+            ok, why, _ = json.loads(out.stdout.strip().splitlines()[-1])
+            _real_rdma["reason"] = "" if ok else why
+        except (subprocess.SubprocessError, ValueError, IndexError) as e:
+            _real_rdma["reason"] = f"could not ask ({e})"
+    return _real_rdma["reason"]
+
+
+def use_transport(name: str, monkeypatch) -> None:
+    """Make the transport tests' helpers build meshes over ``name`` (tcp, rdma-fake, rdma)
+    until ``monkeypatch`` undoes it."""
+    import pytest
+
+    from linerate.transport import verbs
+    if name == "rdma":
+        reason = real_rdma_reason()
+        if reason:
+            pytest.skip(f"no RDMA device: {reason}")
+        monkeypatch.delenv("LINERATE_PYVERBS_PATH", raising=False)
+    elif name == "rdma-fake":
+        monkeypatch.setenv("LINERATE_PYVERBS_PATH", FAKE_PYVERBS)
+    if name != "tcp":
+        verbs.reset()
+        monkeypatch.setitem(CURRENT_TRANSPORT, "transport", "rdma")

@@ -32,13 +32,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_ranks
+from _harness import netlab_reason, run_ranks
 from linerate.tools import netlab
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_NETLAB = netlab.check_prereqs() if sys.platform.startswith("linux") else "needs Linux"
-needs_netlab = pytest.mark.skipif(_NETLAB is not None, reason=f"netlab unavailable: {_NETLAB}")
+needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
 MB = 1 << 20
 
@@ -338,8 +337,8 @@ class _Lab:
 
 @pytest.fixture
 def lab3():
-    if _NETLAB is not None:
-        pytest.skip(f"netlab unavailable: {_NETLAB}")
+    if netlab_reason() is not None:
+        pytest.skip(f"netlab unavailable: {netlab_reason()}")
     lab = _Lab(3)
     try:
         yield lab

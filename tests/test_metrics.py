@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from _harness import free_port_range, run_ranks
+from _harness import free_port, free_port_range, run_ranks
 from linerate.transport import metrics
 
 # Prometheus naming: base units and the suffix that says so (node_exporter's style).
@@ -28,12 +28,6 @@ def families(text: str) -> dict:
 
 def samples(text: str, name: str) -> list:
     return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- in this process

@@ -7,16 +7,13 @@ Needs root and iproute2 (netlab); skipped with the reason elsewhere.
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
-import uuid
 
 import pytest
 
 from linerate.tools import netlab
 
-_REASON = netlab.check_prereqs() if sys.platform.startswith("linux") else "needs Linux"
-needs_netlab = pytest.mark.skipif(_REASON is not None, reason=f"netlab unavailable: {_REASON}")
+needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
 # Each rank: all_reduce of 16 MB for RUN_S seconds. It reads the kernel counters of its own
 # interface and scrapes its own /metrics endpoint at the start and the end (the byte check),
@@ -100,15 +97,6 @@ RANK = textwrap.dedent("""
         json.dump(res, f)
     dist.destroy_process_group()
 """)
-
-
-@pytest.fixture
-def lab_name():
-    name = f"m{uuid.uuid4().hex[:8]}"
-    try:
-        yield name
-    finally:
-        netlab.down(name)
 
 
 @needs_netlab

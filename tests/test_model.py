@@ -7,7 +7,6 @@ Hand-computed cases use round numbers: M = 1e6 bytes, 8 Gbit/s = 1e9 bytes/s,
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 
 import pytest
@@ -633,10 +632,8 @@ def test_whatif_plot_without_matplotlib(monkeypatch, capsys):
 # ----------------------------------------------------------------------------- netlab
 
 def _netlab_reason():
-    if not sys.platform.startswith("linux"):
-        return "needs Linux"
-    from linerate.tools import netlab
-    return netlab.check_prereqs()
+    from _harness import netlab_reason
+    return netlab_reason()
 
 
 @pytest.mark.timeout(240)

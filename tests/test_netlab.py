@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,12 @@ from linerate.tools import netlab
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_REASON = netlab.check_prereqs() if sys.platform.startswith("linux") else "needs Linux"
-needs_netlab = pytest.mark.skipif(_REASON is not None, reason=f"netlab unavailable: {_REASON}")
+needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
 
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def lab_name():
-    """A lab name unique to this test run, torn down afterwards whatever happened."""
-    name = f"t{uuid.uuid4().hex[:8]}"
-    try:
-        yield name
-    finally:
-        netlab.down(name)
-        assert netlab.lab_netns(name) == []
 
 
 @pytest.mark.timeout(30)

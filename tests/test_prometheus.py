@@ -11,7 +11,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from _harness import free_port_range, run_ranks
+from _harness import free_port, free_port_range, run_ranks
 from test_dashboard import dashboard_exprs
 
 WORLD = 4
@@ -69,16 +68,6 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
 
 
 # ----------------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_range(n: int) -> int:
-    return free_port_range(n)
-
-
 def _get(url: str, timeout: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
@@ -134,8 +123,8 @@ def _targets_report(api: str) -> str:
 @pytest.mark.timeout(120)
 def test_dashboard_queries_against_real_prometheus(tmp_path):
     t_start = time.monotonic()
-    base = _free_port_range(WORLD)
-    prom_port = _free_port()
+    base = free_port_range(WORLD)
+    prom_port = free_port()
     api = f"http://127.0.0.1:{prom_port}"
     targets = ", ".join(f'"127.0.0.1:{base + r}"' for r in range(WORLD))
     config = tmp_path / "prometheus.yml"

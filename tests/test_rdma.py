@@ -29,7 +29,7 @@ from linerate.transport import Context, TransportError, TransportOptions, metric
 from linerate.transport.framing import CHANNEL_P2P
 
 from _harness import run_ranks
-from test_transport import FAKE_PYVERBS, REPO, real_rdma_reason, use_transport
+from _harness import FAKE_PYVERBS, REPO, real_rdma_reason, use_transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -360,8 +360,8 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_without_pyverbs_tcp_is_unaffected():
     """No pyverbs at all: importing linerate, TCP and auto all work; rdma says why not."""
-    code = ("import json, sys, datetime; import transport, collectives; "
-            "from transport import rdma, verbs, TransportOptions; "
+    code = ("import json, sys, datetime; import linerate.transport, linerate.collectives; "
+            "from linerate.transport import rdma, verbs, TransportOptions; "
             "ok, why, _ = rdma.local_status(TransportOptions()); "
             "print(json.dumps([ok, why, 'pyverbs' in sys.modules]))")
     out = _python(code, LINERATE_PYVERBS_PATH=os.path.join(REPO, "no-such-folder"))
@@ -375,7 +375,7 @@ def test_system_pyverbs_is_found_without_its_folder_on_the_path():
     without putting that folder (and its old packages) on sys.path."""
     if not any(verbs._package_dir(d) for d in verbs.SYSTEM_DIRS):
         pytest.skip("python3-pyverbs is not installed here (apt-get install python3-pyverbs)")
-    code = ("import json, sys; from transport import verbs; pv = verbs.load(); "
+    code = ("import json, sys; from linerate.transport import verbs; pv = verbs.load(); "
             "print(json.dumps([pv.path, pv.e.__name__, pv.fake, "
             "any(p.rstrip('/').endswith('dist-packages') and p.startswith('/usr/lib/python3') for p in sys.path)]))")
     out = _python(code)

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _harness import free_port, free_port_range
 from linerate.tools import cli, top
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -405,12 +405,6 @@ class FakeRank:
         yield g
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def fake_ranks():
     """Two fake ranks on consecutive free ports; yields the first port."""
@@ -530,9 +524,7 @@ def exporter_available() -> bool:
         return False
 
 
-def consecutive_free_ports(n: int) -> int:
-    from _harness import free_port_range
-    return free_port_range(n)
+consecutive_free_ports = free_port_range
 
 
 def _all_reduce_until_told(rank, world, lr, base, stop_file, max_s):

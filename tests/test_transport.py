@@ -31,65 +31,19 @@ import torch.distributed as dist
 from linerate.transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
                        TransportError, TransportOptions, parse_size)
 from linerate.transport import context as context_mod
-from linerate.transport import framing, handshake, verbs
+from linerate.transport import framing, handshake
+from linerate.transport.fakepeer import FakePeer as _FakePeer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _harness import CURRENT_TRANSPORT, REPO
+
 OPNAMES = {1: "allreduce", 2: "broadcast"}
 # Loopback only, so that the tests need no network and no MASTER_ADDR.
 BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0)
 
 
-FAKE_PYVERBS = os.path.join(REPO, "tests", "fake_pyverbs")
-#: The transport the helpers build meshes with (the ``transport`` fixture sets it).
-_CURRENT = {"transport": "tcp"}
-
-
-# --------------------------------------------------------------------------- transports
-_real_rdma: dict = {}
-
-
-def real_rdma_reason() -> str:
-    """Why this machine cannot run the RDMA transport ("" if it can): asked in a fresh
-    interpreter, so that the real pyverbs never mixes with the fake in this process."""
-    if "reason" not in _real_rdma:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LINERATE_", "FAKE_PYVERBS"))}
-        code = ("import json; from transport import rdma, TransportOptions; "
-                "print(json.dumps(rdma.local_status(TransportOptions(transport='rdma'))))")
-        try:
-            out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                                 text=True, timeout=60)
-            ok, why, _ = json.loads(out.stdout.strip().splitlines()[-1])
-            _real_rdma["reason"] = "" if ok else why
-        except (subprocess.SubprocessError, ValueError, IndexError) as e:
-            _real_rdma["reason"] = f"could not ask ({e})"
-    return _real_rdma["reason"]
-
-
-def use_transport(name: str, monkeypatch) -> None:
-    """Make the helpers build meshes over ``name`` (tcp, rdma-fake, rdma) until undone."""
-    if name == "rdma":
-        reason = real_rdma_reason()
-        if reason:
-            pytest.skip(f"no RDMA device: {reason}")
-        monkeypatch.delenv("LINERATE_PYVERBS_PATH", raising=False)
-    elif name == "rdma-fake":
-        monkeypatch.setenv("LINERATE_PYVERBS_PATH", FAKE_PYVERBS)
-    if name != "tcp":
-        verbs.reset()
-        monkeypatch.setitem(_CURRENT, "transport", "rdma")
-
-
-@pytest.fixture(params=["tcp", "rdma-fake", "rdma"])
-def transport(request, monkeypatch):
-    use_transport(request.param, monkeypatch)
-    yield request.param
-    if request.param != "tcp":
-        verbs.reset()
-
-
 # --------------------------------------------------------------------------- helpers
 def _opts(**kw) -> TransportOptions:
-    o = TransportOptions(**{**BASE_OPTS, "transport": _CURRENT["transport"], **kw})
+    o = TransportOptions(**{**BASE_OPTS, "transport": CURRENT_TRANSPORT["transport"], **kw})
     o.validate()
     return o
 
@@ -157,44 +111,11 @@ def _rand_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 256, n, dtype=np.uint8)
 
 
-class FakePeer:
+def FakePeer(**kw) -> _FakePeer:
     """Rank 1 of a 2-rank group played by the test: rank 0 is a real Context, and the test
-    writes raw frames on rank 1's single connection (it reads the job secret from the store,
-    as a rank of the job would)."""
-
-    def __init__(self, **kw):
-        store = _hash_store()
-        opts = _opts(nsocks=1, transport="tcp", **kw)
-        self.ctx: Context | None = None
-        err: list = []
-
-        def build():
-            try:
-                self.ctx = Context(store, 0, 2, opts, opnames=OPNAMES)
-            except BaseException as e:
-                err.append(e)
-
-        t = threading.Thread(target=build, daemon=True)
-        t.start()
-        prefix = context_mod._STORE_PREFIX
-        secret = bytes.fromhex(store.get(prefix + "secret").decode())
-        (host, port), = json.loads(store.get(prefix + "addr/0").decode())
-        self.sock = socket.create_connection((host, port), timeout=10)
-        handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
-        t.join(30)
-        if err or self.ctx is None:
-            self.sock.close()
-            raise err[0] if err else AssertionError("rank 0 did not finish its mesh")
-
-    def data(self, channel, tag, msgno, total, offset, payload=b"", opcode=0, length=None):
-        n = len(payload) if length is None else length
-        self.sock.sendall(framing.pack_header(framing.KIND_DATA, opcode, channel, n, tag, msgno,
-                                              total, offset) + bytes(payload))
-
-    def close(self):
-        if self.ctx is not None:
-            self.ctx.close(timeout=2.0)
-        self.sock.close()
+    writes raw frames on rank 1's single connection (linerate.transport.fakepeer, which the
+    fuzzer uses too), over a HashStore."""
+    return _FakePeer(store=_hash_store(), opnames=OPNAMES, **{**BASE_OPTS, **kw})
 
 
 # --------------------------------------------------------------------------- 1. mesh set-up
@@ -589,7 +510,7 @@ def test_peer_killed_fails_pending_receive_quickly(transport):
     # answering, found by the keepalive writes within LINERATE_LINK_TIMEOUT.
     link_timeout = 60.0 if transport == "tcp" else 1.0
     children = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", str(store.port),
-                                  _CURRENT["transport"], str(link_timeout)],
+                                  CURRENT_TRANSPORT["transport"], str(link_timeout)],
                                  cwd=REPO, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT) for r in (1, 2)]
     ctx = None

@@ -18,7 +18,6 @@ results, and barriers between phases.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import socket

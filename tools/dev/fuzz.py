@@ -43,7 +43,7 @@ import traceback
 
 from linerate.transport import context as context_mod
 from linerate.transport import framing, handshake
-from linerate.transport.options import TransportOptions
+from linerate.transport.fakepeer import DictStore, FakePeer
 from linerate.transport.request import PeerFailure, TransportError
 
 log = logging.getLogger("linerate.fuzz")
@@ -200,68 +200,26 @@ def check_addresses(case) -> str:
 
 
 # ============================================================================ live pair
-class _DictStore:
-    """The two Store calls a Context needs (set, and a get that waits), in memory. No check():
-    like a user's Store subclass without it, the Context then waits with blocking gets."""
-
-    def __init__(self):
-        self._d: dict = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value) -> None:
-        with self._cond:
-            self._d[key] = value.encode() if isinstance(value, str) else bytes(value)
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._d, timeout=30):
-                raise TimeoutError(f"store key {key!r} not set")
-            return self._d[key]
-
+#: The fake peer (rank 1 on raw frames) and its in-memory store, shared with the transport tests.
+_DictStore = DictStore
 
 LIVE_MAX_UNEXPECTED = 1 << 20
 WATCH_TAG = (1 << 40) + 12345  # the probe's tag: no fuzzed frame uses it
 PROBE = b"probe-12345678"
 
 
-class LivePair:
+class LivePair(FakePeer):
     """Rank 0 of a 2-rank group is a real Context; rank 1 is played here on one raw connection
-    that completed a genuine handshake (the job secret comes from the store, as for a rank)."""
+    that completed a genuine handshake (the job secret comes from the store, as for a rank):
+    linerate.transport.fakepeer.FakePeer over a store without check(), with a 1 MiB limit on
+    unexpected messages."""
 
     def __init__(self, **overrides):
-        opts = TransportOptions(socket_ifname="lo", connect_timeout=30.0, nsocks=1,
-                                max_unexpected_bytes=LIVE_MAX_UNEXPECTED, **overrides)
-        opts.validate()
-        store = _DictStore()
-        self.ctx: context_mod.Context | None = None
-        err: list = []
+        super().__init__(store=DictStore(),
+                         **{"max_unexpected_bytes": LIVE_MAX_UNEXPECTED, **overrides})
 
-        def build():
-            try:
-                self.ctx = context_mod.Context(store, 0, 2, opts)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                err.append(e)
-
-        t = threading.Thread(target=build, name="fuzz-build", daemon=True)
-        t.start()
-        prefix = context_mod._STORE_PREFIX
-        secret = bytes.fromhex(store.get(prefix + "secret").decode())
-        (host, port), = json.loads(store.get(prefix + "addr/0").decode())
-        self.sock = socket.create_connection((host, port), timeout=10)
-        handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
-        t.join(30)
-        if err or self.ctx is None:
-            self.sock.close()
-            raise err[0] if err else AssertionError("rank 0 did not finish its mesh")
-        self.max_chunk = max(opts.chunk_bytes, 1 << 24)  # what the receiver allows
-
-    def close(self) -> None:
-        t0 = time.monotonic()
-        if self.ctx is not None:
-            self.ctx.close(timeout=2.0)
-        self.sock.close()
-        assert time.monotonic() - t0 < 10, "Context.close took too long"
+    def close(self, within: float | None = 10.0) -> None:
+        super().close(within)
 
 
 class _ThreadErrors:
