@@ -1022,7 +1022,7 @@ def _fail(msg: str, rc: int = 2) -> int:
     return rc
 
 
-def _command(args: argparse.Namespace, t_add_from: str) -> str:
+def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this result from the --json output (saved as
     WHATIF.json): the same grid and settings, the timeline and t_add read back from it."""
     parts = ["linerate", "whatif", "--timeline", "WHATIF.json",
@@ -1069,8 +1069,8 @@ def run(args: argparse.Namespace) -> int:
             batch = meta.get("batch")
             where = "timeline " + (
                 "from the paper simulator's log" if meta["format"] == "bk.log" else
-                f"from whatif JSON, profiled on {meta.get('device') or 'cpu'}"
-                if meta["format"] == "whatif-json" else
+                "from whatif JSON" + (f", profiled on {meta['device']}" if meta.get("device")
+                                      else "") if meta["format"] == "whatif-json" else
                 f"from a torch.profiler trace, {meta['steps']} step(s) on {meta['device']}") \
                 + "; iteration"
         else:
@@ -1108,7 +1108,7 @@ def run(args: argparse.Namespace) -> int:
              args.compression)
     if args.json:
         out = {"model": name if not args.timeline else meta.get("model") or name,
-               "batch": batch, "device": meta.get("device") or device,
+               "batch": batch, "device": meta.get("device"),
                "timeline": {"file": args.timeline, "format": meta["format"]},
                "params": timeline.params, "grad_bytes": timeline.grad_bytes,
                "fwd_s": timeline.fwd_s, "bwd_s": timeline.bwd_s, "opt_s": timeline.opt_s,
@@ -1116,7 +1116,7 @@ def run(args: argparse.Namespace) -> int:
                "cycle_ms": args.cycle_ms, "latency_s": args.latency_us * 1e-6,
                "gbit": args.gbit, "ranks": args.ranks, "compression": args.compression,
                "gpus_per_host": args.gpus_per_host, "intra_gbit": args.intra_gbit,
-               "t_add": t_add.to_dict(), "reproduce": _command(args, t_add.source),
+               "t_add": t_add.to_dict(), "reproduce": _command(args),
                "buckets": [asdict(b) for b in buckets],
                "grads": [asdict(g) for g in timeline.grads], "unused": timeline.unused,
                "results": results}
