@@ -241,6 +241,9 @@ def test_gpu_trace_ready_when_the_device_is_done(tmp_path):
     path = _write(tmp_path, "gpu.json", json.dumps({"traceEvents": ev}))
     tl, meta = whatif.load_timeline(path)
     assert meta["device"] == "cuda" and meta["steps"] == 1
+    # the same events as a bare JSON array (Chrome's other trace form)
+    bare, _ = whatif.load_timeline(_write(tmp_path, "bare.json", json.dumps(ev)))
+    assert bare == tl
     # backward starts when the forward's kernels end (150), not at 100 on the host
     assert tl.fwd_s == approx(150e-6)
     assert [(g.name, g.ready_s, g.nbytes) for g in tl.grads] == [

@@ -366,6 +366,8 @@ def load_timeline(path: str) -> tuple[Timeline, dict]:
         except json.JSONDecodeError as e:
             raise TimelineError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column "
                                 f"{e.colno})") from None
+        if isinstance(data, list):      # Chrome's other trace form: the events alone
+            data = {"traceEvents": data}
         if isinstance(data, dict) and "traceEvents" in data:
             tl, meta = load_profiler_trace(path, data)
             meta["format"] = "torch-profiler"
