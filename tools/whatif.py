@@ -1067,7 +1067,7 @@ def run(args: argparse.Namespace) -> int:
                  if args.add_gbs is not None else None)
         if args.timeline:
             timeline, meta = load_timeline(args.timeline)
-            name = os.path.basename(args.timeline)
+            name = meta.get("model") or os.path.basename(args.timeline)
             batch = meta.get("batch")
             where = "timeline " + (
                 "from the paper simulator's log" if meta["format"] == "bk.log" else
@@ -1109,7 +1109,7 @@ def run(args: argparse.Namespace) -> int:
         plot(os.path.abspath(args.plot), title, results, args.gbit, args.ranks,
              args.compression)
     if args.json:
-        out = {"model": name if not args.timeline else meta.get("model") or name,
+        out = {"model": name,
                "batch": batch, "device": meta.get("device"),
                "timeline": {"file": args.timeline, "format": meta["format"]},
                "params": timeline.params, "grad_bytes": timeline.grad_bytes,
