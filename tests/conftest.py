@@ -25,6 +25,8 @@ from _harness import netlab_reason, use_transport  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "netlab: needs netlab (root, iproute2); skipped with the "
                                        "reason where it cannot work")
+    config.addinivalue_line("markers", "slow: takes a minute or so (tests/test_packaging.py's "
+                                       "wheel); -m 'not slow' leaves it out")
 
 
 def pytest_runtest_setup(item):
