@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, fusion, halving, ring, stats, timeline
+from . import chain, direct, fusion, halving, ring, shm_algos, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
@@ -113,6 +113,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                             label=group_name or "")
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
+        # Every rank on this host with a shared segment: the worker's ops run on it.
+        self._shm = shm_algos.Engine(self._ctx.shm) if self._ctx.shm is not None else None
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
@@ -259,6 +261,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             try:
                 self._check_usable(op, seq)
                 comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
+                comm.shm = self._shm
                 t0 = time.perf_counter()
                 comm.set_call(desc)
                 fn(comm)
@@ -378,6 +381,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _small(self, nbytes: int) -> bool:
         return nbytes <= self._options.small_bytes
 
+    @staticmethod
+    def _on_shm(comm: Comm, algo):
+        """shm_algos for an op of the worker of a group with a shared segment, else ``algo``."""
+        return shm_algos if getattr(comm, "shm", None) is not None else algo
+
     def _rooted_module(self, t: torch.Tensor):
         """The broadcast/reduce algorithm for this tensor: direct (one round) or chain."""
         algo = self._options.rooted_algo
@@ -399,7 +407,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         algo = self._options.allreduce_algo
         # Fusable: decided from the call alone (never from asyncOp: a rank may call the
         # same all_reduce synchronously where another does not), the same on every rank.
-        if (len(bufs) == 1 and self.size() > 1
+        if (len(bufs) == 1 and self.size() > 1 and self._shm is None
                 and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
             return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts))
 
@@ -496,7 +504,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
         nbytes = flat.numel() * flat.element_size()
-        if algo == "direct" or (algo == "auto" and self._small(nbytes)):
+        if getattr(comm, "shm", None) is not None:
+            shm_algos.all_reduce(comm, flat, op)
+        elif algo == "direct" or (algo == "auto" and self._small(nbytes)):
             direct.all_reduce(comm, flat, op)
         elif algo == "hd" or (algo == "auto" and comm.size >= halving.AUTO_MIN_RANKS
                               and nbytes <= halving.AUTO_MAX_BYTES):
@@ -613,7 +623,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         buf = stage.out(t, keep=(self.rank() == root))
         algo = self._rooted_module(t)
-        return self._submit(what, lambda comm: algo.broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts),
+        return self._submit(what, lambda comm: self._on_shm(comm, algo).broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}")
 
     def reduce(self, tensors, opts=None):
@@ -631,7 +641,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         def run(comm: Comm):
             flat = _flat(buf)
-            algo.reduce(comm, flat, op, root)
+            self._on_shm(comm, algo).reduce(comm, flat, op, root)
             if is_root:
                 finish_avg(flat, op, comm.size)
 
@@ -657,7 +667,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             outs = [_flat(stage.out(o)) for o in output_lists[0]]
 
         def run(comm: Comm):
-            direct.gather(comm, _flat(src), outs, root)
+            self._on_shm(comm, direct).gather(comm, _flat(src), outs, root)
 
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
@@ -683,7 +693,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         out = stage.out(t)
 
         def run(comm: Comm):
-            direct.scatter(comm, _flat(out), ins, root)
+            self._on_shm(comm, direct).scatter(comm, _flat(out), ins, root)
 
         return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}")
@@ -697,7 +707,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _run_all_gather(self, comm: Comm, src: torch.Tensor, segs: list[torch.Tensor]) -> None:
         segs[comm.rank].copy_(src)
         total = sum(s.numel() for s in segs) * src.element_size()
-        if self._small(total):
+        if getattr(comm, "shm", None) is not None:
+            shm_algos.all_gather(comm, segs)
+        elif self._small(total):
             direct.all_gather(comm, segs)
         else:
             ring.all_gather(comm, segs)
@@ -787,10 +799,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _run_reduce_scatter(self, comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
         """``segs`` are the caller's inputs (read only here)."""
         numel = sum(s.numel() for s in segs)
-        if self._small(numel * out.element_size()):
+        shm = getattr(comm, "shm", None) is not None
+        if shm or self._small(numel * out.element_size()):
             if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
                 segs = [s.clone() for s in segs]    # out is written while segs may still be sending
-            direct.reduce_scatter(comm, segs, out, op)
+            (shm_algos if shm else direct).reduce_scatter(comm, segs, out, op)
         else:
             # The ring reduces in place: work on a private copy, in reused scratch memory
             # (a fresh 64 MB buffer per call costs its page faults: 5% of a 1 Gbit/s op).
@@ -883,7 +896,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage()
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
-        return self._submit(what, lambda comm: direct.all_to_all(comm, outs, ins),
+        return self._submit(what, lambda comm: self._on_shm(comm, direct).all_to_all(comm, outs, ins),
                             list(output_tensors), stage, self._op_timeout(opts),
                             desc=str(ref.dtype).replace("torch.", ""))
 
@@ -903,7 +916,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if ins[self.rank()].numel() != outs[self.rank()].numel():
             raise ValueError(f"rank {self.rank()}: {what}: this rank sends itself "
                              f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
-        return self._submit("all_to_all", lambda comm: direct.all_to_all(comm, outs, ins),
+        return self._submit("all_to_all", lambda comm: self._on_shm(comm, direct).all_to_all(comm, outs, ins),
                             [output], stage, self._op_timeout(opts),
                             desc=str(input.dtype).replace("torch.", ""))
 
@@ -936,7 +949,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", direct.barrier, [], _Stage(), self._op_timeout(opts),
+        return self._submit("barrier", lambda comm: self._on_shm(comm, direct).barrier(comm), [],
+                            _Stage(), self._op_timeout(opts),
                             desc="")
 
     # ------------------------------------------------------------------ point to point

@@ -267,6 +267,11 @@ _ALL = [
     _S("LINERATE_TRANSPORT", _word, _one_of(TRANSPORTS), "tcp", "tcp",
        "one of " + ", ".join(TRANSPORTS), "tcp, rdma or auto (every rank must agree)",
        "transport", "transport.transport"),
+    _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
+       "auto, 0 or 1",
+       "shared memory between the ranks of one host: auto (where every rank of the group can "
+       "map the group's segment), 1 (group creation fails naming the ranks that cannot), 0 "
+       "(off); every rank must agree", "transport", "transport.shm"),
     _S("LINERATE_RDMA_DEVICE", _text, _is_str, "", "(first active port)",
        "RDMA ports as dev[:port], comma separated (empty: the first active port)",
        "RDMA ports to use (several = rails)", "rdma", "transport.rdma_device"),

@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from . import framing, handshake, metrics, rdma
+from . import framing, handshake, metrics, rdma, shm
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .interfaces import listen_addresses
 from .options import TransportOptions, sockets_per_rail
@@ -143,6 +143,8 @@ class Context:
         self.global_ranks: list[int] | None = None
         #: "tcp" or "rdma": what the connections are (LINERATE_TRANSPORT, agreed at rendezvous).
         self.transport = "tcp"
+        #: The group's shared-memory segment (transport/shm.py), or None.
+        self.shm = None
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -156,6 +158,9 @@ class Context:
         rv = _Rendezvous(store, self.rank, deadline, self.options.connect_timeout)
         try:
             self._build_mesh_on(rv, deadline)
+            # Ranks of one host that can map one segment share memory (transport/shm.py).
+            self.shm = shm.establish(rv, self.rank, self.size, self._secret, self.options.shm,
+                                     _STORE_PREFIX, rv.generation)
         except BaseException as e:
             if not isinstance(e, _PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
@@ -882,6 +887,8 @@ class Context:
                     and _thread_peer(t.name) not in stalled):
                 t.join(max(0.0, join_until - time.monotonic()))
         metrics.retire(self)  # final byte counts, before the sockets go
+        if self.shm is not None:
+            self.shm.close()
         for p in self.peers.values():
             for c in p.conns:
                 if c is not None:

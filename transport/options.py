@@ -74,6 +74,10 @@ class TransportOptions:
     #: RDMA port) or ``auto`` (RDMA when every rank has an active port, else TCP, logging
     #: why). Every rank must use the same setting. See transport/rdma.py.
     transport: str = "tcp"
+    #: Shared memory between the ranks of one host (transport/shm.py): ``auto`` (where every
+    #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
+    #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.
+    shm: str = "auto"
     #: RDMA ports to use, ``dev[:port]`` comma separated (several = rails, like
     #: socket_ifname). Empty: the first active port.
     rdma_device: str = ""

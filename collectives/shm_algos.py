@@ -1,0 +1,518 @@
+"""Collectives of a group whose ranks share one host, straight on the group's shared segment.
+
+No byte goes through a socket: each rank copies its contribution into its own slot of the
+segment, the ranks wait for each other (one barrier per pipeline phase), and each reads what
+it needs from the others' slots. all_reduce: every rank reduces a 1/P share of each chunk,
+reading every rank's slot (rank order, so every rank gets the same bits), into the chunk's
+result area, and every rank copies the whole result out. Phases overlap three chunks (copy in
+chunk k, reduce chunk k-1, copy out chunk k-2), so the segment stays bounded
+(transport.shm.BYTES_PER_RANK per rank, reused by every op).
+
+Synchronisation (transport/shm.py gives the words and the bell): each rank publishes a
+counter (its *tick*) after each phase; every rank advances it the same number of times for
+the same calls, so "every rank reached tick T" means "every rank finished that phase". A
+waiting rank checks the counters, and sleeps on the bell (a futex: no core burnt; 4 ranks on 2
+cores must not fight spinners) with a short timeout, after which it looks at the transport's
+state: a rank that died (its TCP connections reset) or reported an error fails the wait at once
+with that error. Each area of the segment remembers the tick at which its last readers finish;
+a rank writes into an area only once every rank is past it.
+
+Agreement: before its first tick of an op a rank writes the op's sequence number, the digest of
+its call (the same digest that travels in TCP frames) and the call's text into its control row;
+a rank that sees a peer in the same op with another digest fails with both calls named and tells
+every rank (the transport's ERROR frames), so a mismatch is named on every rank, never run.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from linerate.transport import MismatchError, TransportError
+from linerate.transport.shm import BYTES_PER_RANK
+
+from .comm import Comm, OpTimeout
+from .reduce_ops import RedOpType, reduce_into
+
+# control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
+_PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
+_DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
+_META = 64                                # words 64..64+P: per-peer byte counts (all_to_all)
+#: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
+POLL_S = 0.005
+#: Checks of the counters before a waiting rank sleeps on the bell.
+SPIN = 20
+#: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
+SMALL_BYTES = 64 << 10
+_ALIGN = 64
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+_BINARY = {RedOpType.SUM: torch.add, RedOpType.AVG: torch.add, RedOpType.PRODUCT: torch.mul,
+           RedOpType.MIN: torch.minimum, RedOpType.MAX: torch.maximum,
+           RedOpType.BAND: torch.bitwise_and, RedOpType.BOR: torch.bitwise_or,
+           RedOpType.BXOR: torch.bitwise_xor}
+
+
+def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
+    """out = ((srcs[0] op srcs[1]) op srcs[2]) ...: rank order, as collectives.direct folds."""
+    if len(srcs) == 1:
+        out.copy_(srcs[0])
+        return
+    if out.dtype == torch.bool and op in (RedOpType.SUM, RedOpType.AVG):
+        torch.logical_or(srcs[0], srcs[1], out=out)
+    elif out.dtype == torch.bool and op == RedOpType.PRODUCT:
+        torch.logical_and(srcs[0], srcs[1], out=out)
+    else:
+        _BINARY[op](srcs[0], srcs[1], out=out)
+    for s in srcs[2:]:
+        reduce_into(out, s, op)
+
+
+class Engine:
+    """A group's view of its shared segment: slots, counters, waiting. Used by one thread
+    (the group's worker) at a time."""
+
+    def __init__(self, seg):
+        self.seg = seg
+        self.P = P = seg.size
+        self.r = seg.rank
+        self.ctrl = seg.ctrl
+        self.prog = seg.ctrl[:, _PROG]
+        self.tick = 0
+        nareas = 2 * P + 2
+        self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
+        self.areas = [seg.data[i * self.C:(i + 1) * self.C] for i in range(nareas)]
+        self.free = [0] * nareas
+        self.cursor = 0
+        self.comm: Comm | None = None
+        self._checked = True
+
+    # ------------------------------------------------------------------ areas
+    def S(self, b: int, q: int) -> int:
+        return b * self.P + q
+
+    def R(self, b: int) -> int:
+        return 2 * self.P + b
+
+    def view(self, area: int, dtype: torch.dtype, n: int, nbytes_per: int) -> torch.Tensor:
+        return self.areas[area][:n * nbytes_per].view(dtype)
+
+    def next_set(self) -> int:
+        b = self.cursor & 1
+        self.cursor += 1
+        return b
+
+    # ------------------------------------------------------------------ op life
+    def begin(self, comm: Comm) -> None:
+        row = self.ctrl[self.r]
+        row[_DIGEST] = _signed(comm.call)
+        text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
+        desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
+        desc[:] = 0
+        desc[:len(text)] = np.frombuffer(text, np.uint8)
+        row[_SEQ] = comm.seq  # last: a peer that reads this seq reads this op's digest
+        self.comm = comm
+        self._checked = False
+
+    def publish(self, reads=()) -> None:
+        """This rank finished a phase; ``reads``: areas it read in it (free once every rank
+        published this tick)."""
+        self.tick += 1
+        t = self.tick
+        for a in reads:
+            self.free[a] = t
+        self.prog[self.r] = t
+        self.seg.ring()
+
+    def wait_free(self, area: int) -> None:
+        t = self.free[area]
+        if t and self.prog.min() < t:
+            self.wait(t)
+
+    def wait(self, t: int, who: list[int] | None = None) -> None:
+        """Until every rank (or those in ``who``) published tick ``t``."""
+        if self._ready(t, who):
+            if not self._checked:
+                self._check(t, who)
+            return
+        prog = self.prog
+        for _ in range(SPIN):
+            if self._ready(t, who):
+                break
+        comm = self.comm
+        seg = self.seg
+        while not self._ready(t, who):
+            self._check(t, who)
+            broken = comm.ctx.broken
+            if broken is not None:
+                raise TransportError(str(broken))
+            left = comm.deadline - time.monotonic()
+            if left <= 0:
+                late = [q for q in (who or range(self.P)) if prog[q] < t]
+                where = ", ".join(f"rank {q} is in op #{int(self.ctrl[q, _SEQ])}" for q in late)
+                raise OpTimeout(f"rank {self.r}: {comm._desc} did not complete within the "
+                                f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
+                                f"(shared memory; {where})")
+            seen = int(seg.bell[0])
+            if self._ready(t, who):
+                break
+            seg.sleep(seen, min(POLL_S, left))
+        if not self._checked:
+            self._check(t, who)
+
+    def _ready(self, t: int, who) -> bool:
+        if who is None:
+            return self.prog.min() >= t
+        prog = self.prog
+        return all(prog[q] >= t for q in who)
+
+    def _check(self, t: int, who) -> None:
+        """A peer in this op with another call, or past this op without this rank: mismatch."""
+        comm = self.comm
+        ctrl = self.ctrl
+        mine = _signed(comm.call)
+        ready = True
+        for q in (who or range(self.P)):
+            if q == self.r:
+                continue
+            seq = int(ctrl[q, _SEQ])
+            if seq == comm.seq and int(ctrl[q, _DIGEST]) != mine:
+                self._mismatch(q, "called", "with other arguments or another collective")
+            elif seq > comm.seq and int(self.prog[q]) < t:
+                self._mismatch(q, f"is in op #{seq}", "which this rank is not part of")
+            ready = ready and seq >= comm.seq
+        if ready and self._ready(t, who):
+            self._checked = True
+
+    def _mismatch(self, q: int, what: str, why: str) -> None:
+        comm = self.comm
+        row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
+        theirs = bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace")
+        msg = (f"rank {self.r}: rank {q} {what} {theirs} while rank {self.r} called {comm.op} "
+               f"#{comm.seq} ({comm.call_text}): the ranks called different collectives or passed "
+               f"other arguments (dtype, size, reduce op or root) {why}{comm.ctx._where()}")
+        comm.ctx.report_error(msg)
+        raise MismatchError(msg)
+
+
+# ---------------------------------------------------------------------------- algorithms
+def _engine(comm: Comm) -> Engine:
+    e = comm.shm
+    e.begin(comm)
+    comm.algorithm = "shm"
+    return e
+
+
+def _chunks(n: int, per: int) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk of at most ``per`` elements; one (0, 0) if n is 0."""
+    if n == 0:
+        return [(0, 0)]
+    return [(o, min(per, n - o)) for o in range(0, n, per)]
+
+
+def _share(n: int, P: int, q: int) -> tuple[int, int]:
+    """Rank q's part [lo, hi) of n elements (cache-line sized multiples; may be empty)."""
+    m = -(-n // P)
+    m = -(-m // 16) * 16
+    lo = min(n, q * m)
+    return lo, min(n, lo + m)
+
+
+def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
+    E = _engine(comm)
+    P, r = E.P, E.r
+    n, es, dt = flat.numel(), flat.element_size(), flat.dtype
+    if n * es <= min(SMALL_BYTES, E.C):
+        b = E.next_set()
+        E.wait_free(E.S(b, r))
+        E.view(E.S(b, r), dt, n, es).copy_(flat)
+        E.publish()
+        E.wait(E.tick)
+        areas = [E.S(b, q) for q in range(P)]
+        _fold(flat, [E.view(a, dt, n, es) for a in areas], op)
+        E.publish(areas)
+        return
+    chunks = _chunks(n, E.C // es)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    for ph in range(nch + 2):
+        reads = []
+        i = ph - 2  # copy the result of chunk i out
+        if i >= 0:
+            o, ln = chunks[i]
+            flat[o:o + ln].copy_(E.view(E.R(sets[i]), dt, ln, es))
+            reads.append(E.R(sets[i]))
+        i = ph - 1  # reduce this rank's share of chunk i
+        if 0 <= i < nch:
+            o, ln = chunks[i]
+            b = sets[i]
+            lo, hi = _share(ln, P, r)
+            E.wait_free(E.R(b))
+            if hi > lo:
+                _fold(E.view(E.R(b), dt, ln, es)[lo:hi],
+                      [E.view(E.S(b, q), dt, ln, es)[lo:hi] for q in range(P)], op)
+            reads += [E.S(b, q) for q in range(P)]
+        i = ph  # copy chunk i in
+        if i < nch:
+            o, ln = chunks[i]
+            a = E.S(sets[i], r)
+            E.wait_free(a)
+            E.view(a, dt, ln, es).copy_(flat[o:o + ln])
+        E.publish(reads)
+        if ph < nch + 1:
+            E.wait(E.tick)
+
+
+def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
+    E = _engine(comm)
+    P, r = E.P, E.r
+    n, es, dt = flat.numel(), flat.element_size(), flat.dtype
+    if n * es <= min(SMALL_BYTES, E.C):
+        b = E.next_set()
+        E.wait_free(E.S(b, r))
+        E.view(E.S(b, r), dt, n, es).copy_(flat)
+        E.publish()
+        areas = [E.S(b, q) for q in range(P)]
+        if r == root:
+            E.wait(E.tick)
+            _fold(flat, [E.view(a, dt, n, es) for a in areas], op)
+        E.publish(areas)
+        return
+    chunks = _chunks(n, E.C // es)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    for ph in range(nch + 2):
+        reads = []
+        i = ph - 2
+        if i >= 0:
+            if r == root:
+                o, ln = chunks[i]
+                flat[o:o + ln].copy_(E.view(E.R(sets[i]), dt, ln, es))
+            reads.append(E.R(sets[i]))
+        i = ph - 1
+        if 0 <= i < nch:
+            o, ln = chunks[i]
+            b = sets[i]
+            lo, hi = _share(ln, P, r)
+            E.wait_free(E.R(b))
+            if hi > lo:
+                _fold(E.view(E.R(b), dt, ln, es)[lo:hi],
+                      [E.view(E.S(b, q), dt, ln, es)[lo:hi] for q in range(P)], op)
+            reads += [E.S(b, q) for q in range(P)]
+        i = ph
+        if i < nch:
+            o, ln = chunks[i]
+            a = E.S(sets[i], r)
+            E.wait_free(a)
+            E.view(a, dt, ln, es).copy_(flat[o:o + ln])
+        E.publish(reads)
+        if ph < nch:
+            E.wait(E.tick)
+        elif ph == nch and r == root:
+            E.wait(E.tick)
+
+
+def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    E = _engine(comm)
+    r = E.r
+    data = _bytes(t)
+    chunks = _chunks(data.numel(), E.C)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    for ph in range(nch + 1):
+        reads = []
+        i = ph - 1
+        if i >= 0:  # chunk i was read in this phase (by every rank but the root)
+            o, ln = chunks[i]
+            if r != root:
+                data[o:o + ln].copy_(E.areas[E.S(sets[i], root)][:ln])
+            reads.append(E.S(sets[i], root))
+        if ph < nch and r == root:
+            o, ln = chunks[ph]
+            a = E.S(sets[ph], root)
+            E.wait_free(a)
+            E.areas[a][:ln].copy_(data[o:o + ln])
+        E.publish(reads)
+        if ph < nch and r != root:
+            E.wait(E.tick, [root])
+
+
+def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
+    """segs[q] receives rank q's contribution; segs[me] already holds this rank's."""
+    _gather_impl(comm, [_bytes(s) for s in segs], None)
+
+
+def gather(comm: Comm, t: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
+    if comm.rank == root:
+        outs[root].copy_(t)
+        segs = [_bytes(o) for o in outs]
+    else:
+        segs = [None] * comm.size
+        segs[comm.rank] = _bytes(t)
+    _gather_impl(comm, segs, root)
+
+
+def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
+    E = _engine(comm)
+    P, r = E.P, E.r
+    mine = segs[r]
+    chunks = _chunks(mine.numel(), E.C)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    reader = root is None or r == root
+    for ph in range(nch + 1):
+        reads = []
+        i = ph - 1
+        if i >= 0:
+            o, ln = chunks[i]
+            b = sets[i]
+            if reader:
+                for q in range(P):
+                    if q != r:
+                        segs[q][o:o + ln].copy_(E.areas[E.S(b, q)][:ln])
+            reads = [E.S(b, q) for q in range(P)]
+        if ph < nch:
+            o, ln = chunks[ph]
+            a = E.S(sets[ph], r)
+            E.wait_free(a)
+            E.areas[a][:ln].copy_(mine[o:o + ln])
+        E.publish(reads)
+        if ph < nch and reader:
+            E.wait(E.tick)
+
+
+def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+    E = _engine(comm)
+    P, r = E.P, E.r
+    mine = _bytes(out)
+    srcs = [_bytes(x) for x in ins] if r == root else None
+    if r == root:
+        mine.copy_(srcs[root])
+    B = (E.C // P) // _ALIGN * _ALIGN
+    chunks = _chunks(mine.numel(), B)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    for ph in range(nch + 1):
+        reads = []
+        i = ph - 1
+        if i >= 0:
+            o, ln = chunks[i]
+            a = E.S(sets[i], root)
+            if r != root:
+                mine[o:o + ln].copy_(E.areas[a][r * B:r * B + ln])
+            reads.append(a)
+        if ph < nch and r == root:
+            o, ln = chunks[ph]
+            a = E.S(sets[ph], root)
+            E.wait_free(a)
+            area = E.areas[a]
+            for q in range(P):
+                if q != root:
+                    area[q * B:q * B + ln].copy_(srcs[q][o:o + ln])
+        E.publish(reads)
+        if ph < nch and r != root:
+            E.wait(E.tick, [root])
+
+
+def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
+    """Rank q gets the reduction of every rank's segs[q] in ``out`` (segs are read only)."""
+    E = _engine(comm)
+    P, r = E.P, E.r
+    n, es, dt = out.numel(), out.element_size(), out.dtype
+    m = max(1, (E.C // P) // es // 16 * 16)  # elements per rank's sub-block
+    chunks = _chunks(n, m)
+    nch = len(chunks)
+    sets = [E.next_set() for _ in chunks]
+    for ph in range(nch + 1):
+        reads = []
+        i = ph - 1
+        if i >= 0:
+            o, ln = chunks[i]
+            b = sets[i]
+            srcs = [E.view(E.S(b, q), dt, P * m, es)[r * m:r * m + ln] for q in range(P)]
+            _fold(out[o:o + ln], srcs, op)
+            reads = [E.S(b, q) for q in range(P)]
+        if ph < nch:
+            o, ln = chunks[ph]
+            a = E.S(sets[ph], r)
+            E.wait_free(a)
+            slot = E.view(a, dt, P * m, es)
+            for q in range(P):
+                slot[q * m:q * m + ln].copy_(segs[q][o:o + ln])
+        E.publish(reads)
+        if ph < nch:
+            E.wait(E.tick)
+
+
+def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+    """outs[q] receives rank q's ins[me] (any sizes; each rank's are checked against what the
+    senders announce)."""
+    E = _engine(comm)
+    P, r = E.P, E.r
+    src = [_bytes(x) for x in ins]
+    dst = [_bytes(x) for x in outs]
+    B = (E.C // P) // _ALIGN * _ALIGN
+    steps = max([1] + [-(-x.numel() // B) for x in src + dst])
+    row = E.ctrl[r]
+    row[_AUX] = steps
+    for q in range(P):
+        row[_META + q] = src[q].numel()
+    dst[r].copy_(src[r])
+    ph = 0
+    total = None
+    reads: list = []
+    sets: list = []
+    while True:
+        reads = []
+        i = ph - 1
+        if i >= 0:
+            b = sets[i]
+            o = i * B
+            for q in range(P):
+                if q != r:
+                    ln = max(0, min(B, dst[q].numel() - o))
+                    if ln:
+                        dst[q][o:o + ln].copy_(E.areas[E.S(b, q)][r * B:r * B + ln])
+            reads = [E.S(b, q) for q in range(P)]
+        if total is None or ph < total:
+            b = E.next_set()
+            sets.append(b)
+            a = E.S(b, r)
+            E.wait_free(a)
+            area = E.areas[a]
+            o = ph * B
+            for q in range(P):
+                ln = max(0, min(B, src[q].numel() - o))
+                if q != r and ln:
+                    area[q * B:q * B + ln].copy_(src[q][o:o + ln])
+        E.publish(reads)
+        if total is not None and ph >= total:
+            break
+        E.wait(E.tick)
+        if total is None:
+            total = int(E.ctrl[:, _AUX].max())
+            for q in range(P):
+                sent = int(E.ctrl[q, _META + r])
+                if q != r and sent != dst[q].numel():
+                    msg = (f"rank {r}: rank {q} sends {sent} bytes to rank {r} in all_to_all "
+                           f"#{comm.seq}, but rank {r} expects {dst[q].numel()} bytes from it: "
+                           f"the ranks passed other split sizes{comm.ctx._where()}")
+                    comm.ctx.report_error(msg)
+                    raise MismatchError(msg)
+        ph += 1
+
+
+def barrier(comm: Comm) -> None:
+    E = _engine(comm)
+    E.publish()
+    E.wait(E.tick)

@@ -1,0 +1,329 @@
+"""Shared memory between the ranks of one host: one segment per group, proved at rendezvous.
+
+A group whose ranks all run on this host (same boot id, hostname and /dev/shm file system)
+maps one segment that every rank can read and write. The proof is that it works: rank 0
+creates ``/dev/shm/linerate-<128 random bits>`` (``O_EXCL``, mode 0600), writes a random token
+into it and publishes the name and ``HMAC(job secret, name + token)`` through the store once
+the authenticated TCP mesh is complete (the job secret never leaves the store nor the
+handshake). Every other rank opens it (refusing a file that is not a regular 0600 file of its
+own user of the announced size), checks the token against the MAC and says so through the
+store; rank 0 then unlinks the name, so the segment lives only as long as the ranks' mappings:
+nothing is left in /dev/shm after a normal exit, ``destroy_process_group``, or a SIGKILL.
+
+``LINERATE_SHM``: ``auto`` (default) uses shared memory where every rank of the group proved
+it and the group's TCP connections otherwise; ``1`` fails group creation naming the ranks that
+could not; ``0`` never tries. Every rank must use the same setting.
+
+What the segment holds is the collectives' business (collectives/shm_algos.py). The transport
+gives: a control row per rank (``ctrl``: int64 words), a data area (``data``: bytes), and a
+bell: ``ring()`` bumps a counter in the segment and wakes every rank sleeping in ``sleep()``
+(a futex on the shared page: a waiting rank burns no CPU).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import json
+import logging
+import mmap
+import os
+import platform
+import secrets
+import socket
+import stat
+import struct
+
+import numpy as np
+import torch
+
+from .request import TransportError
+
+log = logging.getLogger("linerate.transport")
+
+MODES = ("auto", "0", "1")
+SHM_DIR = "/dev/shm"
+#: Data bytes per rank of the group (the collectives pipeline through it in chunks).
+BYTES_PER_RANK = 4 << 20
+_MAGIC = b"LRSHM\x00\x01\x00"
+_HEADER = 4096            # magic, sizes, token, bell
+_TOKEN_OFF, _TOKEN_LEN = 64, 32
+_BELL_OFF = 256           # int32, a cache line of its own
+_PAGE = 4096
+
+
+class ShmError(TransportError):
+    """Shared memory was asked for (LINERATE_SHM=1) and some rank cannot use it."""
+
+
+class ShmRefused(Exception):
+    """This rank cannot use the announced segment (the reason is the message)."""
+
+
+def ctrl_row_bytes(size: int) -> int:
+    """Bytes of one rank's control row: 64 words of state plus one word per rank."""
+    return -(-(512 + 8 * size) // 256) * 256
+
+
+def segment_layout(size: int) -> tuple[int, int, int]:
+    """(offset of the control rows, offset of the data area, total bytes) for ``size`` ranks."""
+    ctrl = _HEADER
+    data = -(-(ctrl + size * ctrl_row_bytes(size)) // _PAGE) * _PAGE
+    return ctrl, data, data + size * BYTES_PER_RANK
+
+
+def host_id() -> str:
+    """What ranks that can share memory have in common: the kernel boot, the host name and the
+    /dev/shm file system (a container with its own /dev/shm has another device number)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        dev = os.stat(SHM_DIR).st_dev
+    except OSError:
+        dev = -1
+    return f"{boot}/{socket.gethostname()}/{dev}"
+
+
+def _mac(secret: bytes, name: str, token: bytes) -> str:
+    return hmac.new(secret, b"linerate-shm\0" + name.encode() + b"\0" + token,
+                    hashlib.sha256).hexdigest()
+
+
+# ----------------------------------------------------------------------------- futex
+_libc = None
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5
+# FUTEX_WAKE_OP's operation: *uaddr2 += 1 (atomically), then wake (FUTEX_OP_ADD, CMP_EQ 0).
+_OP_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_lib():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released in the call
+        lib.syscall.restype = ctypes.c_long
+        _libc = lib
+    return _libc
+
+
+class Segment:
+    """One group's mapping of the shared segment (see the module docstring)."""
+
+    def __init__(self, buf: torch.Tensor, size: int, rank: int, name: str):
+        self.size = size
+        self.rank = rank
+        self.name = name  # unlinked once every rank had mapped it: for messages only
+        ctrl_off, data_off, total = segment_layout(size)
+        self._buf = buf
+        raw = buf.numpy()
+        row = ctrl_row_bytes(size)
+        #: int64 control words, one row per rank: ``ctrl[rank, i]``.
+        self.ctrl = raw[ctrl_off:ctrl_off + size * row].view(np.int64).reshape(size, row // 8)
+        #: The data area, ``size * BYTES_PER_RANK`` bytes.
+        self.data = buf[data_off:total]
+        self.bell = raw[_BELL_OFF:_BELL_OFF + 4].view(np.int32)
+        self._bell_addr = ctypes.c_void_p(buf.data_ptr() + _BELL_OFF)
+        self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+        self.closed = False
+
+    def ring(self) -> None:
+        """Bump the bell and wake every rank sleeping on it."""
+        if self._lib is not None:
+            self._lib.syscall(_SYS_FUTEX, self._bell_addr, _FUTEX_WAKE_OP, 0x7FFFFFFF,
+                              ctypes.c_void_p(0), self._bell_addr, _OP_ADD_ONE)
+        else:  # no futex number for this machine: sleepers poll (sleep() below)
+            self.bell[0] += 1
+
+    def sleep(self, seen: int, timeout: float) -> None:
+        """Sleep until the bell differs from ``seen`` (read it before checking the condition
+        waited for), or ``timeout`` seconds passed."""
+        if timeout <= 0:
+            return
+        if self._lib is None:
+            import time
+            time.sleep(min(timeout, 0.0005))
+            return
+        ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
+        self._lib.syscall(_SYS_FUTEX, self._bell_addr, _FUTEX_WAIT, ctypes.c_int(seen),
+                          ctypes.byref(ts), ctypes.c_void_p(0), 0)
+
+    def close(self) -> None:
+        """Drop this rank's mapping (it goes when the last view of it is gone)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ctrl = self.data = self.bell = None
+        self._buf = None
+
+
+# ----------------------------------------------------------------------------- set-up
+def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
+    """Create and map a fresh segment; (name, path, token, mapping). Not yet unlinked."""
+    nbytes = segment_layout(size)[2]
+    for _ in range(8):
+        name = "linerate-" + secrets.token_hex(16)
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(f"cannot create a segment in {SHM_DIR}")
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
+    token = secrets.token_bytes(_TOKEN_LEN)
+    mm[_TOKEN_OFF:_TOKEN_OFF + _TOKEN_LEN] = token
+    mm[0:len(_MAGIC)] = _MAGIC
+    struct.pack_into("<qq", mm, 8, nbytes, size)
+    return name, path, token, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _attach(name: str, size: int, secret: bytes, mac: str) -> torch.Tensor:
+    """Open and map the segment announced by rank 0; ShmRefused says why not."""
+    nbytes = segment_layout(size)[2]
+    if not (name.startswith("linerate-") and all(c in "0123456789abcdef" for c in name[9:])
+            and len(name) == 41):
+        raise ShmRefused(f"malformed segment name {name[:60]!r}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ShmRefused(f"cannot open {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShmRefused(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600:
+            raise ShmRefused(f"{path} has owner {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}, "
+                             f"expected {os.geteuid()} and 600")
+        if st.st_size != nbytes:
+            raise ShmRefused(f"{path} has {st.st_size} bytes, expected {nbytes}")
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise ShmRefused(f"cannot map {path}: {e}") from None
+    finally:
+        os.close(fd)
+    token = bytes(mm[_TOKEN_OFF:_TOKEN_OFF + _TOKEN_LEN])
+    if mm[0:len(_MAGIC)] != _MAGIC or not hmac.compare_digest(_mac(secret, name, token), mac):
+        mm.close()
+        raise ShmRefused(f"{path}: the token in the segment does not match rank 0's (not the "
+                         f"segment rank 0 created)")
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # pragma: no cover - /dev/shm is ours to clean
+        log.warning("could not unlink %s: %s", path, e)
+
+
+def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str,
+              generation: str) -> Segment | None:
+    """Agree with the group's other ranks on a shared segment (every rank calls it, after the
+    authenticated mesh is built). Returns this rank's Segment, or None where the group uses no
+    shared memory (LINERATE_SHM=0, ranks on several hosts, a rank that cannot map it under
+    auto). With ``mode == "1"`` a group that cannot raises ShmError naming the ranks.
+
+    ``store`` has ``set``/``get`` (get waits for the key, failing when another rank gave up);
+    keys are under ``prefix + "shm/" + generation`` (this group's incarnation)."""
+    if size < 2:
+        return None
+    base = f"{prefix}shm/{generation}/"
+    me = {"host": host_id(), "mode": mode}
+    store.set(f"{base}host/{rank}", json.dumps(me))
+    peers = []
+    for r in range(size):
+        raw = me if r == rank else _loads(store.get(f"{base}host/{r}"), r)
+        peers.append(raw)
+    modes = {str(p.get("mode")) for p in peers}
+    if len(modes) > 1:
+        detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
+        raise ShmError(f"rank {rank}: LINERATE_SHM differs between ranks ({detail}): every rank "
+                       f"must use the same setting")
+    if mode == "0":
+        return None
+    other = [r for r, p in enumerate(peers) if p.get("host") != peers[0].get("host")]
+    if other:
+        msg = (f"ranks {other} are on another host than rank 0 (boot id, host name or "
+               f"{SHM_DIR} differ)")
+        if mode == "1":
+            raise ShmError(f"rank {rank}: LINERATE_SHM=1 but the group cannot share memory: {msg}")
+        if rank == 0:
+            log.info("linerate: group of %d ranks: no shared memory (%s)", size, msg)
+        return None
+    # Every rank is on this host: rank 0 creates, the others prove they can map it.
+    buf = None
+    path = None
+    try:
+        if rank == 0:
+            try:
+                name, path, token, buf = _create(size)
+                store.set(f"{base}seg", json.dumps({"name": name,
+                                                    "mac": _mac(secret, name, token)}))
+            except OSError as e:
+                store.set(f"{base}seg", json.dumps({"error": f"rank 0: cannot create a segment "
+                                                             f"in {SHM_DIR}: {e}"}))
+            results = {0: "ok" if buf is not None else "no segment"}
+            for r in range(1, size):
+                results[r] = store.get(f"{base}ok/{r}").decode(errors="replace")
+            if path is not None:
+                _unlink(path)  # every rank has mapped it (or given up): the name goes now
+                path = None
+            bad = {r: why for r, why in results.items() if why != "ok"}
+            store.set(f"{base}done", json.dumps(bad and {str(r): w for r, w in bad.items()}))
+        else:
+            seg = _loads(store.get(f"{base}seg"), 0)
+            if "error" in seg:
+                why = str(seg["error"])
+            else:
+                try:
+                    buf = _attach(str(seg.get("name", "")), size, secret, str(seg.get("mac", "")))
+                    why = "ok"
+                except ShmRefused as e:
+                    why = str(e)
+            store.set(f"{base}ok/{rank}", why)
+            bad = _loads(store.get(f"{base}done"), 0)
+            name = str(seg.get("name", "?"))
+    finally:
+        if path is not None:
+            _unlink(path)
+    if bad:
+        detail = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items(), key=lambda x: int(x[0])))
+        if mode == "1":
+            raise ShmError(f"rank {rank}: LINERATE_SHM=1 but ranks {sorted(int(r) for r in bad)} "
+                           f"cannot map the group's shared memory: {detail}")
+        if rank == 0:
+            log.warning("linerate: group of %d ranks on one host uses TCP, not shared memory: %s",
+                        size, detail)
+        return None
+    return Segment(buf, size, rank, name)
+
+
+def _loads(raw, peer: int):
+    try:
+        value = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        value = None
+    if not isinstance(value, (dict, list)):
+        raise TransportError(f"rank {peer} published a malformed shared-memory record: "
+                             f"{bytes(raw)[:200]!r}")
+    return value if isinstance(value, dict) else {}
