@@ -32,7 +32,7 @@ BAD = {"LINERATE_NSOCKS": "three", "LINERATE_CHUNK_BYTES": "12Q",
        "LINERATE_CONNECT_TIMEOUT": "soon", "LINERATE_LINK_TIMEOUT": "-1",
        "LINERATE_MAX_UNEXPECTED_BYTES": "x", "LINERATE_PREFER_IPV6": "maybe",
        "LINERATE_CHECKSUM": "perhaps", "LINERATE_CREDIT_BYTES": "lots",
-       "LINERATE_TRANSPORT": "udp", "LINERATE_RDMA_GID_INDEX": "-5",
+       "LINERATE_TRANSPORT": "udp", "LINERATE_SHM": "yes", "LINERATE_RDMA_GID_INDEX": "-5",
        "LINERATE_PIECE_BYTES": "100", "LINERATE_SMALL_BYTES": "abc",
        "LINERATE_ALLREDUCE_ALGO": "fastest", "LINERATE_ROOTED_ALGO": "tree",
        "LINERATE_FUSION_BYTES": "-1", "LINERATE_CYCLE_MS": "20000",
@@ -110,7 +110,7 @@ def test_from_env_fills_every_field():
            "LINERATE_CHUNK_BYTES": "512K", "LINERATE_CONNECT_TIMEOUT": "12.5",
            "LINERATE_LINK_TIMEOUT": "0", "LINERATE_MAX_UNEXPECTED_BYTES": "1G",
            "LINERATE_PREFER_IPV6": "yes", "LINERATE_CHECKSUM": "1", "LINERATE_CREDIT_BYTES": "256K",
-           "LINERATE_TRANSPORT": " Auto ", "LINERATE_RDMA_DEVICE": "mlx5_0:1",
+           "LINERATE_TRANSPORT": " Auto ", "LINERATE_SHM": "0", "LINERATE_RDMA_DEVICE": "mlx5_0:1",
            "LINERATE_RDMA_GID_INDEX": "3", "LINERATE_PIECE_BYTES": "8M",
            "LINERATE_SMALL_BYTES": "0", "LINERATE_ALLREDUCE_ALGO": "HD",
            "LINERATE_ROOTED_ALGO": "chain", "LINERATE_FUSION_BYTES": "0",
@@ -122,7 +122,7 @@ def test_from_env_fills_every_field():
     assert o.transport == TransportOptions(
         nsocks=3, socket_ifname="eth0,eth1", chunk_bytes=512 << 10, connect_timeout=12.5,
         link_timeout=0.0, max_unexpected_bytes=1 << 30, prefer_ipv6=True, checksum=True,
-        credit_bytes=256 << 10, transport="auto", rdma_device="mlx5_0:1", rdma_gid_index=3)
+        credit_bytes=256 << 10, transport="auto", shm="0", rdma_device="mlx5_0:1", rdma_gid_index=3)
     assert o.metrics == MetricsOptions(port=9400, addr="127.0.0.1", host="h0", window=2.5,
                                        link_capacity="eth0=10gbit")
     assert o.metrics.capacities == {"eth0": 10e9 / 8}
