@@ -40,6 +40,18 @@ BAD = {"LINERATE_NSOCKS": "three", "LINERATE_CHUNK_BYTES": "12Q",
        "LINERATE_METRICS_WINDOW": "0", "LINERATE_LINK_CAPACITY": "eth0=fast"}
 
 
+def _tree_files() -> list[Path]:
+    """The tree's files: tracked, and untracked ones git does not ignore (else every file
+    outside .git and .venv)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout
+        paths = [ROOT / os.fsdecode(f) for f in out.split(b"\0") if f]
+    except (OSError, subprocess.SubprocessError):
+        paths = [p for p in ROOT.rglob("*") if ".git" not in p.parts and ".venv" not in p.parts]
+    return [p for p in paths if p.is_file()]
+
+
 def _leaf_fields(obj, prefix=""):
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -78,9 +90,8 @@ def test_options_fields_and_registry_agree_both_ways():
 def test_every_linerate_name_in_the_tree_is_declared():
     """Every LINERATE_* name that code, scripts, compose files or docs use is declared."""
     used = {}
-    for path in ROOT.rglob("*"):
-        if (not path.is_file() or ".venv" in path.parts or ".git" in path.parts
-                or path.suffix not in (".py", ".sh", ".md", ".yaml", ".yml", ".toml", ".json", "")):
+    for path in _tree_files():
+        if path.suffix not in (".py", ".sh", ".md", ".yaml", ".yml", ".toml", ".json", ""):
             continue
         try:
             text = path.read_text()
@@ -93,7 +104,11 @@ def test_every_linerate_name_in_the_tree_is_declared():
 
 
 def test_nothing_outside_the_registry_reads_the_environment_for_a_linerate_name():
-    pattern = re.compile(r"(os\.environ|getenv|environ\.get)[^\n]*[\"']LINERATE_")
+    """No os.environ / getenv of a LINERATE_* name, and no env.get("LINERATE_...") or
+    env["LINERATE_..."] read of any mapping, outside linerate/settings.py."""
+    pattern = re.compile(r"(os\.environ|getenv|environ\.get)[^\n]*[\"']LINERATE_"
+                         r"|\.get\(\s*[\"']LINERATE_"
+                         r"|\[\s*[\"']LINERATE_[A-Z0-9_]*[\"']\s*\](?!\s*=[^=])")
     offenders = []
     for d in SOURCE_DIRS:
         for path in (ROOT / d).rglob("*.py"):
