@@ -24,6 +24,7 @@ every rank (the transport's ERROR frames), so a mismatch is named on every rank,
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -34,7 +35,7 @@ from linerate.transport import MismatchError, TransportError
 from linerate.transport.shm import BYTES_PER_RANK
 
 from .comm import Comm, OpTimeout
-from .reduce_ops import RedOpType, reduce_into
+from .reduce_ops import RedOpType
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
@@ -57,25 +58,55 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.complex64: np.complex64,
+       torch.complex128: np.complex128, torch.int8: np.int8, torch.uint8: np.uint8,
+       torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+_NP_BINARY = {RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
+              RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
+              RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or,
+              RedOpType.BXOR: np.bitwise_xor}
+_NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
+            RedOpType.PRODUCT: np.logical_and}
 _BINARY = {RedOpType.SUM: torch.add, RedOpType.AVG: torch.add, RedOpType.PRODUCT: torch.mul,
-           RedOpType.MIN: torch.minimum, RedOpType.MAX: torch.maximum,
-           RedOpType.BAND: torch.bitwise_and, RedOpType.BOR: torch.bitwise_or,
-           RedOpType.BXOR: torch.bitwise_xor}
+           RedOpType.MIN: torch.minimum, RedOpType.MAX: torch.maximum}
+#: torch runs an elementwise op on its intra-op threads from this many elements on; the
+#: float16/bfloat16 folds stay below it (4 ranks on 2 cores: OpenMP's spinning threads cost
+#: a third of the CPU time of a 64 MB all_reduce).
+_GRAIN = 32768
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for contiguous tensors of the same size: glibc's memmove, one thread,
+    without the GIL (torch's copy_ would start its intra-op threads for large ones)."""
+    n = src.numel() * src.element_size()
+    if n:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
 def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
-    """out = ((srcs[0] op srcs[1]) op srcs[2]) ...: rank order, as collectives.direct folds."""
+    """out = ((srcs[0] op srcs[1]) op srcs[2]) ...: rank order, as collectives.direct folds.
+    NumPy's loops where NumPy has the dtype (one thread, without the GIL; IEEE operations as
+    torch's, so the bits are the same), torch's below its threading grain otherwise."""
     if len(srcs) == 1:
-        out.copy_(srcs[0])
+        _copy(out, srcs[0])
         return
-    if out.dtype == torch.bool and op in (RedOpType.SUM, RedOpType.AVG):
-        torch.logical_or(srcs[0], srcs[1], out=out)
-    elif out.dtype == torch.bool and op == RedOpType.PRODUCT:
-        torch.logical_and(srcs[0], srcs[1], out=out)
-    else:
-        _BINARY[op](srcs[0], srcs[1], out=out)
-    for s in srcs[2:]:
-        reduce_into(out, s, op)
+    npdt = _NP.get(out.dtype)
+    if npdt is not None:
+        o = out.numpy()
+        ss = [s.numpy() for s in srcs]
+        f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
+        f(ss[0], ss[1], out=o)
+        for x in ss[2:]:
+            f(o, x, out=o)
+        return
+    f = _BINARY[op]  # float16, bfloat16 (floating point: no bitwise ops)
+    n = out.numel()
+    for lo in range(0, n, _GRAIN):
+        hi = min(n, lo + _GRAIN)
+        d = out[lo:hi]
+        f(srcs[0][lo:hi], srcs[1][lo:hi], out=d)
+        for x in srcs[2:]:
+            f(d, x[lo:hi], out=d)
 
 
 class Engine:
@@ -235,7 +266,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     if n * es <= min(SMALL_BYTES, E.C):
         b = E.next_set()
         E.wait_free(E.S(b, r))
-        E.view(E.S(b, r), dt, n, es).copy_(flat)
+        _copy(E.view(E.S(b, r), dt, n, es), flat)
         E.publish()
         E.wait(E.tick)
         areas = [E.S(b, q) for q in range(P)]
@@ -250,7 +281,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         i = ph - 2  # copy the result of chunk i out
         if i >= 0:
             o, ln = chunks[i]
-            flat[o:o + ln].copy_(E.view(E.R(sets[i]), dt, ln, es))
+            _copy(flat[o:o + ln], E.view(E.R(sets[i]), dt, ln, es))
             reads.append(E.R(sets[i]))
         i = ph - 1  # reduce this rank's share of chunk i
         if 0 <= i < nch:
@@ -267,7 +298,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
             o, ln = chunks[i]
             a = E.S(sets[i], r)
             E.wait_free(a)
-            E.view(a, dt, ln, es).copy_(flat[o:o + ln])
+            _copy(E.view(a, dt, ln, es), flat[o:o + ln])
         E.publish(reads)
         if ph < nch + 1:
             E.wait(E.tick)
@@ -280,7 +311,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
     if n * es <= min(SMALL_BYTES, E.C):
         b = E.next_set()
         E.wait_free(E.S(b, r))
-        E.view(E.S(b, r), dt, n, es).copy_(flat)
+        _copy(E.view(E.S(b, r), dt, n, es), flat)
         E.publish()
         areas = [E.S(b, q) for q in range(P)]
         if r == root:
@@ -297,7 +328,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
         if i >= 0:
             if r == root:
                 o, ln = chunks[i]
-                flat[o:o + ln].copy_(E.view(E.R(sets[i]), dt, ln, es))
+                _copy(flat[o:o + ln], E.view(E.R(sets[i]), dt, ln, es))
             reads.append(E.R(sets[i]))
         i = ph - 1
         if 0 <= i < nch:
@@ -314,7 +345,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
             o, ln = chunks[i]
             a = E.S(sets[i], r)
             E.wait_free(a)
-            E.view(a, dt, ln, es).copy_(flat[o:o + ln])
+            _copy(E.view(a, dt, ln, es), flat[o:o + ln])
         E.publish(reads)
         if ph < nch:
             E.wait(E.tick)
@@ -335,13 +366,13 @@ def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
         if i >= 0:  # chunk i was read in this phase (by every rank but the root)
             o, ln = chunks[i]
             if r != root:
-                data[o:o + ln].copy_(E.areas[E.S(sets[i], root)][:ln])
+                _copy(data[o:o + ln], E.areas[E.S(sets[i], root)][:ln])
             reads.append(E.S(sets[i], root))
         if ph < nch and r == root:
             o, ln = chunks[ph]
             a = E.S(sets[ph], root)
             E.wait_free(a)
-            E.areas[a][:ln].copy_(data[o:o + ln])
+            _copy(E.areas[a][:ln], data[o:o + ln])
         E.publish(reads)
         if ph < nch and r != root:
             E.wait(E.tick, [root])
@@ -354,7 +385,7 @@ def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
 
 def gather(comm: Comm, t: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
     if comm.rank == root:
-        outs[root].copy_(t)
+        _copy(outs[root], t)
         segs = [_bytes(o) for o in outs]
     else:
         segs = [None] * comm.size
@@ -379,13 +410,13 @@ def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
             if reader:
                 for q in range(P):
                     if q != r:
-                        segs[q][o:o + ln].copy_(E.areas[E.S(b, q)][:ln])
+                        _copy(segs[q][o:o + ln], E.areas[E.S(b, q)][:ln])
             reads = [E.S(b, q) for q in range(P)]
         if ph < nch:
             o, ln = chunks[ph]
             a = E.S(sets[ph], r)
             E.wait_free(a)
-            E.areas[a][:ln].copy_(mine[o:o + ln])
+            _copy(E.areas[a][:ln], mine[o:o + ln])
         E.publish(reads)
         if ph < nch and reader:
             E.wait(E.tick)
@@ -397,7 +428,7 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
     mine = _bytes(out)
     srcs = [_bytes(x) for x in ins] if r == root else None
     if r == root:
-        mine.copy_(srcs[root])
+        _copy(mine, srcs[root])
     B = (E.C // P) // _ALIGN * _ALIGN
     chunks = _chunks(mine.numel(), B)
     nch = len(chunks)
@@ -409,7 +440,7 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
             o, ln = chunks[i]
             a = E.S(sets[i], root)
             if r != root:
-                mine[o:o + ln].copy_(E.areas[a][r * B:r * B + ln])
+                _copy(mine[o:o + ln], E.areas[a][r * B:r * B + ln])
             reads.append(a)
         if ph < nch and r == root:
             o, ln = chunks[ph]
@@ -418,7 +449,7 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
             area = E.areas[a]
             for q in range(P):
                 if q != root:
-                    area[q * B:q * B + ln].copy_(srcs[q][o:o + ln])
+                    _copy(area[q * B:q * B + ln], srcs[q][o:o + ln])
         E.publish(reads)
         if ph < nch and r != root:
             E.wait(E.tick, [root])
@@ -448,7 +479,7 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) 
             E.wait_free(a)
             slot = E.view(a, dt, P * m, es)
             for q in range(P):
-                slot[q * m:q * m + ln].copy_(segs[q][o:o + ln])
+                _copy(slot[q * m:q * m + ln], segs[q][o:o + ln])
         E.publish(reads)
         if ph < nch:
             E.wait(E.tick)
@@ -467,7 +498,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
     row[_AUX] = steps
     for q in range(P):
         row[_META + q] = src[q].numel()
-    dst[r].copy_(src[r])
+    _copy(dst[r], src[r])
     ph = 0
     total = None
     reads: list = []
@@ -482,7 +513,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
                 if q != r:
                     ln = max(0, min(B, dst[q].numel() - o))
                     if ln:
-                        dst[q][o:o + ln].copy_(E.areas[E.S(b, q)][r * B:r * B + ln])
+                        _copy(dst[q][o:o + ln], E.areas[E.S(b, q)][r * B:r * B + ln])
             reads = [E.S(b, q) for q in range(P)]
         if total is None or ph < total:
             b = E.next_set()
@@ -494,7 +525,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             for q in range(P):
                 ln = max(0, min(B, src[q].numel() - o))
                 if q != r and ln:
-                    area[q * B:q * B + ln].copy_(src[q][o:o + ln])
+                    _copy(area[q * B:q * B + ln], src[q][o:o + ln])
         E.publish(reads)
         if total is not None and ph >= total:
             break
