@@ -41,6 +41,7 @@ _LAZY = {
     "create_process_group": ("linerate.collectives.backend", "create_process_group"),
     "Options": ("linerate.collectives.options", "Options"),
     "TransportOptions": ("linerate.transport.options", "TransportOptions"),
+    "MetricsOptions": ("linerate.transport.options", "MetricsOptions"),
     "neighbor_allreduce": ("linerate.collectives.neighbor", "neighbor_allreduce"),
     "DecentralizedDataParallel": ("linerate.collectives.decentralized", "DecentralizedDataParallel"),
     "PriorityDataParallel": ("linerate.collectives.priority", "PriorityDataParallel"),
