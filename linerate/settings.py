@@ -13,7 +13,8 @@ The few process-wide settings (where pyverbs is loaded from, the netlab tools' s
 here too, by :func:`read`. Nothing outside this module reads ``os.environ`` for a ``LINERATE_*``
 name (tests/test_settings.py checks it).
 
-``python -m linerate.settings`` prints the table that README.md's "Settings" section holds.
+``python -m linerate.settings`` prints the registry as a markdown table (README.md's "Settings" table
+lists the same variables and defaults; tests/test_settings.py checks that they agree).
 """
 from __future__ import annotations
 
