@@ -31,6 +31,14 @@ def as_dist_error(e: BaseException, desc: str = "") -> BaseException:
     return err
 
 
+def _unwrap(fut: torch.futures.Future):
+    """The value of a Work's future: its output tensors, or its error raised."""
+    value = fut.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
 def _complete_futures(works) -> None:
     for w in works:
         w._complete_future()
@@ -50,7 +58,14 @@ class Work(dist._Work):
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._src = -1
-        self._fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        # A failed operation must fail the future for C++ consumers too. Python's
+        # Future.set_exception does not: it completes the C++ future *successfully* with the
+        # exception object as its value (only Python's wait() raises it), and DDP's Reducer
+        # then reads that value as tensors and crashes (SIGSEGV in parseCppCommHookResult).
+        # A then() callback that raises sets a real C++ error on the future it returns, so
+        # the future handed out is that child: DDP, .then() chains and wait() all raise.
+        self._base = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        self._fut = self._base.then(_unwrap)
         #: Called when someone starts waiting for the result (a queued fusion entry then
         #: stops waiting for more calls to fuse with).
         self._on_wait = None
@@ -73,10 +88,7 @@ class Work(dist._Work):
         _completer.submit(_complete_futures, works)
 
     def _complete_future(self) -> None:
-        if self._exc is None:
-            self._fut.set_result(self._result)
-        else:
-            self._fut.set_exception(self._exc)
+        self._base.set_result(self._result if self._exc is None else self._exc)
 
     # -- user side --------------------------------------------------------------------------
     def _waiting(self) -> None:
