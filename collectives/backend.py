@@ -15,6 +15,7 @@ import concurrent.futures
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from datetime import timedelta
@@ -43,7 +44,8 @@ class _Stage:
     contiguous copy. Inputs are captured when the op is called; outputs are copied back to
     the caller's tensors when the op has finished (``finish``)."""
 
-    def __init__(self):
+    def __init__(self, who: str = "linerate"):
+        self._who = who   # "rank R: op", for errors
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.devices: list | None = None
 
@@ -61,6 +63,14 @@ class _Stage:
 
     def out(self, t: torch.Tensor, keep: bool = False) -> torch.Tensor:
         """A tensor to write the result into; ``keep``: it starts with t's contents."""
+        # Elements that share memory (expand(), as_strided with stride 0) cannot each receive
+        # a result: refused here, on the caller's thread before anything is sent, so that the
+        # group stays usable (copying back after the op failed and broke the group).
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(f"{self._who}: the output tensor {str(t.dtype).replace('torch.', '')}"
+                             f"{list(t.shape)} has elements that share memory (strides "
+                             f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns "
+                             f"each element (.clone() it)")
         self._note_device(t)
         if t.device.type == "cpu" and t.is_contiguous():
             return t.detach()
@@ -96,6 +106,15 @@ def _desc(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
 
 
+def _incarnation() -> str:
+    """Which incarnation of the job this process belongs to, for the rendezvous keys: torchrun
+    keeps one Store across restarts (torch 2.13 reuses its agent's TCPStore), so the keys of
+    a failed attempt are still there when the restarted ranks arrive; every attempt has a
+    restart count of its own (TORCHELASTIC_RESTART_COUNT, set by torchrun's agent)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return f"attempt{int(count)}" if count.isdigit() else ""
+
+
 class ProcessGroupLinerate(dist.ProcessGroup):
     """A torch.distributed process group over linerate's striped TCP transport."""
 
@@ -110,7 +129,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._group_name = group_name
         self._group_desc = ""
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
-                            label=group_name or "")
+                            label=group_name or "", scope=_incarnation())
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
         # Every rank on this host with a shared segment: the worker's ops run on it.
@@ -294,7 +313,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             # The head call is part of the digest: a head that differs (dtype, size, op) is
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")
-            k, head_done = fusion.agree(comm, offered, len(offered), self._options.small_bytes)
+            comm.shm = self._shm
+            k, head_done = self._on_shm(comm, fusion).agree(comm, offered, len(offered),
+                                                           self._options.small_bytes)
             taken = offered[:k]
             nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
                                 self._options.allreduce_algo)
@@ -402,12 +423,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         op = op_type(opts.reduceOp)
         for t in tensors:
             check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
         # Fusable: decided from the call alone (never from asyncOp: a rank may call the
         # same all_reduce synchronously where another does not), the same on every rank.
-        if (len(bufs) == 1 and self.size() > 1 and self._shm is None
+        if (len(bufs) == 1 and self.size() > 1
                 and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
             return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts))
 
@@ -452,7 +473,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         check_op(op, tensor.dtype, f"rank {self.rank()}: {what} of {_desc(tensor)}")
         if self._shut:
             raise RuntimeError(f"linerate: {what} on a process group that was shut down")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         buf = stage.out(tensor, keep=True)
         timeout = self._timeout if timeout is None else float(timeout)
         desc = f"{_dts([tensor])} op={_rop(op)} {name}".rstrip()
@@ -522,7 +543,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         for t in tensors:
             self._check_tensor(t, what)
             check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
 
@@ -580,7 +601,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             timeout = self._timeout
         elif isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         if out is None:
             buf = dst = stage.out(tensor, keep=True)
         else:
@@ -620,7 +641,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         buf = stage.out(t, keep=(self.rank() == root))
         algo = self._rooted_module(t)
         return self._submit(what, lambda comm: self._on_shm(comm, algo).broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts),
@@ -634,7 +655,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_root(root, what)
         op = op_type(opts.reduceOp)
         check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         is_root = self.rank() == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
         algo = self._rooted_module(t)
@@ -654,7 +675,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(input_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         src = stage.inp(t)
         outs = None
         if self.rank() == root:
@@ -680,7 +701,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(output_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         ins = None
         if self.rank() == root:
             if len(input_lists) != 1 or len(input_lists[0]) != self.size():
@@ -727,7 +748,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 raise ValueError(f"rank {self.rank()}: all_gather: output {i} has dtype {o.dtype}, "
                                  f"input {t.dtype}")
         self._check_same(t, outs[self.rank()], f"all_gather output {self.rank()}")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         src, segs = self._gather_segs(stage, t, outs)
         return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
                             list(outs), stage, self._op_timeout(opts),
@@ -740,7 +761,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(output_lists) != P or any(len(o) != len(input_tensors) for o in output_lists):
             raise ValueError(f"rank {self.rank()}: {what}: expected {P} output lists (one per "
                              f"rank) of {len(input_tensors)} tensors each")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         jobs = []
         for j, t in enumerate(input_tensors):
             self._check_tensor(t, what)
@@ -771,7 +792,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         src, segs = self._single_gather_job(stage, output, input, what)
         return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
                             [output], stage, self._op_timeout(opts),
@@ -781,7 +802,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         what = "all_gather_into_tensor_coalesced"
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         jobs = [self._single_gather_job(stage, o, i, what) for o, i in zip(outputs, inputs)]
         if len(outputs) != len(inputs):
             raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
@@ -836,7 +857,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(input_lists) != 1:
             raise ValueError(f"rank {self.rank()}: {what}: expected one list of inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
         return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [out], stage, self._op_timeout(opts),
@@ -854,7 +875,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         op = op_type(opts.reduceOp)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}")
         segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
         return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [output], stage, self._op_timeout(opts),
@@ -868,7 +889,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         jobs = [self._single_scatter_job(stage, o, i, op, what) for o, i in zip(outputs, inputs)]
 
         def run(comm: Comm):
@@ -893,7 +914,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if t.dtype != ref.dtype:
                 raise ValueError(f"rank {self.rank()}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
         self._check_same(input_tensors[self.rank()], output_tensors[self.rank()], f"{what} output {self.rank()}")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
         return self._submit(what, lambda comm: self._on_shm(comm, direct).all_to_all(comm, outs, ins),
@@ -908,7 +929,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             raise ValueError(f"rank {self.rank()}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
         in_splits = self._splits(input, input_split_sizes, "input")
         out_splits = self._splits(output, output_split_sizes, "output")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}: {what}")
         src = stage.inp(input)
         dst = stage.out(output)
         ins = self._split_views(src, in_splits)
@@ -980,21 +1001,21 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def send(self, tensors, dst: int, tag: int = 0):
         t = self._check_p2p(tensors, dst, tag, "send")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}")
         buf = stage.inp(t)
         req = self._ctx.isend(dst, byte_view(buf), CHANNEL_P2P, tag, 0, f"send to rank {dst} tag {tag}")
         return self._p2p_work(f"send to rank {dst} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
 
     def recv(self, tensors, src: int, tag: int = 0):
         t = self._check_p2p(tensors, src, tag, "recv")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}")
         buf = stage.out(t)
         req = self._ctx.irecv(src, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from rank {src} tag {tag}")
         return self._p2p_work(f"recv from rank {src} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
 
     def recv_anysource(self, tensors, tag: int = 0):
         t = self._check_p2p(tensors, None, tag, "recv")
-        stage = _Stage()
+        stage = _Stage(f"rank {self.rank()}")
         buf = stage.out(t)
         req = self._ctx.irecv(None, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from any rank tag {tag}")
         return self._p2p_work(f"recv from any rank (tag {tag}, {_desc(t)})", list(tensors), stage, req)

@@ -35,12 +35,11 @@ from linerate.transport import MismatchError, TransportError
 from linerate.transport.shm import BYTES_PER_RANK
 
 from .comm import Comm, OpTimeout
-from .reduce_ops import RedOpType
+from .reduce_ops import RedOpType, finish_avg
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
 _DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
-_META = 64                                # words 64..64+P: per-peer byte counts (all_to_all)
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
 #: Checks of the counters before a waiting rank sleeps on the bell.
@@ -146,12 +145,13 @@ class Engine:
     # ------------------------------------------------------------------ op life
     def begin(self, comm: Comm) -> None:
         row = self.ctrl[self.r]
+        row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
         row[_DIGEST] = _signed(comm.call)
         text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
         desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
         desc[:] = 0
         desc[:len(text)] = np.frombuffer(text, np.uint8)
-        row[_SEQ] = comm.seq  # last: a peer that reads this seq reads this op's digest
+        row[_SEQ] = comm.seq  # last: a peer reads seq, digest, seq (see _check)
         self.comm = comm
         self._checked = False
 
@@ -187,6 +187,10 @@ class Engine:
             broken = comm.ctx.broken
             if broken is not None:
                 raise TransportError(str(broken))
+            for q in (who or range(self.P)):  # a rank that closed its group (or died) never comes
+                peer = comm.ctx.peers.get(q)
+                if peer is not None and peer.failure is not None and prog[q] < t:
+                    raise TransportError(str(peer.failure))
             left = comm.deadline - time.monotonic()
             if left <= 0:
                 late = [q for q in (who or range(self.P)) if prog[q] < t]
@@ -217,21 +221,29 @@ class Engine:
             if q == self.r:
                 continue
             seq = int(ctrl[q, _SEQ])
-            if seq == comm.seq and int(ctrl[q, _DIGEST]) != mine:
-                self._mismatch(q, "called", "with other arguments or another collective")
+            digest = int(ctrl[q, _DIGEST])
+            if int(ctrl[q, _SEQ]) != seq:  # it began another op while this was read
+                ready = False
+                continue
+            if seq == comm.seq and digest != mine:
+                self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
+                               "collectives or passed other arguments (dtype, size, reduce op or "
+                               "root)")
             elif seq > comm.seq and int(self.prog[q]) < t:
-                self._mismatch(q, f"is in op #{seq}", "which this rank is not part of")
+                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
+                               "different sequences of collectives")
             ready = ready and seq >= comm.seq
         if ready and self._ready(t, who):
             self._checked = True
 
+    def _desc(self, q: int) -> str:
+        row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
+        return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
+
     def _mismatch(self, q: int, what: str, why: str) -> None:
         comm = self.comm
-        row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
-        theirs = bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace")
-        msg = (f"rank {self.r}: rank {q} {what} {theirs} while rank {self.r} called {comm.op} "
-               f"#{comm.seq} ({comm.call_text}): the ranks called different collectives or passed "
-               f"other arguments (dtype, size, reduce op or root) {why}{comm.ctx._where()}")
+        msg = (f"rank {self.r}: rank {q} {what} while rank {self.r} called {comm.op}"
+               f"({comm.call_text}) #{comm.seq}: {why}{comm.ctx._where()}")
         comm.ctx.report_error(msg)
         raise MismatchError(msg)
 
@@ -492,12 +504,13 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
     P, r = E.P, E.r
     src = [_bytes(x) for x in ins]
     dst = [_bytes(x) for x in outs]
-    B = (E.C // P) // _ALIGN * _ALIGN
+    # The slots of phase 0 carry, after the P blocks, each rank's step count and the bytes it
+    # sends to / expects from every rank (in the slot: a rank that finished this op may
+    # already reuse its control row).
+    B = ((E.C - 8 * (2 * P + 1)) // P) // _ALIGN * _ALIGN
     steps = max([1] + [-(-x.numel() // B) for x in src + dst])
-    row = E.ctrl[r]
-    row[_AUX] = steps
-    for q in range(P):
-        row[_META + q] = src[q].numel()
+    meta = torch.tensor([steps] + [x.numel() for x in src] + [x.numel() for x in dst],
+                        dtype=torch.int64)
     _copy(dst[r], src[r])
     ph = 0
     total = None
@@ -521,6 +534,8 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             a = E.S(b, r)
             E.wait_free(a)
             area = E.areas[a]
+            if ph == 0:
+                _copy(area[P * B:P * B + meta.numel() * 8], _bytes(meta))
             o = ph * B
             for q in range(P):
                 ln = max(0, min(B, src[q].numel() - o))
@@ -531,15 +546,18 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             break
         E.wait(E.tick)
         if total is None:
-            total = int(E.ctrl[:, _AUX].max())
-            for q in range(P):
-                sent = int(E.ctrl[q, _META + r])
-                if q != r and sent != dst[q].numel():
-                    msg = (f"rank {r}: rank {q} sends {sent} bytes to rank {r} in all_to_all "
-                           f"#{comm.seq}, but rank {r} expects {dst[q].numel()} bytes from it: "
-                           f"the ranks passed other split sizes{comm.ctx._where()}")
-                    comm.ctx.report_error(msg)
-                    raise MismatchError(msg)
+            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + meta.numel() * 8].view(torch.int64)
+                     for q in range(P)]
+            total = max(int(m[0]) for m in metas)
+            for q in range(P):  # both ways: every rank involved names the mismatch
+                for a, b in ((q, r), (r, q)):
+                    sent, want = int(metas[a][1 + b]), int(metas[b][1 + P + a])
+                    if q != r and sent != want:
+                        msg = (f"rank {r}: in all_to_all #{comm.seq} rank {a} sends {sent} bytes "
+                               f"to rank {b}, which expects {want} bytes from it: the ranks "
+                               f"passed other split sizes{comm.ctx._where()}")
+                        comm.ctx.report_error(msg)
+                        raise MismatchError(msg)
         ph += 1
 
 
@@ -547,3 +565,49 @@ def barrier(comm: Comm) -> None:
     E = _engine(comm)
     E.publish()
     E.wait(E.tick)
+
+
+def agree(comm: Comm, entries: list, offered: int, carry_bytes: int) -> tuple[int, bool]:
+    """collectives.fusion.agree on the segment: (the number of entries every rank fuses, the
+    least offered; whether the head entry is already reduced). Each rank publishes its count
+    and the running digest of its calls; a head entry of at most ``carry_bytes`` goes along and
+    is folded here in rank order. Raises ValueError naming the calls when they differ."""
+    from .fusion import summary
+    E = _engine(comm)
+    P, r = E.P, E.r
+    head = entries[0]
+    carry = head.nbytes <= min(carry_bytes, E.C - 64)  # the same on every rank for the same call
+    # In the slot (not the control row, which a rank that finished this op may already reuse):
+    # count and digest in its first 16 bytes, the head entry's bytes from byte 64.
+    b = E.next_set()
+    E.wait_free(E.S(b, r))
+    head_words = E.areas[E.S(b, r)][:16].view(torch.int64)
+    head_words[0] = offered
+    head_words[1] = _signed(entries[offered - 1].chain)
+    flat = head.buf.view(-1)
+    n, es, dt = flat.numel(), flat.element_size(), flat.dtype
+    if carry:
+        _copy(E.areas[E.S(b, r)][64:64 + n * es], _bytes(flat))
+    E.publish()
+    E.wait(E.tick)
+    counts = []
+    for q in range(P):
+        if q == r:
+            continue
+        words = E.areas[E.S(b, q)][:16].view(torch.int64)
+        c, digest = int(words[0]), int(words[1])
+        if c < 1:
+            raise ValueError(f"rank {r}: fused all_reduce #{comm.seq}: rank {q} offered {c} calls")
+        if c <= offered and digest != _signed(entries[c - 1].chain):
+            raise ValueError(
+                f"rank {r}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) differ "
+                f"from rank {q}'s: the ranks passed other dtypes, sizes or reduce ops, or called "
+                f"other operations in between; rank {r} called {summary(entries[:c])}")
+        counts.append(c)
+    k = min([offered] + counts)
+    areas = [E.S(b, q) for q in range(P)]
+    if carry:
+        _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
+        finish_avg(flat, head.op, P)
+    E.publish(areas)
+    return k, carry

@@ -61,8 +61,8 @@ class ShmRefused(Exception):
 
 
 def ctrl_row_bytes(size: int) -> int:
-    """Bytes of one rank's control row: 64 words of state plus one word per rank."""
-    return -(-(512 + 8 * size) // 256) * 256
+    """Bytes of one rank's control row: 64 words of state plus two words per rank."""
+    return -(-(512 + 16 * size) // 256) * 256
 
 
 def segment_layout(size: int) -> tuple[int, int, int]:

@@ -1,0 +1,486 @@
+"""Shared memory between the ranks of one host (transport/shm.py, collectives/shm_algos.py).
+
+- Every collective on the shared segment against Gloo on the same inputs: dtypes (float16,
+  bfloat16, complex, integers, bool), reduce ops, sizes 0, 1, 7, 1001, 70,001 and one larger
+  than a pipeline chunk, world sizes 1-8 on one host. Inputs are small integers: results must
+  be bit-identical to Gloo's; random floats must be bit-identical across ranks.
+- /dev/shm keeps nothing: the name is gone while the group runs (unlinked once every rank
+  mapped it), after a normal exit, after destroy_process_group (the mapping goes too), after
+  1,000 groups created and destroyed, after a rank is SIGKILLed.
+- A co-located rank that dies fails the others' op fast, naming it; a mismatched call is named
+  on every rank; a rank that never comes is named at the timeout; waiting burns no CPU.
+- LINERATE_SHM=0/1/auto, ranks that disagree, a rank "on another host" (mixed: TCP), and a
+  segment whose token does not match (refused).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import resource
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import RankError, run_ranks
+
+R = dist.ReduceOp
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
+SIZES = [0, 1, 7, 1001, 70_001]
+BIG = 2_500_001  # several pipeline chunks of float32/int64
+
+
+def _ops(dtype):
+    if dtype.is_complex:
+        return [R.SUM, R.AVG]
+    if dtype.is_floating_point:
+        return [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
+    return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+
+
+def _data(g, dtype, n, prod=False):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if prod:
+        v = torch.tensor([1, 2] if dtype == torch.uint8 else [-1, 1, 2])[
+            torch.randint(0, 2 if dtype == torch.uint8 else 3, (n,), generator=g)]
+    else:
+        v = torch.randint(0 if dtype == torch.uint8 else -3, 4, (n,), generator=g)
+    if dtype.is_complex:
+        return torch.complex(v.double(), torch.randint(-3, 4, (n,), generator=g).double()).to(dtype)
+    return v.to(dtype)
+
+
+def _real(t):
+    if isinstance(t, list):
+        return [_real(x) for x in t]
+    return torch.view_as_real(t) if t is not None and t.is_complex() else t
+
+
+class _Cases:
+    def __init__(self, rank, P):
+        self.rank, self.P, self.k = rank, P, 0
+        self.fails = []
+        self.n = 0
+
+    def gen(self, same=False):
+        self.k += 1
+        return torch.Generator().manual_seed(7919 * self.k + (0 if same else self.rank + 1))
+
+    def check(self, what, got, want):
+        self.n += 1
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            self.fails.append(f"rank {self.rank}: {what}: got {got.flatten()[:6].tolist()}, "
+                              f"want {want.flatten()[:6].tolist()}")
+
+
+def _matrix(rank, P, lr, quick):
+    assert lr._shm is not None, "the group did not get a shared segment"
+    c = _Cases(rank, P)
+    sizes = SIZES if not quick else [0, 1, 7, 1001]
+    for dtype in DTYPES:
+        big = [BIG] if dtype in (torch.float32, torch.int64) and not quick else []
+        for n in sizes + big:
+            for op in _ops(dtype) if n < 70_000 else [R.SUM, R.MAX if not dtype.is_complex else R.AVG]:
+                x = _data(c.gen(), dtype, n, op == R.PRODUCT)
+                want, got = x.clone(), x.clone()
+                dist.all_reduce(_real(want) if op != R.AVG else want, op=op)
+                dist.all_reduce(got, op=op, group=lr)
+                c.check(f"all_reduce {dtype} {op} n={n}", got, want)
+                root = c.k % P
+                want, got = x.clone(), x.clone()
+                dist.reduce(want, root, op=op)
+                dist.reduce(got, root, op=op, group=lr)
+                if rank == root:
+                    c.check(f"reduce {dtype} {op} n={n} root={root}", got, want)
+                if dtype.is_complex:
+                    continue
+                xs = _data(c.gen(), dtype, n * P, op == R.PRODUCT)
+                want, got = torch.empty(n, dtype=dtype), torch.full((n,), 9).to(dtype)
+                if dtype != torch.bool:  # Gloo has no bool reduce_scatter
+                    dist.reduce_scatter_tensor(want, xs, op=op)
+                    dist.reduce_scatter_tensor(got, xs, op=op, group=lr)
+                    c.check(f"reduce_scatter_tensor {dtype} {op} n={n}", got, want)
+                    gl, ll = list(xs.chunk(P)) if n else [xs] * P, None
+                    ll = [t.clone() for t in gl]
+                    want2, got2 = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(want2, gl, op=op)
+                    dist.reduce_scatter(got2, ll, op=op, group=lr)
+                    c.check(f"reduce_scatter {dtype} {op} n={n}", got2, want2)
+            x = _data(c.gen(), dtype, n)
+            root = c.k % P
+            want, got = x.clone(), x.clone()
+            dist.broadcast(_real(want), root)
+            dist.broadcast(got, root, group=lr)
+            c.check(f"broadcast {dtype} n={n} root={root}", got, want)
+            want, got = torch.empty(n * P, dtype=dtype), torch.empty(n * P, dtype=dtype)
+            dist.all_gather_into_tensor(_real(want), _real(x))
+            dist.all_gather_into_tensor(got, x, group=lr)
+            c.check(f"all_gather_into_tensor {dtype} n={n}", got, want)
+            wl = [torch.empty(n, dtype=dtype) for _ in range(P)]
+            gl = [torch.empty(n, dtype=dtype) for _ in range(P)]
+            dist.all_gather(_real(wl), _real(x))
+            dist.all_gather(gl, x, group=lr)
+            for i in range(P):
+                c.check(f"all_gather {dtype} n={n} [{i}]", gl[i], wl[i])
+            wl = [torch.empty(n, dtype=dtype) for _ in range(P)] if rank == root else None
+            gl = [torch.empty(n, dtype=dtype) for _ in range(P)] if rank == root else None
+            dist.gather(_real(x), _real(wl), root)
+            dist.gather(x, gl, root, group=lr)
+            if rank == root:
+                for i in range(P):
+                    c.check(f"gather {dtype} n={n} root={root} [{i}]", gl[i], wl[i])
+            ins = [_data(c.gen(same=True), dtype, n) for _ in range(P)] if rank == root else None
+            want, got = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            dist.scatter(_real(want), _real(ins), root)
+            dist.scatter(got, ins, root, group=lr)
+            c.check(f"scatter {dtype} n={n} root={root}", got, want)
+            inp = _data(c.gen(), dtype, n * P)
+            want, got = torch.empty_like(inp), torch.empty_like(inp)
+            dist.all_to_all_single(_real(want), _real(inp))
+            dist.all_to_all_single(got, inp, group=lr)
+            c.check(f"all_to_all_single {dtype} n={n}", got, want)
+            il = list(inp.chunk(P)) if n else [inp] * P
+            wl = [torch.empty(n, dtype=dtype) for _ in range(P)]
+            gl = [torch.empty(n, dtype=dtype) for _ in range(P)]
+            dist.all_to_all(_real(wl), _real(il))
+            dist.all_to_all(gl, [t.clone() for t in il], group=lr)
+            for i in range(P):
+                c.check(f"all_to_all {dtype} n={n} [{i}]", gl[i], wl[i])
+    # uneven all_to_all_single: rank r sends (r + q) % 3 * 1000 + q rows to rank q
+    send = [((rank + q) % 3) * 1000 + q for q in range(P)]
+    recv = [((q + rank) % 3) * 1000 + rank for q in range(P)]
+    inp = _data(c.gen(), torch.float32, sum(send))
+    want, got = torch.empty(sum(recv)), torch.empty(sum(recv))
+    dist.all_to_all_single(want, inp, recv, send)
+    dist.all_to_all_single(got, inp, recv, send, group=lr)
+    c.check("all_to_all_single uneven", got, want)
+    # coalesced, and random floats: every rank gets the same bits
+    xs = [_data(c.gen(), torch.float32, n) for n in (3, 70_001)]
+    want, got = [x.clone() for x in xs], [x.clone() for x in xs]
+    for w in want:
+        dist.all_reduce(w)
+    dist.all_reduce_coalesced(got, group=lr)
+    for i in range(2):
+        c.check(f"all_reduce_coalesced [{i}]", got[i], want[i])
+    for n in (1001, BIG if not quick else 70_001):
+        x = torch.randn(n, generator=c.gen())
+        dist.all_reduce(x, group=lr)
+        allx = [torch.empty(n) for _ in range(P)]
+        dist.all_gather(allx, x)
+        for i in range(P):
+            c.check(f"random floats n={n}: rank {i} == rank {rank}", allx[i], x)
+        ref = x.clone()
+        dist.all_reduce(ref)  # not compared bit for bit with Gloo (another order)
+    dist.barrier(group=lr)
+    return c.fails, c.n
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_every_collective_matches_gloo(P):
+    for fails, n in run_ranks(_matrix, P, False, timeout=800):
+        assert not fails, "\n".join(fails[:20])
+        assert n > 500
+
+
+@pytest.mark.timeout(600)
+def test_eight_ranks_small_sizes():
+    for fails, n in run_ranks(_matrix, 8, True, timeout=500):
+        assert not fails, "\n".join(fails[:20])
+
+
+def _one_rank(rank, P, lr):
+    x = torch.arange(5.0)
+    dist.all_reduce(x, group=lr)
+    dist.barrier(group=lr)
+    return lr._shm is None, x.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_has_no_segment():
+    assert run_ranks(_one_rank, 1, timeout=90) == [(True, [0.0, 1.0, 2.0, 3.0, 4.0])]
+
+
+# ----------------------------------------------------------------------------- /dev/shm
+def _segment_state(rank, P, lr):
+    """The name is gone once the group exists; after destroy the mapping is gone too."""
+    name = lr._ctx.shm.name
+    x = torch.ones(100_000)
+    dist.all_reduce(x, group=lr)
+    present = os.path.exists(f"/dev/shm/{name}")
+    mapped = _mapped(name)
+    g = dist.new_group(backend="linerate")
+    gname = g._ctx.shm.name
+    dist.all_reduce(x, group=g)
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    return {"name": name, "present": present, "mapped": mapped, "sub": gname,
+            "sub_mapped_after_destroy": _mapped(gname), "sum": x[0].item()}
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return name in f.read()
+
+
+@pytest.mark.timeout(120)
+def test_nothing_left_in_dev_shm_after_exit_and_destroy():
+    res = run_ranks(_segment_state, 3, timeout=90)
+    names = {r["name"] for r in res} | {r["sub"] for r in res}
+    assert len(names) == 2, res  # one segment per group, the same on every rank
+    for r in res:
+        assert r["mapped"] and not r["present"], r  # mapped, and already unlinked
+        assert not r["sub_mapped_after_destroy"], r
+        assert r["sum"] == 9.0
+    for n in names:
+        assert not os.path.exists(f"/dev/shm/{n}")
+        assert re.fullmatch(r"linerate-[0-9a-f]{32}", n), n
+
+
+def _thousand_groups(rank, P, lr, count):
+    names = set()
+    x = torch.ones(3)
+    for _ in range(count):
+        g = dist.new_group(backend="linerate")
+        names.add(g._ctx.shm.name)
+        dist.all_reduce(x, group=g)
+        dist.destroy_process_group(g)
+        del g
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        left = sum(1 for line in f if "/linerate-" in line)
+    return sorted(names), left, x[0].item()
+
+
+@pytest.mark.timeout(900)
+def test_thousand_groups_created_and_destroyed():
+    count = 1000
+    res = run_ranks(_thousand_groups, 2, count, timeout=850)
+    names, left, total = res[0]
+    assert len(names) == count and res[1][0] == names
+    assert total == 2.0 ** count or total == float("inf")
+    for r in res:
+        assert r[1] <= 2, f"{r[1]} segments still mapped in a rank after {count} groups"
+    present = set(os.listdir("/dev/shm"))
+    assert not present & set(names)
+
+
+def _killed(rank, P, lr, out):
+    """Rank 2 SIGKILLs itself during a stream of 64 MB all_reduces; the others must fail
+    fast naming it."""
+    name = lr._ctx.shm.name
+    with open(os.path.join(out, f"name-{rank}"), "w") as f:
+        f.write(name)
+    x = torch.ones(16 << 20)
+    dist.all_reduce(x, group=lr)
+    if rank == 2:
+        def die():
+            time.sleep(0.3)
+            with open(os.path.join(out, "killed"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=die, daemon=True).start()
+    try:
+        for _ in range(10_000):
+            dist.all_reduce(x, group=lr)
+    except Exception as e:  # noqa: BLE001 - what it raises is the subject
+        at = time.time()
+        with open(os.path.join(out, f"error-{rank}"), "w") as f:
+            json.dump({"at": at, "error": str(e), "type": type(e).__name__}, f)
+        return str(e)
+    return "completed"
+
+
+@pytest.mark.timeout(180)
+def test_killed_rank_is_named_fast_and_leaves_nothing(tmp_path):
+    with pytest.raises(RankError, match="rank 2"):
+        run_ranks(_killed, 3, str(tmp_path), timeout=120, error_grace=20)
+    killed = float((tmp_path / "killed").read_text())
+    name = (tmp_path / "name-0").read_text()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    for r in (0, 1):
+        rep = json.loads((tmp_path / f"error-{r}").read_text())
+        delay = rep["at"] - killed
+        print(f"rank {r}: {delay:.3f}s after the kill: {rep['error'][:300]}")
+        assert re.search(r"\brank 2\b", rep["error"]), rep
+        assert "all_reduce" in rep["error"], rep
+        assert 0 <= delay < 2.0, f"rank {r} noticed the death after {delay:.3f}s"
+
+
+# ----------------------------------------------------------------------------- errors
+def _mismatch(rank, P, lr, kind):
+    g = dist.new_group(backend="linerate", timeout=timedelta(seconds=30))
+    assert g._shm is not None
+    x = torch.ones(100 if rank == 0 or kind != "size" else 200)
+    t0 = time.monotonic()
+    try:
+        if kind == "size":
+            dist.all_reduce(x, group=g)
+        elif kind == "op":
+            if rank == 0:
+                dist.all_reduce(x, group=g)
+            else:
+                dist.broadcast(x, 1, group=g)
+        elif kind == "big":
+            y = torch.ones((3 << 20) if rank else (3 << 20) + 16)
+            dist.all_reduce(y, group=g)
+        elif kind == "splits":
+            # rank 1 sends rank 0 two rows, rank 0 expects three (the rest agrees)
+            send = [3, 3] if rank == 0 else [2, 4]
+            recv = [3, 3] if rank == 0 else [3, 4]
+            inp, out = torch.ones(sum(send)), torch.empty(sum(recv))
+            dist.all_to_all_single(out, inp, recv, send, group=g)
+        # A root that only writes (broadcast) may finish before the others look: as over TCP,
+        # where a send completes once written, it learns of the mismatch in its next op.
+        dist.barrier(group=g)
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - t0
+    return "completed", time.monotonic() - t0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["size", "op", "big", "splits"])
+def test_mismatched_calls_are_named_on_every_rank(kind):
+    res = run_ranks(_mismatch, 2, kind, timeout=200)
+    for rank, (msg, took) in enumerate(res):
+        assert msg != "completed", res
+        assert took < 20, res  # named at once, not at the 30 s timeout
+        assert "rank 0" in msg and "rank 1" in msg, msg
+        if kind == "splits":
+            assert "bytes" in msg, msg
+        else:
+            assert re.search(r"all_reduce|broadcast", msg), msg
+
+
+def _absent(rank, P, lr):
+    g = dist.new_group(backend="linerate", timeout=timedelta(seconds=3))
+    x = torch.ones(10)
+    t0 = time.monotonic()
+    if rank == 1:
+        time.sleep(5)  # never calls it
+        return "slept", 0.0
+    try:
+        dist.all_reduce(x, group=g)
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - t0
+    return "completed", 0.0
+
+
+@pytest.mark.timeout(120)
+def test_rank_that_never_comes_is_named_at_the_timeout():
+    (msg, took), _ = run_ranks(_absent, 2, timeout=90)
+    assert "timeout" in msg and "rank 1" in msg, msg
+    assert 2.5 < took < 8, took
+
+
+def _waiting_cpu(rank, P, lr):
+    x = torch.ones(1000)
+    dist.all_reduce(x, group=lr)
+    if rank == 0:
+        time.sleep(2.0)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    dist.all_reduce(x, group=lr)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+
+
+@pytest.mark.timeout(120)
+def test_waiting_burns_no_cpu():
+    cpu = run_ranks(_waiting_cpu, 4, timeout=90)
+    for r in (1, 2, 3):  # they waited ~2 s for rank 0
+        assert cpu[r] < 0.3, f"rank {r} used {cpu[r]:.2f}s of CPU waiting 2 s: {cpu}"
+
+
+# ----------------------------------------------------------------------------- LINERATE_SHM
+def _mode(rank, P, lr, patch):
+    from linerate.transport import shm
+    if patch == "host" and rank == 1:
+        shm.host_id = lambda: "another-host"
+    if patch == "token" and rank == 1:
+        shm._mac = lambda secret, name, token: "0" * 64
+    try:
+        g = dist.new_group(backend="linerate")
+    except Exception as e:  # noqa: BLE001
+        return "error", str(e)
+    x = torch.full((70_001,), float(rank + 1))
+    dist.all_reduce(x, group=g)
+    y = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    dist.broadcast(y, 0, group=g)
+    ok = bool((x == P * (P + 1) / 2).all()) and y.tolist() == [0.0, 1.0, 2.0, 3.0]
+    return ("shm" if g._shm is not None else "tcp"), ok
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env,patch,want", [
+    ({}, None, "shm"),
+    ({"LINERATE_SHM": "auto"}, None, "shm"),
+    ({"LINERATE_SHM": "1"}, None, "shm"),
+    ({"LINERATE_SHM": "0"}, None, "tcp"),
+    ({}, "host", "tcp"),             # a rank on "another host": the group keeps TCP
+    ({}, "token", "tcp"),            # the segment's token is refused: TCP
+    ({"LINERATE_SHM": "1"}, "host", "error"),
+    ({"LINERATE_SHM": "1"}, "token", "error"),
+])
+def test_linerate_shm_setting(env, patch, want):
+    res = run_ranks(_mode, 3, patch, env=env, timeout=240)
+    for rank, (got, detail) in enumerate(res):
+        assert got == want, res
+        if want == "error":
+            assert "LINERATE_SHM=1" in detail and "[1]" in detail, detail
+            if patch == "token":
+                assert "token" in detail, detail
+        else:
+            assert detail is True, res
+
+
+def _disagree(rank, P, lr):
+    os.environ["LINERATE_SHM"] = "0" if rank == 1 else "1"
+    try:
+        dist.new_group(backend="linerate")
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "created"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_the_setting():
+    for msg in run_ranks(_disagree, 2, timeout=90):
+        assert "LINERATE_SHM" in msg and "same setting" in msg, msg
+
+
+# ----------------------------------------------------------------------------- segment proof
+def test_segment_is_private_and_authenticated():
+    from linerate.transport import shm
+    secret = os.urandom(32)
+    name, path, token, buf = shm._create(2)
+    try:
+        st = os.stat(path)
+        assert st.st_mode & 0o777 == 0o600
+        assert re.fullmatch(r"linerate-[0-9a-f]{32}", name)
+        good = shm._mac(secret, name, token)
+        seg = shm._attach(name, 2, secret, good)
+        assert seg.numel() == buf.numel()
+        with pytest.raises(shm.ShmRefused, match="token"):
+            shm._attach(name, 2, secret, shm._mac(os.urandom(32), name, token))  # another job
+        buf[shm._TOKEN_OFF] ^= 0xFF  # a segment with another token in it
+        with pytest.raises(shm.ShmRefused, match="token"):
+            shm._attach(name, 2, secret, good)
+        buf[shm._TOKEN_OFF] ^= 0xFF
+        os.chmod(path, 0o644)
+        with pytest.raises(shm.ShmRefused, match="mode"):
+            shm._attach(name, 2, secret, good)
+        with pytest.raises(shm.ShmRefused, match="malformed"):
+            shm._attach("../etc/passwd", 2, secret, good)
+        with pytest.raises(shm.ShmRefused, match="cannot open"):
+            shm._attach("linerate-" + "0" * 32, 2, secret, good)
+    finally:
+        os.unlink(path)
