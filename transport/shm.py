@@ -73,18 +73,23 @@ def segment_layout(size: int) -> tuple[int, int, int]:
 
 
 def host_id() -> str:
-    """What ranks that can share memory have in common: the kernel boot, the host name and the
-    /dev/shm file system (a container with its own /dev/shm has another device number)."""
+    """What ranks that can share memory have in common: the kernel boot, the host name, the
+    /dev/shm file system (a container with its own /dev/shm has another device number) and the
+    network namespace: ranks in separate network namespaces are treated as separate hosts
+    (netlab's emulated hosts are namespaces of one machine; they must talk over their links)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "?"
-    try:
-        dev = os.stat(SHM_DIR).st_dev
-    except OSError:
-        dev = -1
-    return f"{boot}/{socket.gethostname()}/{dev}"
+    ids = []
+    for path in (SHM_DIR, "/proc/self/ns/net"):
+        try:
+            st = os.stat(path)
+            ids.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            ids.append("?")
+    return f"{boot}/{socket.gethostname()}/{'/'.join(ids)}"
 
 
 def _mac(secret: bytes, name: str, token: bytes) -> str:
