@@ -182,6 +182,9 @@ class _Loopback:
                                    timeout=timedelta(seconds=60))
         base = dict(os.environ, FAULT_OUT=str(out), FAULT_STORE_PORT=str(self.store.port),
                     MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(P), OMP_NUM_THREADS="1",
+                    # the TCP path's faults (ranks on one host would share memory:
+                    # tests/test_shm.py kills a rank there)
+                    LINERATE_SHM="0",
                     PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         base.update({k: str(v) for k, v in env.items()})
         self.procs = []
