@@ -87,6 +87,9 @@ class Comm:
         self._req_desc = self._desc
         #: Priority of this op's sends (lower goes first; transport Context.isend).
         self.priority = 0
+        # What this rank tells a peer that asks how far it got (a timeout's diagnosis).
+        if seq > ctx.progress:
+            ctx.progress = seq
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
@@ -159,8 +162,26 @@ class Comm:
                              f"is outstanding: its host or link is down?"
                              for r, s in sorted(self.ctx.unacknowledged().items()))
             raise OpTimeout(f"rank {self.rank}: {self._desc} did not complete within the "
-                            f"{self.timeout:.1f}s timeout: still waiting for {who} ({what})"
-                            f"{silent}{hint}") from None
+                            f"{self.timeout:.1f}s timeout{self._absent()}: this rank was still "
+                            f"waiting for {who} ({what}){silent}{hint}") from None
+
+    def _absent(self) -> str:
+        """Which ranks have not entered this op, as far as they answer within a second: the
+        rank a ring waits for may itself be waiting for the one that never came."""
+        late, silent = [], []
+        for r, progress in sorted(self.ctx.peer_progress(min(1.0, max(0.1, self.timeout / 10))).items()):
+            if progress is None:
+                silent.append(r)
+            elif progress < self.seq:
+                late.append(f"rank {r} (last entered #{progress})" if progress else f"rank {r}")
+        parts = []
+        if late:
+            parts.append(f"{', '.join(late)} {'has' if len(late) == 1 else 'have'} not entered "
+                         f"{self.op} #{self.seq}")
+        if silent:
+            parts.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                         f"did not answer (exited, hung in native code, or link down)")
+        return f": {'; '.join(parts)}" if parts else ""
 
     def wait_all(self, reqs) -> None:
         for r in reqs:

@@ -841,7 +841,7 @@ def test_framing_round_trip():
 
 @pytest.mark.parametrize("fields,match", [
     ((0, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
-    ((4, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
+    ((6, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
     ((255, 0, CHANNEL_P2P, 0, 0, 0, 0, 0), "kind"),
     ((framing.KIND_DATA, 0, 0, 0, 0, 0, 0, 0), "channel"),
     ((framing.KIND_DATA, 0, 3, 0, 0, 0, 0, 0), "channel"),
@@ -853,6 +853,8 @@ def test_framing_round_trip():
     ((framing.KIND_DATA, 0, CHANNEL_P2P, 10, 0, 0, 2**64 - 1, 2**64 - 5), "outside"),
     ((framing.KIND_ERROR, 0, 0, framing.MAX_ERROR_BYTES + 1, 0, 0, 0, 0), "exceeds"),
     ((framing.KIND_CLOSE, 0, 0, 1, 0, 0, 0, 0), "CLOSE"),
+    ((framing.KIND_QUERY, 0, 0, 1, 0, 0, 0, 0), "QUERY"),
+    ((framing.KIND_PROGRESS, 0, 0, 8, 7, 0, 0, 0), "PROGRESS"),
 ])
 def test_framing_rejects(fields, match):
     with pytest.raises(framing.FrameError, match=match):
@@ -867,7 +869,7 @@ def test_framing_fuzz():
             raw = rng.randbytes(framing.HEADER_SIZE)
         else:  # plausible headers reach the deeper checks
             raw = framing.pack_header(
-                rng.choice([0, 1, 2, 3, 4, 255]), rng.randrange(256), rng.choice([0, 1, 2, 3, 65535]),
+                rng.choice([0, 1, 2, 3, 4, 5, 6, 255]), rng.randrange(256), rng.choice([0, 1, 2, 3, 65535]),
                 rng.choice([0, 1, MAX_CHUNK, MAX_CHUNK + 1, rng.randrange(2**32)]),
                 rng.randrange(2**64), rng.randrange(2**64),
                 rng.choice([0, 1, MAX_CHUNK, rng.randrange(2**64)]),
@@ -878,7 +880,8 @@ def test_framing_fuzz():
         except framing.FrameError:
             continue
         decoded += 1
-        assert kind in (framing.KIND_DATA, framing.KIND_ERROR, framing.KIND_CLOSE)
+        assert kind in (framing.KIND_DATA, framing.KIND_ERROR, framing.KIND_CLOSE,
+                        framing.KIND_QUERY, framing.KIND_PROGRESS)
         if kind == framing.KIND_DATA:
             assert channel in (CHANNEL_COLLECTIVE, CHANNEL_P2P)
             assert length <= MAX_CHUNK and offset + length <= total

@@ -33,7 +33,8 @@ import zlib
 import numpy as np
 
 from . import framing, handshake, metrics, rdma, shm
-from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR
+from .framing import (CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR,
+                      KIND_PROGRESS, KIND_QUERY)
 from .interfaces import listen_addresses
 from .options import TransportOptions, sockets_per_rail
 from .request import MismatchError, PeerFailure, Request, TransportError
@@ -111,8 +112,13 @@ class Context:
     """The connections of ``rank`` to every other rank of a group of ``size`` ranks."""
 
     def __init__(self, store, rank: int, size: int, options: TransportOptions | None = None,
-                 opnames: dict[int, str] | None = None, label: str = ""):
+                 opnames: dict[int, str] | None = None, label: str = "", scope: str = ""):
         self.rank = rank
+        #: Every rendezvous key of this group lies under this prefix. ``scope`` names one
+        #: incarnation of the job (e.g. torchrun's restart count): a store that outlives a
+        #: failed attempt (torchrun keeps its TCPStore across restarts) still holds that
+        #: attempt's secret and listen addresses, which must never be taken for this one's.
+        self._prefix = f"{_STORE_PREFIX}{scope}/" if scope else _STORE_PREFIX
         self.size = size
         self.options = options or TransportOptions.from_env()
         #: Seconds of silence after which a peer's connections fail (LINERATE_LINK_TIMEOUT).
@@ -123,6 +129,10 @@ class Context:
         self._anysource: dict[int, collections.deque] = {}
         self._calls: dict[int, tuple[int, str]] = {}  # collective tag -> (call digest, desc)
         self._closing = False
+        #: An opaque number the user of this Context keeps (the collectives: the sequence
+        #: number of the last operation entered); peers can ask for it (peer_progress).
+        self.progress = 0
+        self._answers: dict[int, int] = {}   # peer -> progress it answered (peer_progress)
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         self._threads: list[threading.Thread] = []
@@ -155,12 +165,13 @@ class Context:
         so that they fail at once with its message instead of waiting for it until
         LINERATE_CONNECT_TIMEOUT (or the store's own timeout)."""
         deadline = time.monotonic() + self.options.connect_timeout
-        rv = _Rendezvous(store, self.rank, deadline, self.options.connect_timeout)
+        rv = self._rv = _Rendezvous(store, self.rank, deadline, self.options.connect_timeout,
+                                    self._prefix)
         try:
             self._build_mesh_on(rv, deadline)
             # Ranks of one host that can map one segment share memory (transport/shm.py).
             self.shm = shm.establish(rv, self.rank, self.size, self._secret, self.options.shm,
-                                     _STORE_PREFIX, rv.generation)
+                                     self._prefix, rv.generation)
         except BaseException as e:
             if not isinstance(e, _PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
@@ -168,21 +179,20 @@ class Context:
 
     def _build_mesh_on(self, store: "_Rendezvous", deadline: float) -> None:
         opts = self.options
+        pre = self._prefix
+        mine = self._agreed_settings()
         if self.rank == 0:
             self._secret = os.urandom(32)
-            store.set(_STORE_PREFIX + "checksum", "1" if opts.checksum else "0")
-            store.set(_STORE_PREFIX + "secret", self._secret.hex())
+            store.set(pre + "settings", json.dumps(mine))
+            store.set(pre + "secret", self._secret.hex())
             store.generation = self._secret.hex()[:16]
         else:
-            self._secret = bytes.fromhex(_store_get(store, _STORE_PREFIX + "secret").decode())
+            self._secret = bytes.fromhex(_store_get(store, pre + "secret").decode())
             store.generation = self._secret.hex()[:16]
-            theirs = _store_get(store, _STORE_PREFIX + "checksum") == b"1"
-            if theirs != opts.checksum:
-                raise ValueError(f"rank {self.rank}: LINERATE_CHECKSUM is {int(opts.checksum)} here "
-                                 f"but {int(theirs)} on rank 0: every rank must use the same setting")
-        self.transport = rdma.agree_transport(store, self.rank, self.size, opts, _STORE_PREFIX)
+            _check_agreement(self.rank, mine, _store_get(store, pre + "settings"))
+        self.transport = rdma.agree_transport(store, self.rank, self.size, opts, pre)
         if self.transport == "rdma":  # RC queue pairs as the connections (transport/rdma.py)
-            rdma.build_mesh(self, store, deadline, _STORE_PREFIX)
+            rdma.build_mesh(self, store, deadline, pre)
             return
         listeners = []
         for addr in self.addresses:
@@ -194,12 +204,12 @@ class Context:
             listeners.append(ls)
         self._listeners = listeners
         published = [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
-        store.set(f"{_STORE_PREFIX}addr/{self.rank}", json.dumps(published))
+        store.set(f"{pre}addr/{self.rank}", json.dumps(published))
         for ls in listeners:
             self._spawn(self._accept_loop, ls, name="linerate-accept")
         # Each rank connects to the lower ranks and accepts from the higher ones.
         for peer in range(self.rank):
-            raw = _store_get(store, f"{_STORE_PREFIX}addr/{peer}")
+            raw = store.get(f"{pre}addr/{peer}")
             remote = _parse_addresses(raw, peer, self.nrails)
             for rail in range(self.nrails):
                 for k in range(opts.nsocks):
@@ -215,7 +225,7 @@ class Context:
                         f"rank {self.rank}: connections from ranks {missing} did not arrive within "
                         f"{opts.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); are all ranks "
                         f"started and is their address reachable?")
-                self._mesh_cond.wait(min(left, 0.2))
+                self._mesh_cond.wait(min(left, 0.05))
                 store.raise_if_failed("while waiting for connections")
         for ls in listeners:  # mesh complete: nobody else may connect
             try:
@@ -223,6 +233,13 @@ class Context:
             except OSError:
                 pass
         log.debug("rank %d: mesh of %d ranks x %d connections ready", self.rank, self.size, self.nconns)
+
+    def _agreed_settings(self) -> dict:
+        """The settings every rank of a group must share, as this rank has them (resolved:
+        ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
+        return {"LINERATE_CHECKSUM": int(self.options.checksum),
+                "LINERATE_NSOCKS": self.options.nsocks,
+                "LINERATE_SOCKET_IFNAME (number of interfaces)": self.nrails}
 
     def _use_rails(self, nrails: int) -> None:
         """Another transport's number of rails (RDMA: ports), before any connection exists."""
@@ -256,6 +273,11 @@ class Context:
                 if not retryable or time.monotonic() + delay > deadline:
                     raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
                                          f"{host}:{port} (connection {index}): {e}") from e
+                # A peer that gave up (a setting that differs, say) closed its listener: its
+                # report, not this refusal, is the cause, and it must not take until the deadline.
+                rv = getattr(self, "_rv", None)
+                if rv is not None:
+                    rv.raise_if_failed(f"while connecting to rank {peer}")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
@@ -542,9 +564,9 @@ class Context:
                             raise _Closing
                         p.cond.wait()
                     req = p.send_queue[0]
-                    if isinstance(req, tuple):  # a control frame (kind, payload)
+                    if isinstance(req, tuple):  # a control frame (kind, payload[, tag])
                         p.send_queue.popleft()
-                        kind, payload = req
+                        kind, payload, ctag = req if len(req) == 3 else (*req, 0)
                         req = None
                     else:
                         off = req.next_off
@@ -556,7 +578,7 @@ class Context:
                         if p.send_queue:
                             p.cond.notify()  # more chunks: another connection takes the next
                 if req is None:
-                    sock.sendall(pack(kind, 0, 0, len(payload), 0, 0, len(payload), 0, 0) + payload)
+                    sock.sendall(pack(kind, 0, 0, len(payload), ctag, 0, len(payload), 0, 0) + payload)
                     continue
                 if req.error is not None or buf is None:
                     continue  # failed while queued: drop the rest
@@ -634,6 +656,15 @@ class Context:
                     msg = bytes(text).decode("utf-8", "replace")
                     self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
                                      only_collective=True)
+                elif kind == KIND_QUERY:  # answered at once, whatever this rank is doing
+                    with p.cond:
+                        if p.failure is None:
+                            p.send_queue.appendleft((KIND_PROGRESS, b"", self.progress))
+                            p.cond.notify()
+                elif kind == KIND_PROGRESS:
+                    with self._mesh_cond:
+                        self._answers[p.rank] = tag
+                        self._mesh_cond.notify_all()
                 else:  # CLOSE
                     conn.closed = True
                     with self._lock:
@@ -850,6 +881,29 @@ class Context:
                 if p.failure is None:
                     p.send_queue.appendleft((KIND_ERROR, payload))
                     p.cond.notify()
+
+    def peer_progress(self, timeout: float = 1.0) -> dict[int, int | None]:
+        """Ask every peer for its ``progress`` and wait up to ``timeout`` seconds for the
+        answers (they come from the peers' receive threads, whatever their users are doing).
+        Returns peer -> its progress, or None for a peer that failed or did not answer."""
+        asked = []
+        with self._mesh_cond:
+            for r in self.peers:
+                self._answers.pop(r, None)
+        for p in self.peers.values():
+            with p.cond:
+                if p.failure is None and None not in p.conns:
+                    p.send_queue.appendleft((KIND_QUERY, b"", 0))
+                    p.cond.notify()
+                    asked.append(p.rank)
+        deadline = time.monotonic() + timeout
+        with self._mesh_cond:
+            while not all(r in self._answers for r in asked):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._mesh_cond.wait(left)
+            return {r: self._answers.get(r) for r in self.peers}
 
     # ------------------------------------------------------------------ statistics, teardown
     def connection_stats(self) -> list[dict]:
@@ -1072,8 +1126,9 @@ class _Rendezvous:
     secret), so a failure of an earlier group with the same store prefix is not taken for
     one of this group."""
 
-    def __init__(self, store, rank: int, deadline: float, timeout: float):
-        self._store, self._rank = store, rank
+    def __init__(self, store, rank: int, deadline: float, timeout: float,
+                 prefix: str = _STORE_PREFIX):
+        self._store, self._rank, self._prefix = store, rank, prefix
         self._deadline, self._timeout = deadline, timeout
         self.generation: str | None = None   # known once rank 0's secret is
         # A user's Store subclass need not implement check(): without it set-up waits with
@@ -1085,10 +1140,18 @@ class _Rendezvous:
 
     def _check(self, key: str) -> bool | None:
         """Whether the key is set; None if this store cannot say without blocking."""
-        return bool(self._store.check([key])) if self._can_check else None
+        if not self._can_check:
+            return None
+        try:
+            return bool(self._store.check([key]))
+        except RuntimeError as e:  # torch's DistNetworkError and kin
+            raise TransportError(
+                f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
+                f"process hosting it (MASTER_ADDR:MASTER_PORT, rank 0 unless torchrun's agent "
+                f"hosts it) probably exited after failing: its error says why") from None
 
     def _fail_key(self) -> str:
-        return f"{_STORE_PREFIX}setup_failed/{self.generation}"
+        return f"{self._prefix}setup_failed/{self.generation}"
 
     def set(self, key: str, value) -> None:
         self._store.set(key, value)
@@ -1141,6 +1204,22 @@ def _has_check(store) -> bool:
             return False
         raise
     return True
+
+
+def _check_agreement(rank: int, mine: dict, raw: bytes) -> None:
+    """Compare this rank's shared settings with rank 0's record; a difference is a ValueError
+    naming every setting that differs and both values."""
+    try:
+        theirs = json.loads(raw.decode())
+        ok = isinstance(theirs, dict)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        ok = False
+    if not ok:
+        raise TransportError(f"rank {rank}: rank 0 published malformed settings in the store: {raw[:200]!r}")
+    differ = [f"{name} is {mine[name]} here but {theirs.get(name, '(not set)')} on rank 0"
+              for name in mine if theirs.get(name) != mine[name]]
+    if differ:
+        raise ValueError(f"rank {rank}: {'; '.join(differ)}: every rank must use the same setting")
 
 
 def _store_get(store, key: str) -> bytes:

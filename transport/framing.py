@@ -2,7 +2,7 @@
 
 Each frame is a fixed 48-byte little-endian header, then ``length`` payload bytes::
 
-    u8  kind      DATA, ERROR or CLOSE
+    u8  kind      DATA, ERROR, CLOSE, QUERY or PROGRESS
     u8  opcode    what the sender is doing (collective or point-to-point op), for mismatch reports
     u16 channel   CHANNEL_COLLECTIVE or CHANNEL_P2P
     u32 length    payload bytes of this frame (one chunk)
@@ -12,6 +12,9 @@ Each frame is a fixed 48-byte little-endian header, then ``length`` payload byte
     u64 offset    where this chunk's bytes go in the message
     u64 call      collective: a digest of the call's arguments (dtypes, sizes, reduce op, root)
                   that every rank must agree on; 0 where there is none (point-to-point)
+
+QUERY asks the peer for its progress (an opaque number its user keeps, e.g. the last
+operation it entered); PROGRESS answers with that number in ``tag``. Both carry no payload.
 
 A message of ``total`` bytes is sent as one or more DATA frames whose [offset, offset+length)
 ranges tile it exactly; the frames may travel on different connections of the same peer.
@@ -27,7 +30,10 @@ HEADER_SIZE = HEADER.size  # 48
 KIND_DATA = 1
 KIND_ERROR = 2
 KIND_CLOSE = 3
-_KINDS = (KIND_DATA, KIND_ERROR, KIND_CLOSE)
+KIND_QUERY = 4
+KIND_PROGRESS = 5
+_KINDS = (KIND_DATA, KIND_ERROR, KIND_CLOSE, KIND_QUERY, KIND_PROGRESS)
+_NAMES = {KIND_CLOSE: "CLOSE", KIND_QUERY: "QUERY", KIND_PROGRESS: "PROGRESS"}
 
 CHANNEL_COLLECTIVE = 1
 CHANNEL_P2P = 2
@@ -64,5 +70,5 @@ def unpack_header(buf, max_chunk: int) -> tuple[int, int, int, int, int, int, in
         if length > MAX_ERROR_BYTES:
             raise FrameError(f"error text of {length} bytes exceeds {MAX_ERROR_BYTES}")
     elif length != 0:
-        raise FrameError(f"CLOSE frame with a payload of {length} bytes")
+        raise FrameError(f"{_NAMES[kind]} frame with a payload of {length} bytes")
     return kind, opcode, channel, length, tag, msgno, total, offset, call

@@ -74,7 +74,7 @@ def header_valid(fields, max_chunk: int) -> bool:
                 and length <= max_chunk and offset + length <= total)  # Python ints: no overflow
     if kind == framing.KIND_ERROR:
         return length <= framing.MAX_ERROR_BYTES
-    if kind == framing.KIND_CLOSE:
+    if kind in (framing.KIND_CLOSE, framing.KIND_QUERY, framing.KIND_PROGRESS):
         return length == 0
     return False
 
@@ -244,7 +244,8 @@ def _frame_bytes(frame) -> tuple[bytes, bool]:
     _, fields, payload = frame
     raw = framing.pack_header(*fields) + payload
     kind, length = fields[0], fields[3]
-    in_sync = kind in (framing.KIND_DATA, framing.KIND_ERROR, framing.KIND_CLOSE) and len(payload) == length
+    in_sync = kind in (framing.KIND_DATA, framing.KIND_ERROR, framing.KIND_CLOSE, framing.KIND_QUERY,
+                       framing.KIND_PROGRESS) and len(payload) == length
     return raw, in_sync
 
 
@@ -329,7 +330,8 @@ def _u(bits: int, *extra):
 def strategies() -> dict:
     """name -> hypothesis strategy of that property's input."""
     kinds = st.one_of(st.sampled_from([0, framing.KIND_DATA, framing.KIND_ERROR,
-                                       framing.KIND_CLOSE, 4, 255]), _u(8))
+                                       framing.KIND_CLOSE, framing.KIND_QUERY,
+                                       framing.KIND_PROGRESS, 6, 255]), _u(8))
     channels = st.one_of(st.sampled_from([0, framing.CHANNEL_COLLECTIVE, framing.CHANNEL_P2P, 3]),
                          _u(16))
     max_chunks = st.sampled_from([4096, MAX_CHUNK, 1 << 24])
