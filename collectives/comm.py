@@ -62,6 +62,16 @@ class Scratch:
     def release(self) -> None:
         self._bufs.clear()
 
+    def trim(self, keep_bytes: int) -> None:
+        """Give back the largest buffers until at most ``keep_bytes`` are kept (after an op:
+        LINERATE_KEEP_BYTES), so one large operation does not hold its scratch for good."""
+        held = sum(b.numel() for b in self._bufs.values())
+        for index, buf in sorted(self._bufs.items(), key=lambda kv: -kv[1].numel()):
+            if held <= keep_bytes:
+                break
+            held -= buf.numel()
+            del self._bufs[index]
+
 
 class Comm:
     """One collective's view of the group: rank, size, send, recv, deadline."""
@@ -115,6 +125,7 @@ class Comm:
 
     def end(self) -> None:
         self.ctx.end_call(self.seq)
+        self.scratch.trim(self.ctx.options.keep_bytes)
 
     def block(self) -> int:
         """Reserve a block of message slots for one algorithm run within this op.

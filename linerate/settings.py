@@ -253,6 +253,9 @@ _ALL = [
     _S("LINERATE_MAX_UNEXPECTED_BYTES", parse_size, _int_in(0, 1 << 62), 1 << 34, "16G",
        _SIZE, "largest message a peer may send before its receive is posted", "transport",
        "transport.max_unexpected_bytes"),
+    _S("LINERATE_KEEP_BYTES", parse_size, _int_in(0, 1 << 62), 64 << 20, "64M", _SIZE,
+       "buffers a group keeps for reuse between operations (staging, and scratch); beyond it "
+       "memory is given back when an operation ends", "transport", "transport.keep_bytes"),
     _S("LINERATE_PREFER_IPV6", _bool, _one_of((True, False)), False, "0",
        "1/0, true/false, yes/no or on/off",
        "with LINERATE_SOCKET_IFNAME, use the interfaces' global IPv6 addresses", "transport",

@@ -42,7 +42,6 @@ from .request import MismatchError, PeerFailure, Request, TransportError
 log = logging.getLogger("linerate.transport")
 
 _STORE_PREFIX = "linerate/"
-_STAGE_KEEP_BYTES = 64 << 20  # staging buffers kept for reuse, per context
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
 #: Default of LINERATE_LINK_TIMEOUT (seconds; see _tune).
@@ -744,7 +743,7 @@ class Context:
     def _recycle(self, buf: memoryview) -> None:
         n = buf.nbytes
         with self._lock:
-            if self._stage_kept + n <= _STAGE_KEEP_BYTES:
+            if self._stage_kept + n <= self.options.keep_bytes:
                 self._stage_free.setdefault(n, []).append(buf)
                 self._stage_kept += n
 

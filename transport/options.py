@@ -59,6 +59,11 @@ class TransportOptions:
     #: Largest message (bytes) a peer may announce before a matching receive is posted; larger
     #: unexpected messages are an error rather than an unbounded allocation.
     max_unexpected_bytes: int = 1 << 34
+    #: Bytes of buffers a group keeps between operations for reuse (the transport's staging
+    #: buffers, and the algorithms' scratch, each up to this much); what an operation needs
+    #: beyond it is given back when the operation ends. Reuse spares fresh pages their fault
+    #: and zeroing; the cap keeps one large operation from holding its memory for good.
+    keep_bytes: int = 64 << 20
     #: Address family preference for the automatic interface choice.
     prefer_ipv6: bool = False
     #: A CRC-32 after every chunk, checked on receipt (every rank must agree).
