@@ -8,13 +8,14 @@ result area, and every rank copies the whole result out. Phases overlap three ch
 chunk k, reduce chunk k-1, copy out chunk k-2), so the segment stays bounded
 (transport.shm.BYTES_PER_RANK per rank, reused by every op).
 
-Synchronisation (transport/shm.py gives the words and the bell): each rank publishes a
+Synchronisation (transport/shm.py gives the words and a bell per rank): each rank publishes a
 counter (its *tick*) after each phase; every rank advances it the same number of times for
 the same calls, so "every rank reached tick T" means "every rank finished that phase". A
-waiting rank checks the counters, and sleeps on the bell (a futex: no core burnt; 4 ranks on 2
-cores must not fight spinners) with a short timeout, after which it looks at the transport's
-state: a rank that died (its TCP connections reset) or reported an error fails the wait at once
-with that error. Each area of the segment remembers the tick at which its last readers finish;
+waiting rank checks the counters, says which tick it waits for and sleeps on its bell (a futex:
+no core burnt; 4 ranks on 2 cores must not fight spinners); a rank that publishes wakes exactly
+the sleepers whose wait it completes. A sleeper also wakes after a short timeout and looks at
+the transport's state: a rank that died (its TCP connections reset) or reported an error fails
+the wait at once with that error. Each area of the segment remembers the tick at which its last readers finish;
 a rank writes into an area only once every rank is past it.
 
 Agreement: before its first tick of an op a rank writes the op's sequence number, the digest of
@@ -39,6 +40,7 @@ from .reduce_ops import RedOpType, finish_avg
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
+_WANT, _WHO = 4, 5   # the tick a sleeping rank waits for (0: awake); whose (-1: every rank's)
 _DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
@@ -118,6 +120,9 @@ class Engine:
         self.r = seg.rank
         self.ctrl = seg.ctrl
         self.prog = seg.ctrl[:, _PROG]
+        self.want = seg.ctrl[:, _WANT]
+        # More ranks than cores: a spinning rank takes the core a rank it waits for needs.
+        self.spin = SPIN if P <= len(os.sched_getaffinity(0)) else 0
         self.tick = 0
         nareas = 2 * P + 2
         self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
@@ -126,6 +131,12 @@ class Engine:
         self.cursor = 0
         self.comm: Comm | None = None
         self._checked = True
+        seg.on_close.append(self._release)
+
+    def _release(self) -> None:
+        """The group closed: drop every view of the segment (its mapping goes now)."""
+        self.areas = []
+        self.ctrl = self.prog = self.want = None
 
     # ------------------------------------------------------------------ areas
     def S(self, b: int, q: int) -> int:
@@ -144,6 +155,8 @@ class Engine:
 
     # ------------------------------------------------------------------ op life
     def begin(self, comm: Comm) -> None:
+        if self.ctrl is None:
+            raise TransportError(f"rank {self.r}: {comm._desc}: the process group was closed")
         row = self.ctrl[self.r]
         row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
         row[_DIGEST] = _signed(comm.call)
@@ -162,8 +175,17 @@ class Engine:
         t = self.tick
         for a in reads:
             self.free[a] = t
-        self.prog[self.r] = t
-        self.seg.ring()
+        prog = self.prog
+        prog[self.r] = t
+        seg = self.seg
+        seg.fence()  # the tick is visible before the sleepers' wishes are read
+        want = self.want
+        if want.any():  # wake exactly the sleepers whose wait is over
+            for q in np.flatnonzero(want):
+                w = int(want[q])
+                who = int(self.ctrl[q, _WHO])
+                if w and (prog[who] >= w if who >= 0 else prog.min() >= w):
+                    seg.ring(int(q))
 
     def wait_free(self, area: int) -> None:
         t = self.free[area]
@@ -172,16 +194,19 @@ class Engine:
 
     def wait(self, t: int, who: list[int] | None = None) -> None:
         """Until every rank (or those in ``who``) published tick ``t``."""
+        if self.ctrl is None:  # closed (abort) while this op ran
+            raise TransportError(f"rank {self.r}: {self.comm._desc}: the process group was closed")
         if self._ready(t, who):
             if not self._checked:
                 self._check(t, who)
             return
         prog = self.prog
-        for _ in range(SPIN):
+        for _ in range(self.spin):
             if self._ready(t, who):
                 break
         comm = self.comm
         seg = self.seg
+        row = self.ctrl[self.r]
         while not self._ready(t, who):
             self._check(t, who)
             broken = comm.ctx.broken
@@ -198,10 +223,16 @@ class Engine:
                 raise OpTimeout(f"rank {self.r}: {comm._desc} did not complete within the "
                                 f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
                                 f"(shared memory; {where})")
-            seen = int(seg.bell[0])
+            # Say what this rank waits for (a publisher that completes it rings this rank's
+            # bell), then sleep unless it came meanwhile.
+            row[_WHO] = -1 if who is None else who[0]
+            row[_WANT] = t
+            seg.fence()
+            seen = int(seg.bells[self.r])
             if self._ready(t, who):
                 break
             seg.sleep(seen, min(POLL_S, left))
+        row[_WANT] = 0
         if not self._checked:
             self._check(t, who)
 

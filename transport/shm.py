@@ -16,8 +16,8 @@ could not; ``0`` never tries. Every rank must use the same setting.
 
 What the segment holds is the collectives' business (collectives/shm_algos.py). The transport
 gives: a control row per rank (``ctrl``: int64 words), a data area (``data``: bytes), and a
-bell: ``ring()`` bumps a counter in the segment and wakes every rank sleeping in ``sleep()``
-(a futex on the shared page: a waiting rank burns no CPU).
+bell per rank: ``ring(q)`` bumps rank q's counter in the segment and wakes it if it sleeps in
+``sleep()`` (a futex on the shared page: a waiting rank burns no CPU).
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ SHM_DIR = "/dev/shm"
 #: Data bytes per rank of the group (the collectives pipeline through it in chunks).
 BYTES_PER_RANK = 4 << 20
 _MAGIC = b"LRSHM\x00\x01\x00"
-_HEADER = 4096            # magic, sizes, token, bell
+_HEADER = 4096            # magic, sizes, token; then one bell per rank
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
-_BELL_OFF = 256           # int32, a cache line of its own
+_BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
 
 
@@ -67,7 +67,7 @@ def ctrl_row_bytes(size: int) -> int:
 
 def segment_layout(size: int) -> tuple[int, int, int]:
     """(offset of the control rows, offset of the data area, total bytes) for ``size`` ranks."""
-    ctrl = _HEADER
+    ctrl = -(-(_BELL_OFF + 64 * size) // _PAGE) * _PAGE
     data = -(-(ctrl + size * ctrl_row_bytes(size)) // _PAGE) * _PAGE
     return ctrl, data, data + size * BYTES_PER_RANK
 
@@ -133,22 +133,33 @@ class Segment:
         self.ctrl = raw[ctrl_off:ctrl_off + size * row].view(np.int64).reshape(size, row // 8)
         #: The data area, ``size * BYTES_PER_RANK`` bytes.
         self.data = buf[data_off:total]
-        self.bell = raw[_BELL_OFF:_BELL_OFF + 4].view(np.int32)
-        self._bell_addr = ctypes.c_void_p(buf.data_ptr() + _BELL_OFF)
+        #: bells[q]: rank q's bell (rank q sleeps on it; others ring it).
+        self.bells = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[::16]
+        self._bell_addrs = [ctypes.c_void_p(buf.data_ptr() + _BELL_OFF + 64 * q)
+                            for q in range(size)]
         self._lib = _futex_lib() if _SYS_FUTEX is not None else None
         self.closed = False
+        #: Called by close(): users of the segment drop their views of it there, so that the
+        #: mapping goes with the group, not whenever the last view is collected.
+        self.on_close: list = []
 
-    def ring(self) -> None:
-        """Bump the bell and wake every rank sleeping on it."""
+    def ring(self, q: int) -> None:
+        """Bump rank q's bell (an atomic add: also a full memory barrier) and wake it."""
         if self._lib is not None:
-            self._lib.syscall(_SYS_FUTEX, self._bell_addr, _FUTEX_WAKE_OP, 0x7FFFFFFF,
-                              ctypes.c_void_p(0), self._bell_addr, _OP_ADD_ONE)
+            addr = self._bell_addrs[q]
+            self._lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, 0x7FFFFFFF, ctypes.c_void_p(0),
+                              addr, _OP_ADD_ONE)
         else:  # no futex number for this machine: sleepers poll (sleep() below)
-            self.bell[0] += 1
+            self.bells[q] += 1
+
+    def fence(self) -> None:
+        """A full memory barrier (an atomic add on this rank's own bell): stores before it are
+        visible to every rank before loads after it are done."""
+        self.ring(self.rank)
 
     def sleep(self, seen: int, timeout: float) -> None:
-        """Sleep until the bell differs from ``seen`` (read it before checking the condition
-        waited for), or ``timeout`` seconds passed."""
+        """Sleep until this rank's bell differs from ``seen`` (read it before checking the
+        condition waited for), or ``timeout`` seconds passed."""
         if timeout <= 0:
             return
         if self._lib is None:
@@ -156,7 +167,7 @@ class Segment:
             time.sleep(min(timeout, 0.0005))
             return
         ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
-        self._lib.syscall(_SYS_FUTEX, self._bell_addr, _FUTEX_WAIT, ctypes.c_int(seen),
+        self._lib.syscall(_SYS_FUTEX, self._bell_addrs[self.rank], _FUTEX_WAIT, ctypes.c_int(seen),
                           ctypes.byref(ts), ctypes.c_void_p(0), 0)
 
     def close(self) -> None:
@@ -164,7 +175,10 @@ class Segment:
         if self.closed:
             return
         self.closed = True
-        self.ctrl = self.data = self.bell = None
+        for fn in self.on_close:
+            fn()
+        self.on_close = []
+        self.ctrl = self.data = self.bells = None
         self._buf = None
 
 
