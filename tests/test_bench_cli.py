@@ -26,8 +26,9 @@ def linerate_registered() -> bool:
     return "linerate" in dist.Backend.backend_list
 
 
-def run_cli(*argv, timeout=110):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run_cli(*argv, timeout=110, extra_env=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(extra_env or {}))
     return subprocess.run([sys.executable, "-m", "linerate.tools.cli", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -188,7 +189,8 @@ def test_bench_linerate_vs_gloo(tmp_path):
         port = s.getsockname()[1]
     proc = run_cli("bench", "--nproc", "2", "--ops", ",".join(ops), "--min-bytes", "4K",
                    "--max-bytes", "64K", "--iters", "5", "--warmup", "1", "--backends",
-                   "linerate,gloo", "--check", "--json", str(out), "--metrics-port", str(port))
+                   "linerate,gloo", "--check", "--json", str(out), "--metrics-port", str(port),
+                   extra_env={"LINERATE_SHM": "0"})  # TCP: the link table below has bytes
     doc = _check_run(proc, out, ["linerate", "gloo"], ops, [4096, 16384, 65536], 2)
     # --metrics-port: every rank served metrics; rank 0 prints where, and a sample.
     assert f"linerate top localhost:{port}-{port + 1}" in proc.stdout, proc.stdout

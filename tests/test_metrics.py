@@ -142,7 +142,8 @@ def _exchange(rank, world, lr, base, sub_ranks):
 @pytest.mark.timeout(90)
 def test_exported_counts_match_the_transport():
     base = free_port_range(3)
-    out = run_ranks(_exchange, 3, base, [1, 2], timeout=80, env={"LINERATE_METRICS_HOST": "hostA"})
+    out = run_ranks(_exchange, 3, base, [1, 2], timeout=80,  # TCP (one host would share memory)
+                    env={"LINERATE_METRICS_HOST": "hostA", "LINERATE_SHM": "0"})
     for rank, (own, text, after) in enumerate(out):
         sent = samples(text, "linerate_sent_bytes_total")
         assert sent and all(s.labels["rank"] == str(rank) and s.labels["host"] == "hostA"
