@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics
 
-from . import chain, direct, fusion, halving, ring, shm_algos, stats, timeline
+from . import chain, direct, flight, fusion, halving, ring, shm_algos, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
@@ -155,6 +155,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._prio_scratch = threading.local()
         self.timeline = timeline.get(global_ranks[rank] if global_ranks and len(global_ranks) == size
                                      else rank, path=self._options.timeline)
+        #: The last LINERATE_FR_ENTRIES collectives, written out on a timeout (flight.py).
+        self._flight = (flight.Recorder(self._options.flight_entries, self._options.flight_dump,
+                                        group_name, rank, size, global_ranks, self._timeout)
+                        if self._options.flight_entries > 0 else None)
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
         self._worker.start()
@@ -173,6 +177,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
         self._ctx.label = name
+        if self._flight is not None:
+            self._flight.group = name
 
     def setGroupName(self, name: str) -> None:
         self._set_group_name(name)
@@ -186,9 +192,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = desc
+        if self._flight is not None:
+            self._flight.desc = desc
 
     def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
+        self._set_group_desc(desc)
 
     def getGroupDesc(self) -> str:
         return self._group_desc
@@ -234,6 +242,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
                         result, stage.devices)
+            if self._flight is not None:
+                self._flight.queued(op, seq, desc)
             self._put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
         return work
 
@@ -283,6 +293,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 comm.shm = self._shm
                 t0 = time.perf_counter()
                 comm.set_call(desc)
+                if self._flight is not None:
+                    self._flight.started(seq)
                 fn(comm)
                 stage.finish()
                 seconds = time.perf_counter() - t0
@@ -291,9 +303,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 if comm is not None:
                     e = self._annotate(e, op, seq, desc)
                     comm.end()
+                if self._flight is not None:  # a timeout writes the dump before anyone wakes
+                    self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
                 work._complete(e)
             else:
                 comm.end()
+                if self._flight is not None:
+                    self._flight.completed(seq, comm.algorithm)
                 work._complete()
                 if metrics.enabled():  # after the caller was released: off its critical path
                     if nbytes is None:
@@ -314,9 +330,15 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")
             comm.shm = self._shm
+            fr = self._flight
+            if fr is not None:
+                fr.started(head.seq)
             k, head_done = self._on_shm(comm, fusion).agree(comm, offered, len(offered),
                                                            self._options.small_bytes)
             taken = offered[:k]
+            if fr is not None:
+                for e in taken[1:]:
+                    fr.started(e.seq)
             nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
                                 self._options.allreduce_algo)
             if head_done:
@@ -332,10 +354,17 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 e = self._annotate(e, "all_reduce", head.seq, head.desc)
                 comm.end()
             self._pop_entries(len(taken))
+            if self._flight is not None:
+                for entry in taken:
+                    self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             Work._complete_many([entry.work for entry in taken], e)
             return
         comm.end()
         self._pop_entries(len(taken))
+        if self._flight is not None:
+            for e in taken:
+                self._flight.completed(e.seq, comm.algorithm if len(taken) == 1 else
+                                       f"{comm.algorithm} (fused x{len(taken)})")
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
         Work._complete_many([e.work for e in taken])
@@ -452,6 +481,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
             work._on_wait = self._expedite
+            if self._flight is not None:
+                self._flight.queued(what, seq, desc)
             self._put(fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                    self._chain))
         return work
@@ -484,6 +515,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'}, "
                         f"priority {priority})", [tensor], stage.devices)
+            if self._flight is not None:
+                self._flight.queued(what, seq, desc)
             if self._prio_pool is None:
                 self._prio_pool = concurrent.futures.ThreadPoolExecutor(
                     self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self.rank()}")
@@ -504,6 +537,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.priority = priority
             t0 = time.perf_counter()
             comm.set_call(desc)
+            if self._flight is not None:
+                self._flight.started(seq)
             self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
             stage.finish()
             t1 = time.perf_counter()
@@ -511,9 +546,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._report_failure(e, "all_reduce", seq)
             if comm is not None:
                 comm.end()
+            if self._flight is not None:
+                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
             work._complete(e)
             return
         comm.end()
+        if self._flight is not None:
+            self._flight.completed(seq, comm.algorithm)
         work._complete()
         if self.timeline is not None:
             self.timeline.span(f"all_reduce {name or seq}", "comm", t0, t1, priority=priority,

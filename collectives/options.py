@@ -41,6 +41,12 @@ class Options:
     partition_bytes: int = 4 << 20
     #: Write a Chrome trace per rank to this path (collectives/timeline.py); empty: off.
     timeline: str = ""
+    #: Flight recorder (collectives/flight.py): the last this many collectives of each group
+    #: are kept and written out when one times out; 0 turns it off.
+    flight_entries: int = 2000
+    #: Where each rank writes its flight recorder on a timeout (``{rank}`` replaced, else
+    #: ``.rank<R>.json`` appended); empty: ``linerate-flight`` in the temporary folder.
+    flight_dump: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":

@@ -312,6 +312,16 @@ _ALL = [
     _S("LINERATE_TIMELINE", _text, _is_str, "", "(off)",
        "a file path (`.rank<R>` is inserted, or `{rank}` replaced; empty: off)",
        "write a Chrome trace per rank to this path", "collectives", "timeline"),
+    _S("LINERATE_FR_ENTRIES", _int, _int_in(0, 1 << 24), 2000, "2000",
+       "a number of operations from 0 (off) to 16777215",
+       "flight recorder: the last this many collectives of each group are kept (op, sizes, "
+       "state, peers awaited, times) and written out on a timeout; 0: off", "collectives",
+       "flight_entries"),
+    _S("LINERATE_FR_DUMP", _text, _is_str, "", "(tempdir/linerate-flight)",
+       "a file path prefix (`.rank<R>.json` appended, or `{rank}` replaced; empty: "
+       "linerate-flight in the temporary folder)",
+       "where each rank writes its flight recorder on a timeout", "collectives",
+       "flight_dump"),
     # ---------------------------------------------------------------- metrics
     _S("LINERATE_METRICS_PORT", _port_or_off, _int_in(0, 65536), 0, "(off)",
        "a TCP port from 1 to 65535 (0 or empty: no exporter)",

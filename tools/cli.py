@@ -14,7 +14,7 @@ from linerate.tools import __version__
 
 #: Modules that register a subcommand, in the order ``--help`` lists them.
 SUBCOMMANDS = ("linerate.tools.bench", "linerate.tools.netlab", "linerate.tools.top", "linerate.tools.model", "linerate.tools.whatif",
-               "linerate.tools.probe", "linerate.tools.timeline")
+               "linerate.tools.probe", "linerate.tools.timeline", "linerate.tools.flight")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,257 @@
+"""Flight recorder: the last N collectives of every group, written out when one times out.
+
+Every group keeps a bounded record (``LINERATE_FR_ENTRIES``, 0: off) of its collectives: op,
+sequence number, the call's arguments (the text every rank must agree on: dtypes, sizes, reduce
+op, root), state (``queued`` -> ``started`` -> ``completed`` / ``failed``; ``failed`` with no
+start time: the op was refused before it ran, e.g. because the group had already failed), the
+algorithm that ran, the error and the peers still awaited when it failed, and wall-clock times
+(``time.time()``) of queueing, start and end. Recording is a deque append of one small object
+per op and a few attribute writes.
+
+When an op of a group fails with a timeout (this rank's own ``OpTimeout``, or a peer's report
+of one), this rank writes the records of all its groups as JSON to ``LINERATE_FR_DUMP``
+(``{rank}`` replaced by the global rank, else ``.rank<R>.json`` appended; default
+``<tempdir>/linerate-flight``), once per failed group, and logs one line naming the file.
+``linerate flight`` reads the dumps of all ranks and says which ranks never joined which op.
+
+The records are also served by torch's control plane (``torch._C._distributed_c10d``'s
+worker server, as started by ``torch.distributed.debug.start_debug_server``) under the handler
+name ``linerate_flight``: torch 2.13 offers no way for a Python backend to add entries to its
+own Flight Recorder (README, "Flight recorder").
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+import weakref
+
+log = logging.getLogger("linerate")
+
+#: Version of the dump format (``linerate flight`` refuses versions it does not know).
+VERSION = 1
+KIND = "linerate-flight"
+#: The torch control-plane handler that serves this process's records.
+HANDLER = "linerate_flight"
+
+#: What every timeout message (comm.Comm.wait, shm_algos) says; a peer's report repeats it.
+_TIMEOUT_MARK = "did not complete within the"
+
+_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_dump_lock = threading.Lock()
+_handler_registered = False
+
+
+class Record:
+    """One collective of a group."""
+
+    __slots__ = ("seq", "op", "desc", "state", "algorithm", "queued", "started", "ended",
+                 "error", "awaited")
+
+    def __init__(self, seq: int, op: str, desc: str, queued: float):
+        self.seq = seq
+        self.op = op
+        self.desc = desc
+        self.state = "queued"
+        self.algorithm = ""
+        self.queued = queued
+        self.started = None
+        self.ended = None
+        self.error = None
+        self.awaited = None
+
+    def as_dict(self) -> dict:
+        return {"seq": self.seq, "op": self.op, "desc": self.desc, "state": self.state,
+                "algorithm": self.algorithm, "queued": self.queued, "started": self.started,
+                "ended": self.ended, "error": self.error, "awaited": self.awaited}
+
+
+def is_timeout(e: BaseException | str | None) -> bool:
+    """Whether a failure is a timeout: this rank's OpTimeout, or a peer's report of one (the
+    text travels in the ERROR frame), or an op refused because the group failed so."""
+    return e is not None and _TIMEOUT_MARK in str(e)
+
+
+_WAITING = re.compile(r"waiting for ranks? \[?([0-9, ]+)\]?")
+_NOT_ENTERED = re.compile(r"((?:rank \d+(?: \(last entered #\d+\))?(?:, )?)+) ha(?:s|ve) not "
+                          r"entered")
+_SILENT = re.compile(r"ranks? ([0-9, ]+) did not answer")
+
+
+def awaited_ranks(text: str) -> list[int]:
+    """The group ranks a timeout message says this rank still waited for, or that had not
+    entered the op (comm.Comm.wait, shm_algos): what the transport knew when it gave up."""
+    found: set[int] = set()
+    for m in _NOT_ENTERED.finditer(text):
+        found.update(int(r) for r in re.findall(r"rank (\d+)", m.group(1)))
+    for pat in (_WAITING, _SILENT):
+        for m in pat.finditer(text):
+            found.update(int(r) for r in re.findall(r"\d+", m.group(1)))
+    return sorted(found)
+
+
+def rank_path(path: str, rank: int) -> str:
+    """``{rank}`` replaced, else ``.rank<R>.json`` after the prefix (a ``.json`` ending is
+    kept last: ``/tmp/fr.json`` -> ``/tmp/fr.rank0.json``)."""
+    if not path:
+        path = os.path.join(tempfile.gettempdir(), "linerate-flight")
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if path.endswith(".json"):
+        path = path[:-5]
+    return f"{path}.rank{rank}.json"
+
+
+class Recorder:
+    """The record of one process group (one per ProcessGroupLinerate)."""
+
+    def __init__(self, entries: int, dump: str, group: str, rank: int, size: int,
+                 global_ranks: list[int] | None, timeout: float, backend: str = "linerate"):
+        self.ring: collections.deque = collections.deque(maxlen=entries)
+        self.entries = entries
+        self.dump_path = dump
+        self.group = group
+        self.desc = ""
+        self.rank = rank
+        self.size = size
+        self.global_ranks = list(global_ranks) if global_ranks and len(global_ranks) == size \
+            else list(range(size))
+        self.global_rank = self.global_ranks[rank]
+        self.timeout = timeout
+        self.backend = backend
+        self.created = time.time()
+        #: Records not yet ended, by sequence number (priority ops run beside the worker).
+        self._live: dict[int, Record] = {}
+        self.failure: str | None = None
+        self.dumped: str | None = None
+        _recorders.add(self)
+        _register_torch_handler()
+
+    # ---------------------------------------------------------------- the hot path
+    def queued(self, op: str, seq: int, desc: str) -> None:
+        r = Record(seq, op, desc, time.time())
+        self.ring.append(r)
+        self._live[seq] = r
+
+    def started(self, seq: int) -> None:
+        r = self._live.get(seq)
+        if r is not None:
+            r.state = "started"
+            r.started = time.time()
+
+    def completed(self, seq: int, algorithm: str = "") -> None:
+        r = self._live.pop(seq, None)
+        if r is not None:
+            r.state = "completed"
+            r.ended = time.time()
+            r.algorithm = algorithm
+
+    def failed(self, seq: int, error: BaseException, algorithm: str = "") -> None:
+        """The op failed (or was refused); a timeout writes the dump (once per group)."""
+        r = self._live.pop(seq, None)
+        text = str(error)
+        if r is not None:
+            r.state = "failed"
+            r.ended = time.time()
+            r.algorithm = algorithm
+            r.error = text
+            if r.started is not None and is_timeout(text):  # refused ops awaited no one
+                r.awaited = awaited_ranks(text)
+        if self.failure is None:
+            self.failure = text
+        if self.dumped is None and is_timeout(text):
+            dump_all(self, text)
+
+    # ---------------------------------------------------------------- reading
+    def as_dict(self) -> dict:
+        return {"name": self.group, "desc": self.desc, "backend": self.backend,
+                "rank": self.rank, "size": self.size, "ranks": self.global_ranks,
+                "timeout": self.timeout, "entries": self.entries, "created": self.created,
+                "failure": self.failure,
+                "ops": [r.as_dict() for r in self.ring.copy()]}
+
+
+def snapshot(reason: str = "", rank: int | None = None) -> dict:
+    """This process's records, every group's, as the dump writes them."""
+    groups = sorted((r for r in list(_recorders)), key=lambda r: r.created)
+    if rank is None:
+        rank = groups[0].global_rank if groups else -1
+    try:
+        import torch
+        torch_version = torch.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        torch_version = ""
+    try:
+        from linerate.tools import __version__ as version
+    except Exception:  # noqa: BLE001
+        version = ""
+    return {"version": VERSION, "kind": KIND, "rank": rank, "host": socket.gethostname(),
+            "pid": os.getpid(), "time": time.time(), "reason": reason, "linerate": version,
+            "torch": torch_version, "groups": [g.as_dict() for g in groups]}
+
+
+def dump_all(trigger: Recorder, reason: str) -> str | None:
+    """Write every group's records to ``trigger``'s dump path; one log line names the file.
+    Returns the path (None where it could not be written: that is logged instead)."""
+    with _dump_lock:
+        if trigger.dumped is not None:
+            return trigger.dumped
+        path = rank_path(trigger.dump_path, trigger.global_rank)
+        trigger.dumped = path
+        data = snapshot(reason, trigger.global_rank)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            d = os.path.dirname(path)
+            if d:
+                os.makedirs(d, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=None, separators=(",", ":"))
+                f.write("\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("rank %d: a collective of group %s timed out; the flight recorder could "
+                      "not write %s (LINERATE_FR_DUMP): %s", trigger.global_rank,
+                      trigger.group or "?", path, e)
+            return None
+        nops = sum(len(g["ops"]) for g in data["groups"])
+        log.error("rank %d: a collective of group %s timed out; flight recorder: %d operations "
+                  "of %d group(s) written to %s (read every rank's dump with: linerate flight "
+                  "%s)", trigger.global_rank, trigger.group or "?", nops, len(data["groups"]),
+                  path, os.path.dirname(os.path.abspath(path)))
+        return path
+
+
+def _serve(req, resp) -> None:  # torch control-plane handler
+    try:
+        resp.set_content(json.dumps(snapshot("requested")), "application/json")
+        resp.set_status(200)
+    except Exception as e:  # noqa: BLE001 - answered, never raised into torch
+        resp.set_content(f"linerate flight recorder: {e}", "text/plain")
+        resp.set_status(500)
+
+
+def _register_torch_handler() -> None:
+    """Serve the records from torch's worker server (handler ``linerate_flight``), once per
+    process, where this torch has the control plane (2.4 and later)."""
+    global _handler_registered
+    if _handler_registered:
+        return
+    _handler_registered = True
+    try:
+        import ctypes
+
+        import torch._C._distributed_c10d as c10d
+        if HANDLER not in c10d._get_handler_names():
+            # torch keeps the callable in a static registry and releases it after the
+            # interpreter is gone: a function freed then aborts the process at exit ("GIL
+            # is released", torch 2.13). One extra reference, never dropped, keeps it alive.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(_serve))
+            c10d._register_handler(HANDLER, _serve)
+    except Exception as e:  # noqa: BLE001 - an older torch: the dump file still works
+        log.debug("flight recorder: torch's control plane is not available: %s", e)
