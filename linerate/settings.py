@@ -276,6 +276,21 @@ _ALL = [
        "shared memory between the ranks of one host: auto (where every rank of the group can "
        "map the group's segment), 1 (group creation fails naming the ranks that cannot), 0 "
        "(off); every rank must agree", "transport", "transport.shm"),
+    _S("LINERATE_TLS", _bool, _one_of((True, False)), False, "0",
+       "1/0, true/false, yes/no or on/off",
+       "TLS 1.3 with mutual authentication on every TCP connection (every rank must agree; "
+       "not with LINERATE_TRANSPORT=rdma)", "transport", "transport.tls"),
+    _S("LINERATE_TLS_CERT", _text, _is_str, "", "(none)",
+       "a PEM file path (needed with LINERATE_TLS=1)",
+       "this rank's certificate, signed by the CA of LINERATE_TLS_CA", "transport",
+       "transport.tls_cert"),
+    _S("LINERATE_TLS_KEY", _text, _is_str, "", "(none)",
+       "a PEM file path of an unencrypted private key (needed with LINERATE_TLS=1)",
+       "the private key of LINERATE_TLS_CERT", "transport", "transport.tls_key"),
+    _S("LINERATE_TLS_CA", _text, _is_str, "", "(none)",
+       "a PEM file path (needed with LINERATE_TLS=1)",
+       "the CA certificate(s) a peer's certificate must chain to", "transport",
+       "transport.tls_ca"),
     _S("LINERATE_RDMA_DEVICE", _text, _is_str, "", "(first active port)",
        "RDMA ports as dev[:port], comma separated (empty: the first active port)",
        "RDMA ports to use (several = rails)", "rdma", "transport.rdma_device"),

@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from . import framing, handshake, metrics, rdma, shm
+from . import framing, handshake, metrics, rdma, shm, tls
 from .framing import (CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR,
                       KIND_PROGRESS, KIND_QUERY)
 from .interfaces import listen_addresses
@@ -154,6 +154,8 @@ class Context:
         self.transport = "tcp"
         #: The group's shared-memory segment (transport/shm.py), or None.
         self.shm = None
+        #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
+        self._tls: tls.TlsConfig | None = None
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -189,6 +191,14 @@ class Context:
             self._secret = bytes.fromhex(_store_get(store, pre + "secret").decode())
             store.generation = self._secret.hex()[:16]
             _check_agreement(self.rank, mine, _store_get(store, pre + "settings"))
+        if opts.tls:  # agreed above: every rank has it on
+            if opts.transport == "rdma":
+                raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
+                                 f"the RDMA transport cannot encrypt (TLS runs over TCP only); "
+                                 f"use LINERATE_TRANSPORT=tcp or turn LINERATE_TLS off")
+            if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
+                opts = dataclasses.replace(opts, transport="tcp")
+            self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
         self.transport = rdma.agree_transport(store, self.rank, self.size, opts, pre)
         if self.transport == "rdma":  # RC queue pairs as the connections (transport/rdma.py)
             rdma.build_mesh(self, store, deadline, pre)
@@ -220,10 +230,13 @@ class Context:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(p.rank for p in self.peers.values() if None in p.conns)
+                    refused = self._tls.last_refusal if self._tls is not None else None
                     raise TransportError(
                         f"rank {self.rank}: connections from ranks {missing} did not arrive within "
                         f"{opts.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); are all ranks "
-                        f"started and is their address reachable?")
+                        f"started and is their address reachable?"
+                        + (f" (LINERATE_TLS: the last TLS handshake refused here: {refused})"
+                           if refused else ""))
                 self._mesh_cond.wait(min(left, 0.05))
                 store.raise_if_failed("while waiting for connections")
         for ls in listeners:  # mesh complete: nobody else may connect
@@ -237,6 +250,7 @@ class Context:
         """The settings every rank of a group must share, as this rank has them (resolved:
         ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
         return {"LINERATE_CHECKSUM": int(self.options.checksum),
+                "LINERATE_TLS": int(self.options.tls),
                 "LINERATE_NSOCKS": self.options.nsocks,
                 "LINERATE_SOCKET_IFNAME (number of interfaces)": self.nrails}
 
@@ -261,6 +275,8 @@ class Context:
                 sock.settimeout(max(1.0, min(30.0, deadline - time.monotonic())))
                 sock.connect((host, port))
                 _tune(sock, self.link_timeout)
+                if self._tls is not None:  # TLS first; linerate's handshake runs inside it
+                    sock = self._tls.wrap(sock, False, f"rank {peer} ({host}:{port})")
                 handshake.connect_side(sock, self._secret, self.rank, peer, index, self.nconns)
                 sock.settimeout(None)
                 return sock
@@ -304,6 +320,8 @@ class Context:
         try:
             sock.settimeout(min(10.0, self.options.connect_timeout))
             _tune(sock, self.link_timeout)
+            if self._tls is not None:  # TLS first; linerate's handshake runs inside it
+                sock = self._tls.wrap(sock, True, f"the connection from {tls.peer_label(addr)}")
             peer, index = handshake.accept_side(sock, self._secret, self.rank, self.size, self.nconns)
             if peer < self.rank:
                 raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")

@@ -83,6 +83,15 @@ class TransportOptions:
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.
     shm: str = "auto"
+    #: TLS 1.3 on every TCP connection (transport/tls.py), mutual authentication against
+    #: ``tls_ca``; every rank must agree. Not with the RDMA transport (group creation fails).
+    tls: bool = False
+    #: This rank's certificate (PEM file), signed by the CA in ``tls_ca``.
+    tls_cert: str = ""
+    #: The private key of ``tls_cert`` (PEM file, unencrypted).
+    tls_key: str = ""
+    #: The CA certificate(s) (PEM file) every peer's certificate must chain to.
+    tls_ca: str = ""
     #: RDMA ports to use, ``dev[:port]`` comma separated (several = rails, like
     #: socket_ifname). Empty: the first active port.
     rdma_device: str = ""
