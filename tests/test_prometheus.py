@@ -147,7 +147,8 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
     try:
         _wait_ready(api, proc, log_path)
         env = {"LINERATE_LINK_CAPACITY": "10gbit",  # loopback reports no speed
-               "LINERATE_METRICS_WINDOW": "1"}
+               "LINERATE_METRICS_WINDOW": "1",
+               "LINERATE_SHM": "0"}  # TCP: the links carry the traffic queried below
         results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, timeout=50,
                             env=env, backend="linerate")
         ends = [r["end"] for r in results]

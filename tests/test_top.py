@@ -575,7 +575,7 @@ def test_once_json_against_real_linerate_ranks(tmp_path):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     counts = run_ranks(_all_reduce_until_told, 2, base, stop_file, 40.0, timeout=50,
-                       backend="linerate")
+                       backend="linerate", env={"LINERATE_SHM": "0"})  # TCP links to watch
     watcher.join(timeout=10)
     assert "error" not in got, got.get("error")
     p = got["run"]
