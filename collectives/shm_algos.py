@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import time
 
 import numpy as np
@@ -49,6 +50,10 @@ SPIN = 20
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
+#: x86 keeps stores in order and loads in order (TSO): a tick stored after a phase's data is
+#: seen after it. Elsewhere a full barrier (an atomic add) goes before each tick and after each
+#: wait. (Only x86 has run this.)
+_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
 
 
 def _signed(u: int) -> int:
@@ -176,8 +181,10 @@ class Engine:
         for a in reads:
             self.free[a] = t
         prog = self.prog
-        prog[self.r] = t
         seg = self.seg
+        if _WEAK_ORDER:  # the phase's data stores before the tick
+            seg.fence()
+        prog[self.r] = t
         seg.fence()  # the tick is visible before the sleepers' wishes are read
         want = self.want
         if want.any():  # wake exactly the sleepers whose wait is over
@@ -199,6 +206,8 @@ class Engine:
         if self._ready(t, who):
             if not self._checked:
                 self._check(t, who)
+            if _WEAK_ORDER:  # the ticks seen before the data they announce
+                self.seg.fence()
             return
         prog = self.prog
         for _ in range(self.spin):
@@ -235,6 +244,8 @@ class Engine:
         row[_WANT] = 0
         if not self._checked:
             self._check(t, who)
+        if _WEAK_ORDER:
+            seg.fence()
 
     def _ready(self, t: int, who) -> bool:
         if who is None:
