@@ -159,6 +159,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._flight = (flight.Recorder(self._options.flight_entries, self._options.flight_dump,
                                         group_name, rank, size, global_ranks, self._timeout)
                         if self._options.flight_entries > 0 else None)
+        if self._flight is not None:
+            flight.watch(self._ctx, self._flight)
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
         self._worker.start()
@@ -299,12 +301,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 stage.finish()
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # every failure reaches the Work, and the peers
+                if self._flight is not None:  # recorded (a timeout: dumped) before anyone hears
+                    self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
                 self._report_failure(e, op, seq)
                 if comm is not None:
                     e = self._annotate(e, op, seq, desc)
                     comm.end()
-                if self._flight is not None:  # a timeout writes the dump before anyone wakes
-                    self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
                 work._complete(e)
             else:
                 comm.end()
@@ -349,14 +351,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Works, and the peers
             # agree() raises ValueError naming the differing calls
+            if self._flight is not None:
+                for entry in taken:
+                    self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
             if comm is not None:
                 e = self._annotate(e, "all_reduce", head.seq, head.desc)
                 comm.end()
             self._pop_entries(len(taken))
-            if self._flight is not None:
-                for entry in taken:
-                    self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             Work._complete_many([entry.work for entry in taken], e)
             return
         comm.end()
@@ -543,11 +545,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             stage.finish()
             t1 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
+            if self._flight is not None:
+                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", seq)
             if comm is not None:
                 comm.end()
-            if self._flight is not None:
-                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
             work._complete(e)
             return
         comm.end()

@@ -168,6 +168,14 @@ class Recorder:
         if self.dumped is None and is_timeout(text):
             dump_all(self, text)
 
+    def peer_failed(self, text: str) -> None:
+        """The transport learned of a peer's failure (an ERROR frame) whatever this rank is
+        doing; a timeout writes the dump now (a rank busy computing writes what it did last)."""
+        if self.failure is None:
+            self.failure = text
+        if self.dumped is None and is_timeout(text):
+            dump_all(self, text)
+
     # ---------------------------------------------------------------- reading
     def as_dict(self) -> dict:
         return {"name": self.group, "desc": self.desc, "backend": self.backend,
@@ -175,6 +183,28 @@ class Recorder:
                 "timeout": self.timeout, "entries": self.entries, "created": self.created,
                 "failure": self.failure,
                 "ops": [r.as_dict() for r in self.ring.copy()]}
+
+
+def watch(ctx, recorder: Recorder) -> None:
+    """Have ``recorder`` dump when ``ctx`` (the group's transport) learns that a peer timed
+    out, from the thread that receives the report: a rank that is computing, not waiting on the
+    group, still writes its record at once. (Wraps the context's ``_set_broken``, through which
+    every failure the transport learns of passes.)"""
+    orig = getattr(ctx, "_set_broken", None)
+    if orig is None:
+        return
+    ref = weakref.ref(recorder)
+
+    def _set_broken(err, *args, **kwargs):
+        orig(err, *args, **kwargs)
+        rec = ref()
+        if rec is not None and rec.dumped is None and is_timeout(err):
+            try:
+                rec.peer_failed(str(err))
+            except Exception:  # noqa: BLE001 - never into the transport's threads
+                log.exception("flight recorder: writing the dump failed")
+
+    ctx._set_broken = _set_broken
 
 
 def snapshot(reason: str = "", rank: int | None = None) -> dict:

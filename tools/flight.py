@@ -251,7 +251,7 @@ def report(result: dict) -> str:
                      f"{_ranks_text(g['dumps'])}" + (f"; none from {_ranks_text(g['missing_dumps'])}"
                                                       if g["missing_dumps"] else ""))
         if g["window"]:
-            lines.append(f"  ops #{g['window'][0]}..#{g['window'][1]} recorded on every dumped rank")
+            lines.append(f"  records from #{g['window'][0]} to #{g['window'][1]}")
         for m in g["mismatches"]:
             parts = "; ".join(f"{_ranks_text(c['ranks'])} called {c['call']}" for c in m["calls"])
             lines.append(f"  MISMATCH at #{m['seq']}: {parts}")
