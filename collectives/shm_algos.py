@@ -588,12 +588,12 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             break
         E.wait(E.tick)
         if total is None:
-            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + meta.numel() * 8].view(torch.int64)
-                     for q in range(P)]
-            total = max(int(m[0]) for m in metas)
+            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + meta.numel() * 8].numpy()
+                     .view(np.int64).tolist() for q in range(P)]
+            total = max(m[0] for m in metas)
             for q in range(P):  # both ways: every rank involved names the mismatch
                 for a, b in ((q, r), (r, q)):
-                    sent, want = int(metas[a][1 + b]), int(metas[b][1 + P + a])
+                    sent, want = metas[a][1 + b], metas[b][1 + P + a]
                     if q != r and sent != want:
                         msg = (f"rank {r}: in all_to_all #{comm.seq} rank {a} sends {sent} bytes "
                                f"to rank {b}, which expects {want} bytes from it: the ranks "
