@@ -238,3 +238,33 @@ def test_records_served_by_torch_worker_server(tmp_path):
                          capture_output=True, text=True, timeout=80, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OPS [(1, 'completed'), (2, 'completed'), (3, 'completed')]" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(90)
+def test_torch_flight_recorder_has_no_linerate_entries(tmp_path):
+    """torch 2.13's own Flight Recorder (TORCH_FR_BUFFER_SIZE) records Gloo's collectives but
+    has no hook for a Python backend (README, "Flight recorder"). If this fails, torch records
+    Python backends now: make linerate's entries useful there and update the README."""
+    code = textwrap.dedent("""
+        import json, sys
+        import torch, torch.distributed as dist, linerate
+        import torch._C._distributed_c10d as c
+        if not hasattr(c, "_dump_fr_trace_json"):
+            print("NO-FR"); sys.exit(0)
+        store = dist.FileStore(sys.argv[1], 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        lr = dist.new_group([0], backend="linerate")
+        for g in (None, lr):
+            dist.all_reduce(torch.ones(4), group=g)
+        names = [e.get("profiling_name") for e in json.loads(c._dump_fr_trace_json()).get("entries", [])]
+        print("NAMES", names, flush=True)
+        dist.destroy_process_group()
+    """)
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], env=env,
+                         capture_output=True, text=True, timeout=80, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if "NO-FR" in out.stdout:
+        pytest.skip("this torch has no _dump_fr_trace_json")
+    assert "NAMES ['gloo:all_reduce']" in out.stdout, out.stdout
