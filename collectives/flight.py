@@ -268,7 +268,7 @@ def _serve(req, resp) -> None:  # torch control-plane handler
 
 def _register_torch_handler() -> None:
     """Serve the records from torch's worker server (handler ``linerate_flight``), once per
-    process, where this torch has the control plane (2.4 and later)."""
+    process, where this torch has the control plane (`_register_handler`)."""
     global _handler_registered
     if _handler_registered:
         return
