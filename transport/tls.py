@@ -273,6 +273,8 @@ class TlsStream:
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         n = mv.nbytes
+        if not n:
+            return
         off = 0
         while True:
             with self._lock:
