@@ -92,6 +92,42 @@ def test_timeout_dumps_every_rank_and_flight_names_the_rank_that_never_joined(tm
             for n in op["never_joined"]] == [(1, 10, "completed", False)]
 
 
+_SUBGROUP = """
+dist.init_process_group("linerate", timeout=datetime.timedelta(seconds=30))
+sub = dist.new_group([1, 2, 3], timeout=datetime.timedelta(seconds=3))
+x = torch.ones(1000)
+dist.all_reduce(x)
+if RANK != 0:
+    for _ in range(3):
+        dist.all_reduce(x, group=sub)
+    if RANK == 3:
+        time.sleep(5)
+    try:
+        dist.all_reduce(x, group=sub)
+    except Exception as e:
+        print("ERROR", str(e).replace(chr(10), " "), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_subgroup_timeout_names_global_ranks(tmp_path):
+    """A subgroup of global ranks 1, 2, 3 (group ranks 0, 1, 2) in which global rank 3 sleeps:
+    the members dump (both their groups), rank 0 (not a member, its group fine) does not, and
+    the analysis names global ranks."""
+    prefix = tmp_path / "fr"
+    res = run_ranks_script(tmp_path, _SUBGROUP, 4, timeout=90, env={"LINERATE_FR_DUMP": str(prefix)})
+    for r, (code, text) in enumerate(res):
+        assert code == 0, (r, text[-3000:])
+        assert os.path.exists(f"{prefix}.rank{r}.json") == (r != 0), (r, text[-3000:])
+    out = _cli(str(prefix))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"all_reduce #4 \(group \S+\): ranks 1, 2 entered; rank 3 never joined — its "
+                     r"last op was #3, completed", out.stdout), out.stdout
+    # the rank that timed out first recorded whom it awaited (the other may have written its
+    # dump on hearing of it, before its own op failed)
+    assert re.search(r"ranks? (1, 2|1|2) still waited for rank 3\n", out.stdout), out.stdout
+
+
 # ----------------------------------------------------------------------------- bounded, off
 _COUNT = """
 from linerate.collectives import flight
@@ -178,7 +214,7 @@ def test_flight_names_mismatches_stuck_ranks_and_missing_dumps(tmp_path, capsys)
     }
     assert flight_cli.main(["flight", *_write(tmp_path, dumps)]) == 0
     out = capsys.readouterr().out
-    assert "none from rank 3" in out, out
+    assert "no dump from rank 3" in out, out
     assert "MISMATCH at #10: ranks 0, 1 called all_reduce [float32[4] op=SUM]; rank 2 called " \
            "broadcast [float32[4] op=SUM]" in out, out
     assert "all_reduce #11 (group 0): ranks 0, 2 entered; rank 1 never joined — its last op was " \

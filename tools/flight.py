@@ -248,7 +248,7 @@ def report(result: dict) -> str:
         desc = f", {g['desc']}" if g["desc"] else ""
         lines.append("")
         lines.append(f"group {g['name']} ({len(g['ranks'])} ranks{desc}): dumps from "
-                     f"{_ranks_text(g['dumps'])}" + (f"; none from {_ranks_text(g['missing_dumps'])}"
+                     f"{_ranks_text(g['dumps'])}" + (f"; no dump from {_ranks_text(g['missing_dumps'])}"
                                                       if g["missing_dumps"] else ""))
         if g["window"]:
             lines.append(f"  records from #{g['window'][0]} to #{g['window'][1]}")
