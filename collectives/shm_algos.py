@@ -180,83 +180,88 @@ class Engine:
         t = self.tick
         for a in reads:
             self.free[a] = t
-        prog = self.prog
+        prog, want, ctrl = self.prog, self.want, self.ctrl
+        if ctrl is None:  # closed (abort) while this op ran
+            self._closed()
         seg = self.seg
         if _WEAK_ORDER:  # the phase's data stores before the tick
             seg.fence()
         prog[self.r] = t
         seg.fence()  # the tick is visible before the sleepers' wishes are read
-        want = self.want
         if want.any():  # wake exactly the sleepers whose wait is over
             for q in np.flatnonzero(want):
                 w = int(want[q])
-                who = int(self.ctrl[q, _WHO])
+                who = int(ctrl[q, _WHO])
                 if w and (prog[who] >= w if who >= 0 else prog.min() >= w):
                     seg.ring(int(q))
 
     def wait_free(self, area: int) -> None:
         t = self.free[area]
-        if t and self.prog.min() < t:
+        prog = self.prog
+        if t and (prog is None or prog.min() < t):
             self.wait(t)
 
     def wait(self, t: int, who: list[int] | None = None) -> None:
         """Until every rank (or those in ``who``) published tick ``t``."""
-        if self.ctrl is None:  # closed (abort) while this op ran
-            raise TransportError(f"rank {self.r}: {self.comm._desc}: the process group was closed")
-        if self._ready(t, who):
+        prog, ctrl = self.prog, self.ctrl  # kept: the group may close meanwhile (abort)
+        if ctrl is None:
+            self._closed()
+        if _ready(prog, t, who):
             if not self._checked:
-                self._check(t, who)
+                self._check(t, who, ctrl)
             if _WEAK_ORDER:  # the ticks seen before the data they announce
                 self.seg.fence()
             return
-        prog = self.prog
         for _ in range(self.spin):
-            if self._ready(t, who):
+            if _ready(prog, t, who):
                 break
         comm = self.comm
         seg = self.seg
-        row = self.ctrl[self.r]
-        while not self._ready(t, who):
-            self._check(t, who)
-            broken = comm.ctx.broken
-            if broken is not None:
-                raise TransportError(str(broken))
-            for q in (who or range(self.P)):  # a rank that closed its group (or died) never comes
-                peer = comm.ctx.peers.get(q)
-                if peer is not None and peer.failure is not None and prog[q] < t:
-                    raise TransportError(str(peer.failure))
-            left = comm.deadline - time.monotonic()
-            if left <= 0:
-                late = [q for q in (who or range(self.P)) if prog[q] < t]
-                where = ", ".join(f"rank {q} is in op #{int(self.ctrl[q, _SEQ])}" for q in late)
-                raise OpTimeout(f"rank {self.r}: {comm._desc} did not complete within the "
-                                f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
-                                f"(shared memory; {where})")
-            # Say what this rank waits for (a publisher that completes it rings this rank's
-            # bell), then sleep unless it came meanwhile.
-            row[_WHO] = -1 if who is None else who[0]
-            row[_WANT] = t
-            seg.fence()
-            seen = int(seg.bells[self.r])
-            if self._ready(t, who):
-                break
-            seg.sleep(seen, min(POLL_S, left))
-        row[_WANT] = 0
+        bells = seg.bells
+        row = ctrl[self.r]
+        try:
+            while not _ready(prog, t, who):
+                if self.ctrl is None:
+                    self._closed()
+                self._check(t, who, ctrl)
+                broken = comm.ctx.broken
+                if broken is not None:
+                    raise TransportError(str(broken))
+                for q in (who or range(self.P)):  # a rank that closed its group (or died)
+                    peer = comm.ctx.peers.get(q)
+                    if peer is not None and peer.failure is not None and prog[q] < t:
+                        raise TransportError(str(peer.failure))
+                left = comm.deadline - time.monotonic()
+                if left <= 0:
+                    late = [q for q in (who or range(self.P)) if prog[q] < t]
+                    where = ", ".join(f"rank {q} is in op #{int(ctrl[q, _SEQ])}" for q in late)
+                    raise OpTimeout(f"rank {self.r}: {comm._desc} did not complete within the "
+                                    f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
+                                    f"(shared memory; {where})")
+                # Say what this rank waits for (a publisher that completes it rings this
+                # rank's bell), then sleep unless it came meanwhile.
+                row[_WHO] = -1 if who is None else who[0]
+                row[_WANT] = t
+                seg.fence()
+                seen = int(bells[self.r])
+                if _ready(prog, t, who):
+                    break
+                seg.sleep(seen, min(POLL_S, left))
+        finally:
+            row[_WANT] = 0
         if not self._checked:
-            self._check(t, who)
+            self._check(t, who, ctrl)
         if _WEAK_ORDER:
             seg.fence()
 
-    def _ready(self, t: int, who) -> bool:
-        if who is None:
-            return self.prog.min() >= t
-        prog = self.prog
-        return all(prog[q] >= t for q in who)
+    def _closed(self) -> None:
+        why = getattr(self.comm.ctx, "_close_error", None)
+        raise TransportError(str(why) if why is not None else
+                             f"rank {self.r}: {self.comm._desc}: the process group was closed")
 
-    def _check(self, t: int, who) -> None:
+    def _check(self, t: int, who, ctrl) -> None:
         """A peer in this op with another call, or past this op without this rank: mismatch."""
         comm = self.comm
-        ctrl = self.ctrl
         mine = _signed(comm.call)
         ready = True
         for q in (who or range(self.P)):
@@ -271,14 +276,16 @@ class Engine:
                 self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
                                "root)")
-            elif seq > comm.seq and int(self.prog[q]) < t:
+            elif seq > comm.seq and int(ctrl[q, _PROG]) < t:
                 self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
                                "different sequences of collectives")
             ready = ready and seq >= comm.seq
-        if ready and self._ready(t, who):
+        if ready and _ready(ctrl[:, _PROG], t, who):
             self._checked = True
 
     def _desc(self, q: int) -> str:
+        if self.ctrl is None:
+            return "another op"
         row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
         return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
 
@@ -291,6 +298,12 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------- algorithms
+def _ready(prog, t: int, who) -> bool:
+    if who is None:
+        return prog.min() >= t
+    return all(prog[q] >= t for q in who)
+
+
 def _engine(comm: Comm) -> Engine:
     e = comm.shm
     e.begin(comm)
