@@ -188,15 +188,10 @@ class Recorder:
 def watch(ctx, recorder: Recorder) -> None:
     """Have ``recorder`` dump when ``ctx`` (the group's transport) learns that a peer timed
     out, from the thread that receives the report: a rank that is computing, not waiting on the
-    group, still writes its record at once. (Wraps the context's ``_set_broken``, through which
-    every failure the transport learns of passes.)"""
-    orig = getattr(ctx, "_set_broken", None)
-    if orig is None:
-        return
+    group, still writes its record at once (the context's ``on_failure`` callbacks)."""
     ref = weakref.ref(recorder)
 
-    def _set_broken(err, *args, **kwargs):
-        orig(err, *args, **kwargs)
+    def on_failure(err):
         rec = ref()
         if rec is not None and rec.dumped is None and is_timeout(err):
             try:
@@ -204,7 +199,7 @@ def watch(ctx, recorder: Recorder) -> None:
             except Exception:  # noqa: BLE001 - never into the transport's threads
                 log.exception("flight recorder: writing the dump failed")
 
-    ctx._set_broken = _set_broken
+    ctx.on_failure.append(on_failure)
 
 
 def snapshot(reason: str = "", rank: int | None = None) -> dict:

@@ -132,6 +132,9 @@ class Context:
         #: number of the last operation entered); peers can ask for it (peer_progress).
         self.progress = 0
         self._answers: dict[int, int] = {}   # peer -> progress it answered (peer_progress)
+        #: Called with each failure the group learns of (a dead peer, a peer's error report,
+        #: this rank's own report), from the thread that learnt it; must not block or raise.
+        self.on_failure: list = []
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         self._threads: list[threading.Thread] = []
@@ -883,6 +886,11 @@ class Context:
                            and (not only_collective or r.channel == CHANNEL_COLLECTIVE)]
         for r in failed:
             r._finish(_wrap(err))
+        for fn in list(self.on_failure):
+            try:
+                fn(err)
+            except Exception:  # noqa: BLE001 - never into the transport's threads
+                log.exception("rank %d: a failure callback raised", self.rank)
 
     @property
     def broken(self) -> BaseException | None:
