@@ -311,3 +311,63 @@ def use_transport(name: str, monkeypatch) -> None:
     if name != "tcp":
         verbs.reset()
         monkeypatch.setitem(CURRENT_TRANSPORT, "transport", "rdma")
+
+
+def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dict | None = None,
+                     per_rank_env: dict | None = None, host_store: bool = False):
+    """Run ``script`` (Python source) as ``world`` separate rank processes, as a launcher
+    would: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, the source tree on
+    PYTHONPATH, ``env`` for all and ``per_rank_env[r]`` for rank r on top. Ranks may die or
+    hang (unlike run_ranks): returns [(returncode, output)] per rank, and every process is
+    killed at ``timeout`` (the test then fails with the output).
+
+    ``host_store``: a TCPStore is hosted here, as torchrun's agent hosts one, and MASTER_PORT
+    is its port (the script connects to it as a client); else rank 0 hosts it (env://)."""
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parent.parent
+    path = Path(tmp_path) / "rank.py"
+    path.write_text(textwrap.dedent(script))
+    store = None
+    if host_store:
+        from datetime import timedelta as _td
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=_td(seconds=timeout))
+        port = store.port
+    else:
+        port = free_port()
+    procs = []
+    for r in range(world):
+        e = dict(os.environ)
+        e["PYTHONPATH"] = str(root) + os.pathsep + e.get("PYTHONPATH", "")
+        e.setdefault("OMP_NUM_THREADS", "1")
+        e.update(env or {})
+        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                 WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+        e.update((per_rank_env or {}).get(r, {}))
+        procs.append(subprocess.Popen([sys.executable, str(path)], env=e, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            try:
+                text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                text, _ = p.communicate()
+                pytest.fail(f"ranks still running after {timeout}s; this one said:\n{text[-3000:]}")
+            out.append((p.returncode, text))
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait()
+        del store
+    return out

@@ -22,8 +22,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _harness import run_rank_scripts
 from linerate.transport import tls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,39 +215,11 @@ dist.destroy_process_group()
 
 def run_script(tmp_path: Path, world: int, timeout: float, env: dict | None = None,
                per_rank_env: dict | None = None, script: str = _SCRIPT):
-    """Run ``script`` as ``world`` rank processes around a Store hosted here; [(returncode,
-    output)] per rank. Every process is killed at ``timeout``."""
-    import torch.distributed as dist
-    path = tmp_path / "rank.py"
-    path.write_text(textwrap.dedent(script))
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    port = store.port
-    procs = []
-    for r in range(world):
-        e = dict(os.environ)
-        e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-        e.setdefault("OMP_NUM_THREADS", "1")
-        e.update(LINERATE_SHM="0", LINERATE_CONNECT_TIMEOUT="30")
-        e.update(env or {})
-        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                 WORLD_SIZE=str(world), LOCAL_RANK=str(r))
-        e.update((per_rank_env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, str(path)], env=e, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            text, _ = p.communicate()
-            pytest.fail(f"ranks still running after {timeout}s; this one said:\n{text[-3000:]}")
-        out.append((p.returncode, text))
-    del store
-    return out
+    """Run ``script`` as ``world`` rank processes around a Store hosted here (as torchrun's
+    agent hosts it: a rank that fails cannot take the Store with it)."""
+    return run_rank_scripts(tmp_path, script, world, timeout,
+                            {"LINERATE_SHM": "0", "LINERATE_CONNECT_TIMEOUT": "30", **(env or {})},
+                            per_rank_env, host_store=True)
 
 
 def _failure(text: str) -> tuple[float, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from _harness import free_port
+from _harness import free_port, run_rank_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -49,31 +48,9 @@ def _env(extra: dict | None = None) -> dict:
 
 def run_ranks_script(tmp_path: Path, body: str, world: int, timeout: float,
                      env: dict | None = None, per_rank_env: dict | None = None):
-    """Run ``body`` as ``world`` rank processes (MASTER_ADDR/PORT, RANK, WORLD_SIZE set); return
-    [(returncode, output)] per rank. Every process is killed at ``timeout``."""
-    script = tmp_path / "rank.py"
-    script.write_text(_PRELUDE + textwrap.dedent(body))
-    port = free_port()
-    procs = []
-    for r in range(world):
-        e = _env(env)
-        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
-                 LOCAL_RANK=str(r))
-        e.update((per_rank_env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=e, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            text, _ = p.communicate()
-            pytest.fail(f"ranks still running after {timeout}s; this one said:\n{text[-3000:]}")
-        out.append((p.returncode, text))
-    return out
+    """``body`` after the common prelude, as ``world`` rank processes (_harness.run_rank_scripts)."""
+    return run_rank_scripts(tmp_path, _PRELUDE + textwrap.dedent(body), world, timeout, env,
+                            per_rank_env)
 
 
 # ----------------------------------------------------------------------------- 1: DDP
