@@ -231,3 +231,155 @@ def test_run_ctrl_c_stops_every_rank(lab_name):
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"rank process {pid} left running"
+
+
+# ----------------------------------------------------------------------------- ranks per host
+
+def test_ranks_per_host_layout():
+    """Ranks fill host 0 first; a list gives uneven hosts; --nproc keeps the first ranks."""
+    lab = netlab.plan("lay", 3, 1, 10 ** 9)
+    assert lab.layout() == [1, 1, 1]  # a lab recorded without the field: one rank per host
+    lab.ranks_per_host = [2, 2, 2]
+    assert netlab.resolve_layout(lab) == [2, 2, 2]
+    assert netlab.resolve_layout(lab, 3) == [2, 1]
+    assert netlab.resolve_layout(lab, None, "4,3") == [4, 3]
+    assert netlab.resolve_layout(lab, None, 1) == [1, 1, 1]
+    assert [netlab.placement([4, 3], r) for r in (0, 3, 4, 6)] == [(0, 0), (0, 3), (1, 0), (1, 2)]
+    for bad in ("0", "2,x", "1,2,3,4"):
+        with pytest.raises(ValueError):
+            netlab.resolve_layout(lab, None, bad)
+    with pytest.raises(ValueError):
+        netlab.resolve_layout(lab, 7)
+    env = netlab.rank_env(lab, 5, 7, 1234, env={}, layout=[4, 3])
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "GROUP_WORLD_SIZE", "LINERATE_NETLAB_HOST")} == {
+        "RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "LINERATE_NETLAB_HOST": "h1"}
+    # A state file written before ranks per host existed still loads.
+    data = lab.to_json()
+    del data["ranks_per_host"]
+    assert netlab.Lab.from_json(data).layout() == [1, 1, 1]
+
+
+TWO_BY_TWO = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    def tx_bytes():
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    dist.init_process_group("linerate")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e = os.environ
+    print("env", *(e[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                  "GROUP_RANK", "LINERATE_NETLAB_HOST")),
+          os.readlink("/proc/self/ns/net"), flush=True)
+    gloo = dist.new_group(backend="gloo")
+    # linerate against Gloo: integers (exact whatever the order of the sums) and floats.
+    n = 1_000_003
+    for dtype in (torch.int64, torch.float32):
+        g = torch.Generator().manual_seed(rank)
+        x = (torch.randint(-1000, 1000, (n,), generator=g).to(dtype) if dtype == torch.int64
+             else torch.randn(n, generator=g))
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=gloo)
+        ok = torch.equal(a, b) if dtype == torch.int64 else torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert ok, (dtype, a[:4], b[:4])
+    # Shared memory between the ranks of one host, TCP over eth0 between hosts.
+    cpu = torch.device("cpu")
+    local = dist.new_group([0, 1]), dist.new_group([2, 3])
+    cross = dist.new_group([1, 2])
+    mine = local[0] if rank < 2 else local[1]
+    shm_local = mine._get_backend(cpu)._ctx.shm is not None
+    S = 8 << 20
+    dist.barrier()
+    t0 = tx_bytes()
+    y = torch.ones(S // 4)
+    dist.all_reduce(y, group=mine)
+    assert torch.equal(y, torch.full_like(y, 2.0))
+    dist.barrier()
+    local_tx = tx_bytes() - t0
+    shm_cross, cross_tx = None, None
+    if rank in (1, 2):
+        shm_cross = cross._get_backend(cpu)._ctx.shm is not None
+    dist.barrier()
+    t0 = tx_bytes()
+    if rank in (1, 2):
+        z = torch.ones(S // 4)
+        dist.all_reduce(z, group=cross)
+        assert torch.equal(z, torch.full_like(z, 2.0))
+    dist.barrier()
+    cross_tx = tx_bytes() - t0
+    print("shm", rank, int(shm_local), shm_cross, local_tx, cross_tx, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@needs_netlab
+@pytest.mark.timeout(200)
+def test_two_hosts_two_ranks_each(lab_name, tmp_path):
+    """netlab up --ranks-per-host 2: four ranks, two per host namespace, with torchrun's
+    variables; linerate's all_reduce equals Gloo's; the ranks of one host share memory (and
+    leave eth0 quiet), ranks of different hosts do not (and their bytes cross eth0)."""
+    script = tmp_path / "two_by_two.py"
+    script.write_text(TWO_BY_TWO)
+    r = cli("up", "--hosts", "2", "--rate", "1gbit", "--ranks-per-host", "2", "--name", lab_name)
+    assert r.returncode == 0, r.stderr
+    assert "2 hosts x 2 ranks" in r.stdout, r.stdout
+    lab = netlab.load(lab_name)
+    assert lab.layout() == [2, 2]
+    st = cli("status", "--name", lab_name)
+    assert "ranks 0-1" in st.stdout and "ranks 2-3" in st.stdout, st.stdout
+    r = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", "run", "--name",
+                        lab_name, "--timeout", "150", str(script)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    envs, shm = {}, {}
+    for line in r.stdout.splitlines():
+        words = line.split()
+        if len(words) > 2 and words[2] == "env":
+            envs[int(words[3])] = words[3:]
+        elif len(words) > 2 and words[2] == "shm":
+            shm[int(words[3])] = words[4:]
+    assert sorted(envs) == [0, 1, 2, 3], r.stdout
+    netns = {}
+    for rank, (rk, world, local, lws, group, host, ns) in envs.items():
+        assert (rk, world, local, lws, group, host) == (
+            str(rank), "4", str(rank % 2), "2", str(rank // 2), f"h{rank // 2}")
+        netns[rank] = ns
+    assert netns[0] == netns[1] != netns[2] == netns[3], netns
+    S = 8 << 20
+    for rank, (shm_local, shm_cross, local_tx, cross_tx) in shm.items():
+        assert shm_local == "1", (rank, r.stdout)  # co-located: a shared segment
+        assert int(local_tx) < S // 8, (rank, local_tx)  # ... and not the host's link
+        if rank in (1, 2):
+            assert shm_cross == "False", (rank, r.stdout)  # across hosts: no segment
+            assert int(cross_tx) >= S // 2, (rank, cross_tx)  # ... the bytes went over eth0
+    assert sorted(shm) == [0, 1, 2, 3], r.stdout
+
+
+@needs_netlab
+@pytest.mark.timeout(200)
+def test_bench_ranks_per_host(lab_name):
+    """`linerate bench --netlab NAME --ranks-per-host 2` overrides a one-rank-per-host lab and
+    prints its table for 4 ranks."""
+    netlab.up(lab_name, hosts=2, rate="1gbit")
+    r = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "bench", "--netlab", lab_name,
+                        "--ranks-per-host", "2", "--ops", "all_reduce", "--min-bytes", "64K",
+                        "--max-bytes", "256K", "--iters", "3", "--warmup", "1", "--no-raw",
+                        "--timeout", "120"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()
+            if line.strip() and not line.startswith("#") and "all_reduce" in line]
+    assert [int(row[0]) for row in rows] == [65536, 262144], r.stdout
+    # four ranks: the links table names peers 0..3
+    assert any(line.split()[:2] == ["#", "3"] for line in r.stdout.splitlines()
+               if line.startswith("#    3")), r.stdout
+    bad = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "bench", "--netlab",
+                          lab_name, "--ranks-per-host", "1,1,1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "names 3 hosts" in bad.stderr, bad.stderr

@@ -79,8 +79,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="draw busbw (Gbit/s) against size for each backend, with the raw "
                              "capacity as a line (needs matplotlib)")
     parser.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
-                        help="run one rank per host of a running `linerate netlab` (default "
-                             "lab name: lab); --nproc defaults to every host")
+                        help="run on a running `linerate netlab` (default lab name: lab), its "
+                             "ranks per host in each host; --nproc defaults to every rank")
+    parser.add_argument("--ranks-per-host", default=None, metavar="R",
+                        help="with --netlab: ranks in each host namespace instead of the lab's "
+                             "(a count, or one per host: 4,3)")
     parser.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                         help="serve Prometheus metrics: rank i on PORT + its local rank "
                              "(LINERATE_METRICS_PORT); watch with `linerate top`")
@@ -113,10 +116,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"linerate bench: --netlab: {reason}", file=sys.stderr)
             return 2
         lab = netlab.load(args.netlab)
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
-                                ["-m", "linerate.tools.bench"] + rank_argv(args),
-                                timeout=None if args.loop else args.timeout + LAUNCH_GRACE_S,
-                                prefix_output=False)
+        try:
+            return netlab.run_ranks(lab, args.nproc, ["-m", "linerate.tools.bench"] + rank_argv(args),
+                                    timeout=None if args.loop else args.timeout + LAUNCH_GRACE_S,
+                                    prefix_output=False, ranks_per_host=args.ranks_per_host)
+        except (ValueError, RuntimeError) as e:
+            print(f"linerate bench: --netlab: {e}", file=sys.stderr)
+            return 2
+    if args.ranks_per_host is not None:
+        print("linerate bench: error: --ranks-per-host needs --netlab", file=sys.stderr)
+        return 2
     if args.nproc is None and all(k in os.environ for k in _TORCHRUN_ENV):
         from linerate.tools.bench_worker import run_worker  # imports torch: only in ranks
         return run_worker(args)

@@ -168,8 +168,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def dispatch(prog: str, module: str, args, rank_argv, run_worker, default_nproc: int,
              timeout: float, on_lab=None) -> int:
-    """Where a benchmark's ranks run: one per host of ``args.netlab`` (``on_lab(lab)`` first,
-    e.g. to probe the links), this process as a rank under torchrun, or ``args.nproc`` local
+    """Where a benchmark's ranks run: the ranks of ``args.netlab`` (``on_lab(lab)`` first,
+    e.g. to probe the links; the lab's ranks per host, or ``args.ranks_per_host`` where the
+    tool has that option), this process as a rank under torchrun, or ``args.nproc`` local
     ranks. ``rank_argv()`` gives the ranks' arguments (called after ``on_lab``)."""
     if getattr(args, "netlab", None) is not None:
         from linerate.tools import netlab
@@ -180,8 +181,9 @@ def dispatch(prog: str, module: str, args, rank_argv, run_worker, default_nproc:
         lab = netlab.load(args.netlab)
         if on_lab is not None:
             on_lab(lab)
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts), ["-m", module] + rank_argv(),
-                                timeout=timeout, prefix_output=False)
+        return netlab.run_ranks(lab, args.nproc or None, ["-m", module] + rank_argv(),
+                                timeout=timeout, prefix_output=False,
+                                ranks_per_host=getattr(args, "ranks_per_host", None))
     if args.nproc is None and all(k in os.environ for k in TORCHRUN_ENV):
         return run_worker(args)
     return launch_local(module, rank_argv(), args.nproc or default_nproc, timeout)

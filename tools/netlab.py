@@ -7,6 +7,9 @@ network is never touched. Every veth end is shaped with a ``tbf`` qdisc on egres
 directions of every link are limited to ``--rate``. With ``--nodes M --inter-rate R`` the hosts
 are split into M nodes: the hosts of a node share a node bridge, and each node bridge reaches
 the core bridge through one uplink veth pair shaped at R both ways (a two-tier cluster).
+With ``--ranks-per-host R`` (or a per-host list, ``4,3``) ``run`` places R ranks in each host
+namespace, sharing its interfaces (ranks of one namespace share memory, those of different
+namespaces talk over the links), with the environment torchrun gives R ranks on a node.
 
 Subcommands: ``up``, ``down``, ``status``, ``exec HOST CMD...``, ``run --nproc N script.py``
 (or ``-m module``), ``probe SRC DST`` (a single-TCP-flow throughput measurement).
@@ -104,6 +107,13 @@ class Lab:
     switch_netns: str = ""
     prefixlen: int = 24
     created: float = field(default_factory=time.time)
+    #: Ranks ``run`` places in each host (one entry per host; empty: one each, as labs made
+    #: before this field).
+    ranks_per_host: list[int] = field(default_factory=list)
+
+    def layout(self) -> list[int]:
+        """Ranks per host, one entry per host."""
+        return list(self.ranks_per_host) or [1] * len(self.hosts)
 
     def host(self, which: str | int) -> Host:
         """A host by index (``1``, ``"1"``), short name (``"h1"``) or namespace name."""
@@ -121,6 +131,78 @@ class Lab:
         data = dict(data)
         data["hosts"] = [Host(**h) for h in data["hosts"]]
         return cls(**data)
+
+
+# ----------------------------------------------------------------------------- rank layout
+
+#: Most ranks one host namespace takes.
+MAX_RANKS_PER_HOST = 64
+
+
+def parse_ranks_per_host(text: str | int | list[int]) -> int | list[int]:
+    """``"2"`` -> 2 (every host), ``"4,3"`` -> [4, 3] (per host, in host order)."""
+    if isinstance(text, (int, list)):
+        values, one = ([text] if isinstance(text, int) else list(text)), isinstance(text, int)
+    else:
+        parts = [t.strip() for t in str(text).split(",")]
+        one = len(parts) == 1
+        try:
+            values = [int(t) for t in parts]
+        except ValueError:
+            raise ValueError(f"--ranks-per-host: expected a number or a comma separated list "
+                             f"of numbers (one per host), got {text!r}") from None
+    bad = [v for v in values if not 1 <= v <= MAX_RANKS_PER_HOST]
+    if bad:
+        raise ValueError(f"--ranks-per-host: each count must be 1..{MAX_RANKS_PER_HOST}, "
+                         f"got {bad[0]}")
+    return values[0] if one else values
+
+
+def resolve_layout(lab: Lab, nproc: int | None = None,
+                   ranks_per_host: str | int | list[int] | None = None) -> list[int]:
+    """Ranks per host for a run: the lab's layout, or ``ranks_per_host`` (a count for every
+    host, or a list for the first hosts: hosts past its end run none), then cut to the first
+    ``nproc`` ranks in rank order (host 0's first) when ``nproc`` is given. Entries past the
+    last host with ranks are dropped; no host in between is empty."""
+    n = len(lab.hosts)
+    if ranks_per_host is None:
+        layout = lab.layout()
+    else:
+        r = parse_ranks_per_host(ranks_per_host)
+        layout = [r] * n if isinstance(r, int) else list(r)
+        if len(layout) > n:
+            raise ValueError(f"--ranks-per-host names {len(layout)} hosts; lab {lab.name!r} "
+                             f"has {n}")
+    total = sum(layout)
+    if nproc:
+        if not 1 <= nproc <= total:
+            raise ValueError(f"--nproc must be 1..{total} (ranks of lab {lab.name!r}: "
+                             f"{'+'.join(map(str, layout))})")
+        cut, left = [], nproc
+        for count in layout:
+            if left <= 0:
+                break
+            cut.append(min(count, left))
+            left -= cut[-1]
+        layout = cut
+    return layout
+
+
+def placement(layout: list[int], rank: int) -> tuple[int, int]:
+    """(host index, local rank) of global rank ``rank``: ranks fill host 0 first."""
+    first = 0
+    for host, count in enumerate(layout):
+        if rank < first + count:
+            return host, rank - first
+        first += count
+    raise ValueError(f"rank {rank} is past the layout {'+'.join(map(str, layout))}")
+
+
+def format_layout(layout: list[int]) -> str:
+    if len(set(layout)) == 1:
+        return f"{len(layout)} host{'s' if len(layout) > 1 else ''} x {layout[0]} rank" \
+               f"{'s' if layout[0] > 1 else ''}"
+    return f"{'+'.join(map(str, layout))} ranks on {len(layout)} hosts"
 
 
 def netns_prefix(name: str) -> str:
@@ -215,12 +297,20 @@ def plan(name: str, hosts: int, rails: int, rate_bps: int, nodes: int = 1,
 
 
 def up(name: str = "lab", hosts: int = 2, rate: str | int = "1gbit", rails: int = 1,
-       nodes: int = 1, inter_rate: str | int | None = None) -> Lab:
-    """Create the lab (after removing any older lab of that name) and return it."""
+       nodes: int = 1, inter_rate: str | int | None = None,
+       ranks_per_host: str | int | list[int] = 1) -> Lab:
+    """Create the lab (after removing any older lab of that name) and return it.
+
+    ``ranks_per_host``: ranks ``run`` places in each host, a count for all or a list with one
+    entry per host."""
     rate_bps = rate if isinstance(rate, int) else lab_rate(rate)
     inter_bps = (inter_rate if isinstance(inter_rate, int) or inter_rate is None
                  else lab_rate(inter_rate))
     lab = plan(name, hosts, rails, rate_bps, nodes, inter_bps)
+    rph = parse_ranks_per_host(ranks_per_host)
+    if isinstance(rph, list) and len(rph) != hosts:
+        raise ValueError(f"--ranks-per-host lists {len(rph)} counts for {hosts} hosts")
+    lab.ranks_per_host = [rph] * hosts if isinstance(rph, int) else rph
     down(name)
     try:
         _build(lab)
@@ -382,11 +472,23 @@ def free_port_in(host: Host) -> int:
 
 
 def rank_env(lab: Lab, rank: int, nproc: int, port: int,
-             env: dict[str, str] | None = None) -> dict[str, str]:
+             env: dict[str, str] | None = None,
+             layout: list[int] | None = None) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``nproc``, as torchrun's agent sets it on a node
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK = the host, GROUP_WORLD_SIZE =
+    the hosts with ranks, ROLE_*), plus the lab's interfaces. ``layout``: ranks per host
+    (default: the lab's, cut to ``nproc``)."""
     base = dict(os.environ if env is None else env)
-    host = lab.hosts[rank]
-    base.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                GROUP_RANK=str(rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+    if layout is None:
+        layout = resolve_layout(lab, nproc)
+    if sum(layout) != nproc:
+        raise ValueError(f"layout {'+'.join(map(str, layout))} does not hold {nproc} ranks")
+    h, local = placement(layout, rank)
+    host = lab.hosts[h]
+    base.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local),
+                LOCAL_WORLD_SIZE=str(layout[h]), GROUP_RANK=str(h),
+                GROUP_WORLD_SIZE=str(len(layout)), ROLE_NAME="default", ROLE_RANK=str(rank),
+                ROLE_WORLD_SIZE=str(nproc),
                 MASTER_ADDR=lab.hosts[0].addrs[0], MASTER_PORT=str(port),
                 LINERATE_NETLAB=lab.name, LINERATE_NETLAB_HOST=host.name)
     base.setdefault("LINERATE_SOCKET_IFNAME", ",".join(host.ifnames))
@@ -414,25 +516,30 @@ def _pump(stream, prefix: str, out) -> None:
     stream.close()
 
 
-def run_ranks(lab: Lab, nproc: int, argv: list[str], env: dict[str, str] | None = None,
-              timeout: float | None = None, prefix_output: bool = True) -> int:
-    """Run ``python <argv>`` as rank i on host i, i < nproc; return 0 if all ranks succeed.
+def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] | None = None,
+              timeout: float | None = None, prefix_output: bool = True,
+              ranks_per_host: str | int | list[int] | None = None) -> int:
+    """Run ``python <argv>`` as the lab's ranks; return 0 if all ranks succeed.
 
+    The ranks fill the hosts in order, the lab's ranks per host each (or ``ranks_per_host``,
+    see :func:`resolve_layout`): rank ``host * R + local`` runs in host ``host``'s namespace.
+    ``nproc`` (None or 0: every rank of the layout) keeps the first ``nproc`` ranks.
     ``argv`` is what follows ``python``: ``["script.py", ...]`` or ``["-m", "module", ...]``.
     Output lines are prefixed with ``[rank i]``. The first failing rank's exit code is returned
     (after the others had FAIL_GRACE_S to report); 124 on timeout, 130 on Ctrl-C. Every rank
     runs in a session of its own and is terminated (then killed) before this returns.
     """
-    if not 1 <= nproc <= len(lab.hosts):
-        raise ValueError(f"--nproc must be 1..{len(lab.hosts)} (hosts of lab {lab.name!r})")
+    layout = resolve_layout(lab, nproc, ranks_per_host)
+    nproc = sum(layout)
     if not is_up(lab):
         raise RuntimeError(f"netlab {lab.name!r} is not up (run: linerate netlab up)")
     port = free_port_in(lab.hosts[0])
     pumps: list[threading.Thread] = []
 
     def start(rank: int) -> subprocess.Popen:
-        p = subprocess.Popen(netns_argv(lab.hosts[rank], [sys.executable, *argv]),
-                             env=rank_env(lab, rank, nproc, port, env),
+        host = lab.hosts[placement(layout, rank)[0]]
+        p = subprocess.Popen(netns_argv(host, [sys.executable, *argv]),
+                             env=rank_env(lab, rank, nproc, port, env, layout),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         pfx = f"[rank {rank}] " if prefix_output else ""
@@ -451,11 +558,15 @@ def run_ranks(lab: Lab, nproc: int, argv: list[str], env: dict[str, str] | None 
 # ----------------------------------------------------------------------------- CLI
 
 def _cmd_up(args) -> int:
-    lab = up(args.name, args.hosts, args.rate, args.rails, args.nodes, args.inter_rate)
+    lab = up(args.name, args.hosts, args.rate, args.rails, args.nodes, args.inter_rate,
+             args.ranks_per_host)
+    layout = lab.layout()
     print(f"netlab {lab.name}: up, {len(lab.hosts)} hosts, {lab.rails} rail(s) at "
           f"{format_rate(lab.rate_bps)}"
           + (f", {lab.nodes} nodes, uplinks at {format_rate(lab.inter_rate_bps)}"
-             if lab.nodes > 1 else ""))
+             if lab.nodes > 1 else "")
+          + (f"; run places {format_layout(layout)} ({sum(layout)} ranks)"
+             if any(c != 1 for c in layout) else ""))
     return 0
 
 
@@ -484,10 +595,15 @@ def _cmd_status(args) -> int:
           f"switch namespace {lab.switch_netns}")
     if lab.nodes > 1:
         print(f"  {lab.nodes} nodes, uplinks at {format_rate(lab.inter_rate_bps)}")
-    for h in lab.hosts:
+    layout = lab.layout()
+    print(f"  ranks per host {','.join(map(str, layout))} ({sum(layout)} ranks)")
+    first = 0
+    for h, count in zip(lab.hosts, layout):
         addrs = "  ".join(f"{i}={a}/{lab.prefixlen}" for i, a in zip(h.ifnames, h.addrs))
         node = f" node {h.node}" if lab.nodes > 1 else ""
-        print(f"  {h.name:<4} {h.netns:<16}{node}  {addrs}")
+        ranks = str(first) if count == 1 else f"{first}-{first + count - 1}"
+        first += count
+        print(f"  {h.name:<4} {h.netns:<16}{node}  {addrs}  ranks {ranks}")
     return 0 if state == "up" else 1
 
 
@@ -517,8 +633,8 @@ def _cmd_run(args) -> int:
     if not argv:
         print("netlab run: give a script (or -m module)", file=sys.stderr)
         return 2
-    nproc = args.nproc or len(lab.hosts)
-    return run_ranks(lab, nproc, argv, timeout=args.timeout or None)
+    return run_ranks(lab, args.nproc or None, argv, timeout=args.timeout or None,
+                     ranks_per_host=args.ranks_per_host)
 
 
 def _cmd_probe(args) -> int:
@@ -562,6 +678,9 @@ def add_parser(subparsers) -> None:
     a.add_argument("--nodes", type=int, default=1, help="split the hosts into this many nodes")
     a.add_argument("--inter-rate", default=None,
                    help="rate of each node's uplink, each way (none: unshaped)")
+    a.add_argument("--ranks-per-host", default="1", metavar="R",
+                   help="ranks `run` (and `bench --netlab`) place in each host namespace, "
+                        "sharing its interfaces: a count, or one per host (4,3) (default 1)")
     action("down", _cmd_down, "delete the lab (idempotent)")
     a = action("status", _cmd_status, "show hosts, addresses, rates")
     a.add_argument("--json", action="store_true")
@@ -569,8 +688,12 @@ def add_parser(subparsers) -> None:
     a = action("exec", _cmd_exec, "run a command in a host's namespace")
     a.add_argument("host", help="h0, 0 or lr-<name>-h0")
     a.add_argument("argv", nargs=argparse.REMAINDER)
-    a = action("run", _cmd_run, "run one rank per host with the torchrun environment")
-    a.add_argument("--nproc", type=int, default=0, help="ranks (default: one per host)")
+    a = action("run", _cmd_run, "run the lab's ranks (per host: --ranks-per-host of up) with "
+               "the torchrun environment")
+    a.add_argument("--nproc", type=int, default=0,
+                   help="ranks, the first ones in rank order (default: every rank of the lab)")
+    a.add_argument("--ranks-per-host", default=None, metavar="R",
+                   help="override the lab's ranks per host: a count, or one per host (4,3)")
     a.add_argument("--timeout", type=float, default=0, help="seconds (default: none)")
     a.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                    metavar="MODULE ARGS", help="run a module, like python -m (the rest of the "
