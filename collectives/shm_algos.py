@@ -421,28 +421,21 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
 
 
 def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
+    """Chunk k: the root writes it into one of its two slots and publishes; every other rank
+    waits for that, copies it out and publishes. One tick per chunk on every rank: the slot is
+    free again once every rank has published it."""
     E = _engine(comm)
     r = E.r
     data = _bytes(t)
-    chunks = _chunks(data.numel(), E.C)
-    nch = len(chunks)
-    sets = [E.next_set() for _ in chunks]
-    for ph in range(nch + 1):
-        reads = []
-        i = ph - 1
-        if i >= 0:  # chunk i was read in this phase (by every rank but the root)
-            o, ln = chunks[i]
-            if r != root:
-                _copy(data[o:o + ln], E.areas[E.S(sets[i], root)][:ln])
-            reads.append(E.S(sets[i], root))
-        if ph < nch and r == root:
-            o, ln = chunks[ph]
-            a = E.S(sets[ph], root)
+    for o, ln in _chunks(data.numel(), E.C):
+        a = E.S(E.next_set(), root)
+        if r == root:
             E.wait_free(a)
             _copy(E.areas[a][:ln], data[o:o + ln])
-        E.publish(reads)
-        if ph < nch and r != root:
-            E.wait(E.tick, [root])
+        else:
+            E.wait(E.tick + 1, [root])
+            _copy(data[o:o + ln], E.areas[a][:ln])
+        E.publish([a])
 
 
 def all_gather(comm: Comm, segs: list[torch.Tensor]) -> None:
@@ -490,6 +483,7 @@ def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
 
 
 def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+    """As broadcast, with the root's slot cut into one block per rank."""
     E = _engine(comm)
     P, r = E.P, E.r
     mine = _bytes(out)
@@ -497,29 +491,18 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
     if r == root:
         _copy(mine, srcs[root])
     B = (E.C // P) // _ALIGN * _ALIGN
-    chunks = _chunks(mine.numel(), B)
-    nch = len(chunks)
-    sets = [E.next_set() for _ in chunks]
-    for ph in range(nch + 1):
-        reads = []
-        i = ph - 1
-        if i >= 0:
-            o, ln = chunks[i]
-            a = E.S(sets[i], root)
-            if r != root:
-                _copy(mine[o:o + ln], E.areas[a][r * B:r * B + ln])
-            reads.append(a)
-        if ph < nch and r == root:
-            o, ln = chunks[ph]
-            a = E.S(sets[ph], root)
+    for o, ln in _chunks(mine.numel(), B):
+        a = E.S(E.next_set(), root)
+        if r == root:
             E.wait_free(a)
             area = E.areas[a]
             for q in range(P):
                 if q != root:
                     _copy(area[q * B:q * B + ln], srcs[q][o:o + ln])
-        E.publish(reads)
-        if ph < nch and r != root:
-            E.wait(E.tick, [root])
+        else:
+            E.wait(E.tick + 1, [root])
+            _copy(mine[o:o + ln], E.areas[a][r * B:r * B + ln])
+        E.publish([a])
 
 
 def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
