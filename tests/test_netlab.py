@@ -255,6 +255,10 @@ def test_ranks_per_host_layout():
                                 "GROUP_RANK", "GROUP_WORLD_SIZE", "LINERATE_NETLAB_HOST")} == {
         "RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "LINERATE_NETLAB_HOST": "h1"}
+    # Without a layout rank_env places rank i alone on host i (callers that start one process
+    # per host themselves, like linerate model's CPU probe).
+    env = netlab.rank_env(lab, 1, 3, 1234, env={})
+    assert (env["LOCAL_RANK"], env["GROUP_RANK"], env["LINERATE_NETLAB_HOST"]) == ("0", "1", "h1")
     # A state file written before ranks per host existed still loads.
     data = lab.to_json()
     del data["ranks_per_host"]

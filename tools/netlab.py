@@ -477,10 +477,14 @@ def rank_env(lab: Lab, rank: int, nproc: int, port: int,
     """The environment of rank ``rank`` of ``nproc``, as torchrun's agent sets it on a node
     (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK = the host, GROUP_WORLD_SIZE =
     the hosts with ranks, ROLE_*), plus the lab's interfaces. ``layout``: ranks per host
-    (default: the lab's, cut to ``nproc``)."""
+    (:func:`resolve_layout`); default: rank i alone on host i, whatever the lab's layout (what
+    a caller placing one process per host, like ``linerate model``'s CPU probe, needs)."""
     base = dict(os.environ if env is None else env)
     if layout is None:
-        layout = resolve_layout(lab, nproc)
+        if not 1 <= nproc <= len(lab.hosts):
+            raise ValueError(f"{nproc} ranks, one per host, on lab {lab.name!r} of "
+                             f"{len(lab.hosts)} hosts")
+        layout = [1] * nproc
     if sum(layout) != nproc:
         raise ValueError(f"layout {'+'.join(map(str, layout))} does not hold {nproc} ranks")
     h, local = placement(layout, rank)
