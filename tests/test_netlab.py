@@ -387,3 +387,52 @@ def test_bench_ranks_per_host(lab_name):
                           lab_name, "--ranks-per-host", "1,1,1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "names 3 hosts" in bad.stderr, bad.stderr
+
+
+ENV_SCRIPT = ("import os\nprint('env', *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', "
+              "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'GROUP_WORLD_SIZE', "
+              "'LINERATE_NETLAB_HOST', 'LINERATE_SOCKET_IFNAME')), "
+              "os.readlink('/proc/self/ns/net'), flush=True)\n")
+
+
+def _envs(stdout: str) -> dict[int, list[str]]:
+    out = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        if len(words) > 2 and words[2] == "env":
+            out[int(words[3])] = words[3:]
+    return out
+
+
+@needs_netlab
+@pytest.mark.timeout(90)
+def test_uneven_ranks_per_host_with_rails_and_two_tiers(lab_name, tmp_path):
+    """--ranks-per-host 2,1 on a two-tier lab with 2 rails: 3 ranks, two in h0 and one in h1,
+    each with both rails; run --ranks-per-host and --nproc re-place them; bad lists refused."""
+    script = tmp_path / "env.py"
+    script.write_text(ENV_SCRIPT)
+    bad = cli("up", "--hosts", "2", "--ranks-per-host", "2,1,1", "--name", lab_name)
+    assert bad.returncode == 1 and "3 counts for 2 hosts" in bad.stderr, bad.stderr
+    r = cli("up", "--hosts", "2", "--rate", "200mbit", "--rails", "2", "--nodes", "2",
+            "--inter-rate", "100mbit", "--ranks-per-host", "2,1", "--name", lab_name)
+    assert r.returncode == 0, r.stderr
+    assert "2+1 ranks on 2 hosts" in r.stdout, r.stdout
+
+    def run(*extra):
+        p = cli("run", "--name", lab_name, "--timeout", "60", *extra, str(script), timeout=80)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return _envs(p.stdout)
+
+    envs = run()
+    assert {r: e[:8] for r, e in envs.items()} == {
+        0: ["0", "3", "0", "2", "0", "2", "h0", "eth0,eth1"],
+        1: ["1", "3", "1", "2", "0", "2", "h0", "eth0,eth1"],
+        2: ["2", "3", "0", "1", "1", "2", "h1", "eth0,eth1"]}
+    assert envs[0][8] == envs[1][8] != envs[2][8]
+    envs = run("--ranks-per-host", "1,3")
+    assert [(e[2], e[3], e[4]) for _, e in sorted(envs.items())] == [
+        ("0", "1", "0"), ("0", "3", "1"), ("1", "3", "1"), ("2", "3", "1")]
+    envs = run("--nproc", "2")  # the first two ranks: both in h0
+    assert [(e[1], e[3], e[6]) for _, e in sorted(envs.items())] == [("2", "2", "h0")] * 2
+    p = cli("run", "--name", lab_name, "--nproc", "4", str(script))
+    assert p.returncode == 1 and "--nproc must be 1..3" in p.stderr, p.stderr
