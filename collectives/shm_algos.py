@@ -132,6 +132,7 @@ class Engine:
         nareas = 2 * P + 2
         self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
         self.areas = [seg.data[i * self.C:(i + 1) * self.C] for i in range(nareas)]
+        self.addr = [t.data_ptr() for t in self.areas]  # for memmove without tensor views
         self.free = [0] * nareas
         self.cursor = 0
         self.comm: Comm | None = None
@@ -537,22 +538,23 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) 
 
 def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
     """outs[q] receives rank q's ins[me] (any sizes; each rank's are checked against what the
-    senders announce)."""
+    senders announce). Copies by address (memmove), no tensor views: this op is mostly Python
+    overhead at small sizes."""
     E = _engine(comm)
     P, r = E.P, E.r
-    src = [_bytes(x) for x in ins]
-    dst = [_bytes(x) for x in outs]
+    move = ctypes.memmove
+    src = [(x.data_ptr(), x.numel() * x.element_size()) for x in ins]
+    dst = [(x.data_ptr(), x.numel() * x.element_size()) for x in outs]
     # The slots of phase 0 carry, after the P blocks, each rank's step count and the bytes it
     # sends to / expects from every rank (in the slot: a rank that finished this op may
     # already reuse its control row).
     B = ((E.C - 8 * (2 * P + 1)) // P) // _ALIGN * _ALIGN
-    steps = max([1] + [-(-x.numel() // B) for x in src + dst])
-    meta = torch.tensor([steps] + [x.numel() for x in src] + [x.numel() for x in dst],
-                        dtype=torch.int64)
-    _copy(dst[r], src[r])
+    steps = max([1] + [-(-n // B) for _, n in src + dst])
+    meta = [steps] + [n for _, n in src] + [n for _, n in dst]
+    if src[r][1]:
+        move(dst[r][0], src[r][0], src[r][1])
     ph = 0
     total = None
-    reads: list = []
     sets: list = []
     while True:
         reads = []
@@ -561,30 +563,29 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             b = sets[i]
             o = i * B
             for q in range(P):
-                if q != r:
-                    ln = max(0, min(B, dst[q].numel() - o))
-                    if ln:
-                        _copy(dst[q][o:o + ln], E.areas[E.S(b, q)][r * B:r * B + ln])
+                ln = min(B, dst[q][1] - o)
+                if q != r and ln > 0:
+                    move(dst[q][0] + o, E.addr[E.S(b, q)] + r * B, ln)
             reads = [E.S(b, q) for q in range(P)]
         if total is None or ph < total:
             b = E.next_set()
             sets.append(b)
             a = E.S(b, r)
             E.wait_free(a)
-            area = E.areas[a]
+            base = E.addr[a]
             if ph == 0:
-                _copy(area[P * B:P * B + meta.numel() * 8], _bytes(meta))
+                E.areas[a][P * B:P * B + 8 * len(meta)].numpy().view(np.int64)[:] = meta
             o = ph * B
             for q in range(P):
-                ln = max(0, min(B, src[q].numel() - o))
-                if q != r and ln:
-                    _copy(area[q * B:q * B + ln], src[q][o:o + ln])
+                ln = min(B, src[q][1] - o)
+                if q != r and ln > 0:
+                    move(base + q * B, src[q][0] + o, ln)
         E.publish(reads)
         if total is not None and ph >= total:
             break
         E.wait(E.tick)
         if total is None:
-            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + meta.numel() * 8].numpy()
+            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + 8 * len(meta)].numpy()
                      .view(np.int64).tolist() for q in range(P)]
             total = max(m[0] for m in metas)
             for q in range(P):  # both ways: every rank involved names the mismatch
