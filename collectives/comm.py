@@ -177,10 +177,12 @@ class Comm:
                             f"waiting for {who} ({what}){silent}{hint}") from None
 
     def _absent(self) -> str:
-        """Which ranks have not entered this op, as far as they answer within a second: the
-        rank a ring waits for may itself be waiting for the one that never came."""
+        """Which ranks have not entered this op, as far as they answer within a quarter second
+        (their receive threads answer at once; a rank whose link is down never does, and the
+        error waits for it that long): the rank a ring waits for may itself be waiting for the
+        one that never came."""
         late, silent = [], []
-        for r, progress in sorted(self.ctx.peer_progress(min(1.0, max(0.1, self.timeout / 10))).items()):
+        for r, progress in sorted(self.ctx.peer_progress(min(0.25, max(0.05, self.timeout / 20))).items()):
             if progress is None:
                 silent.append(r)
             elif progress < self.seq:
