@@ -102,7 +102,7 @@ def _launch(args, fwd: list[str]) -> int:
         lab = netlab.load(args.netlab)
         # the ranks learn the lab from LINERATE_NETLAB (netlab.rank_env) and read its state
         fwd = _without(fwd, "--netlab", 1)
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts),
+        return netlab.run_ranks(lab, args.nproc or None,
                                 ["-m", "linerate.tools.dev.decent_bench", *fwd], timeout=args.timeout,
                                 prefix_output=False)
     from linerate.tools.launch import launch_local

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: --netlab: {reason}", file=sys.stderr)
             return 2
         lab = netlab.load(args.netlab)
-        return netlab.run_ranks(lab, args.nproc or len(lab.hosts), rank_argv(args),
+        return netlab.run_ranks(lab, args.nproc or None, rank_argv(args),
                                 timeout=args.run_timeout, prefix_output=False)
     return launch_local("linerate.tools.dev.soak", rank_argv(args)[2:], args.nproc or 2, args.run_timeout)
 
