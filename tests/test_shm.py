@@ -192,8 +192,9 @@ def test_every_collective_matches_gloo(P):
 
 
 @pytest.mark.timeout(600)
-def test_eight_ranks_small_sizes():
-    for fails, n in run_ranks(_matrix, 8, True, timeout=500):
+@pytest.mark.parametrize("P", [5, 6, 7, 8])
+def test_more_ranks_small_sizes(P):
+    for fails, n in run_ranks(_matrix, P, True, timeout=500):
         assert not fails, "\n".join(fails[:20])
 
 
