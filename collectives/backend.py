@@ -218,6 +218,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def options(self) -> Options:
         return self._options
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether this group's collectives run on a shared-memory segment (every rank on this
+        host, LINERATE_SHM): then its TCP connections carry (almost) nothing."""
+        return self._shm is not None
+
     def connection_stats(self) -> list[dict]:
         """Bytes sent and received per connection (peer rank, connection index, addresses)."""
         return self._ctx.connection_stats()

@@ -210,3 +210,15 @@ def test_timeout_reaps_every_rank():
     assert proc.returncode != 0
     assert "timed out after 3 s" in proc.stderr
     assert "stopping all ranks" in proc.stderr
+
+
+def test_link_table_says_when_the_ranks_share_memory():
+    from linerate.tools.bench_report import link_lines
+    entry = {"rank": 0, "busy_s": 1.0, "links": [
+        {"peer": 1, "sent_bytes": 0, "received_bytes": 0,
+         "connections": [{"sent_bytes": 0}, {"sent_bytes": 0}]}]}
+    shm = link_lines("linerate", [dict(entry, shared_memory=True), dict(entry, rank=1, shared_memory=True)])
+    assert "share memory (LINERATE_SHM)" in shm[-1] and "LINERATE_SHM=0" in shm[-1]
+    tcp = link_lines("linerate", [dict(entry, shared_memory=False), dict(entry, rank=1, shared_memory=True)])
+    assert not any("share memory" in line for line in tcp)
+    assert all(line.startswith("#") for line in shm + tcp)

@@ -320,18 +320,24 @@ def _auto_iters(laps: list[float]) -> int:
 
 
 # ---------------------------------------------------------------------------- link statistics
-def _connection_stats(group) -> list[dict] | None:
-    """The linerate group's per-connection byte counters, if it exposes them."""
+def _backend_attr(group, name: str):
+    """An attribute of the group or of its CPU backend (None where neither has it)."""
     candidates = [group]
     try:
         candidates.append(group._get_backend(torch.device("cpu")))
     except (AttributeError, RuntimeError):
         pass
     for obj in candidates:
-        fn = getattr(obj, "connection_stats", None)
-        if callable(fn):
-            return [dict(s) for s in fn()]
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
     return None
+
+
+def _connection_stats(group) -> list[dict] | None:
+    """The linerate group's per-connection byte counters, if it exposes them."""
+    fn = _backend_attr(group, "connection_stats")
+    return [dict(s) for s in fn()] if callable(fn) else None
 
 
 def _link_deltas(before: list[dict], after: list[dict]) -> list[dict]:
@@ -359,7 +365,8 @@ def _gather_links(columns: list[Column], rank: int) -> list[dict]:
         after = _connection_stats(c.group)
         if c.stats_before is not None and after is not None:
             mine.append({"label": c.label, "rank": rank, "host": socket.gethostname(),
-                         "busy_s": c.busy_s, "links": _link_deltas(c.stats_before, after)})
+                         "busy_s": c.busy_s, "links": _link_deltas(c.stats_before, after),
+                         "shared_memory": bool(_backend_attr(c.group, "shared_memory"))})
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     return [entry for per_rank in gathered for entry in per_rank] if rank == 0 else []
