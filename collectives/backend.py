@@ -158,8 +158,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         #: The last LINERATE_FR_ENTRIES collectives, written out on a timeout (flight.py).
         self._flight = (flight.Recorder(self._options.flight_entries, self._options.flight_dump,
                                         group_name, rank, size, global_ranks, self._timeout)
-                        if self._options.flight_entries > 0 else None)
-        if self._flight is not None:
+                        if self._options.flight_entries > 0 else flight.Off())
+        if isinstance(self._flight, flight.Recorder):
             flight.watch(self._ctx, self._flight)
         self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
                                         daemon=True)
@@ -179,8 +179,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
         self._ctx.label = name
-        if self._flight is not None:
-            self._flight.group = name
+        self._flight.group = name
 
     def setGroupName(self, name: str) -> None:
         self._set_group_name(name)
@@ -194,8 +193,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = desc
-        if self._flight is not None:
-            self._flight.desc = desc
+        self._flight.desc = desc
 
     def setGroupDesc(self, desc: str) -> None:
         self._set_group_desc(desc)
@@ -250,8 +248,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
                         result, stage.devices)
-            if self._flight is not None:
-                self._flight.queued(op, seq, desc)
+            self._flight.queued(op, seq, desc)
             self._put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
         return work
 
@@ -301,14 +298,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 comm.shm = self._shm
                 t0 = time.perf_counter()
                 comm.set_call(desc)
-                if self._flight is not None:
-                    self._flight.started(seq)
+                self._flight.started(seq)
                 fn(comm)
                 stage.finish()
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # every failure reaches the Work, and the peers
-                if self._flight is not None:  # recorded (a timeout: dumped) before anyone hears
-                    self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
+                # recorded (a timeout: dumped) before anyone hears
+                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
                 self._report_failure(e, op, seq)
                 if comm is not None:
                     e = self._annotate(e, op, seq, desc)
@@ -316,8 +312,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 work._complete(e)
             else:
                 comm.end()
-                if self._flight is not None:
-                    self._flight.completed(seq, comm.algorithm)
+                self._flight.completed(seq, comm.algorithm)
                 work._complete()
                 if metrics.enabled():  # after the caller was released: off its critical path
                     if nbytes is None:
@@ -339,14 +334,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.set_call(f"{head.desc} (fused with what follows)")
             comm.shm = self._shm
             fr = self._flight
-            if fr is not None:
-                fr.started(head.seq)
+            fr.started(head.seq)
             k, head_done = self._on_shm(comm, fusion).agree(comm, offered, len(offered),
                                                            self._options.small_bytes)
             taken = offered[:k]
-            if fr is not None:
-                for e in taken[1:]:
-                    fr.started(e.seq)
+            for e in taken[1:]:
+                fr.started(e.seq)
             nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
                                 self._options.allreduce_algo)
             if head_done:
@@ -357,9 +350,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Works, and the peers
             # agree() raises ValueError naming the differing calls
-            if self._flight is not None:
-                for entry in taken:
-                    self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
+            for entry in taken:
+                self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
             if comm is not None:
                 e = self._annotate(e, "all_reduce", head.seq, head.desc)
@@ -369,10 +361,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return
         comm.end()
         self._pop_entries(len(taken))
-        if self._flight is not None:
-            for e in taken:
-                self._flight.completed(e.seq, comm.algorithm if len(taken) == 1 else
-                                       f"{comm.algorithm} (fused x{len(taken)})")
+        for e in taken:
+            self._flight.completed(e.seq, comm.algorithm if len(taken) == 1 else
+                                   f"{comm.algorithm} (fused x{len(taken)})")
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
         Work._complete_many([e.work for e in taken])
@@ -489,8 +480,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
             work._on_wait = self._expedite
-            if self._flight is not None:
-                self._flight.queued(what, seq, desc)
+            self._flight.queued(what, seq, desc)
             self._put(fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                    self._chain))
         return work
@@ -523,8 +513,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'}, "
                         f"priority {priority})", [tensor], stage.devices)
-            if self._flight is not None:
-                self._flight.queued(what, seq, desc)
+            self._flight.queued(what, seq, desc)
             if self._prio_pool is None:
                 self._prio_pool = concurrent.futures.ThreadPoolExecutor(
                     self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self.rank()}")
@@ -545,22 +534,19 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.priority = priority
             t0 = time.perf_counter()
             comm.set_call(desc)
-            if self._flight is not None:
-                self._flight.started(seq)
+            self._flight.started(seq)
             self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
             stage.finish()
             t1 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
-            if self._flight is not None:
-                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
+            self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", seq)
             if comm is not None:
                 comm.end()
             work._complete(e)
             return
         comm.end()
-        if self._flight is not None:
-            self._flight.completed(seq, comm.algorithm)
+        self._flight.completed(seq, comm.algorithm)
         work._complete()
         if self.timeline is not None:
             self.timeline.span(f"all_reduce {name or seq}", "comm", t0, t1, priority=priority,
