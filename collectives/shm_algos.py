@@ -43,6 +43,9 @@ from .reduce_ops import RedOpType, finish_avg
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
 _WANT, _WHO = 4, 5   # the tick a sleeping rank waits for (0: awake); whose (-1: every rank's)
 _DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
+# words 40..55: the (seq, digest) of this rank's last _HIST_N ops, so that a rank that checks a
+# peer which already moved on to a later op can still compare this op's call with its own
+_HIST, _HIST_N = 40, 8
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
 #: Checks of the counters before a waiting rank sleeps on the bell.
@@ -170,6 +173,10 @@ class Engine:
         desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
         desc[:] = 0
         desc[:len(text)] = np.frombuffer(text, np.uint8)
+        h = _HIST + 2 * (comm.seq % _HIST_N)
+        row[h] = 0            # the entry is being rewritten
+        row[h + 1] = row[_DIGEST]
+        row[h] = comm.seq
         row[_SEQ] = comm.seq  # last: a peer reads seq, digest, seq (see _check)
         self.comm = comm
         self._checked = False
@@ -277,12 +284,32 @@ class Engine:
                 self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
                                "root)")
+            elif seq > comm.seq and self._past_call_differs(ctrl, q, mine):
+                self._mismatch(q, f"called other arguments in #{comm.seq} (now in "
+                               f"{self._desc(q)} #{seq})", "the ranks called different "
+                               "collectives or passed other arguments (dtype, size, reduce op or "
+                               "root)")
             elif seq > comm.seq and int(ctrl[q, _PROG]) < t:
                 self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
                                "different sequences of collectives")
+            elif seq < comm.seq and int(ctrl[q, _PROG]) >= t:
+                # Its ticks ran past this op's while it was still in an earlier op (a rank
+                # writes its seq before any tick of an op): that op ran other phases there
+                # than here, so its calls differed (a broadcast root that finished early).
+                self._mismatch(q, f"is still in {self._desc(q)} #{seq} past this op's phase",
+                               "the ranks called different collectives or passed other "
+                               "arguments in an earlier op (dtype, size, reduce op or root)")
             ready = ready and seq >= comm.seq
         if ready and _ready(ctrl[:, _PROG], t, who):
             self._checked = True
+
+    def _past_call_differs(self, ctrl, q: int, mine: int) -> bool:
+        """Whether peer q, already in a later op, called this op with another digest (from its
+        history; False where the entry is gone or being rewritten: nothing to compare)."""
+        h = _HIST + 2 * (self.comm.seq % _HIST_N)
+        seq = int(ctrl[q, h])
+        digest = int(ctrl[q, h + 1])
+        return seq == self.comm.seq and int(ctrl[q, h]) == seq and digest != mine
 
     def _desc(self, q: int) -> str:
         if self.ctrl is None:
