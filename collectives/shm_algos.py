@@ -292,13 +292,6 @@ class Engine:
             elif seq > comm.seq and int(ctrl[q, _PROG]) < t:
                 self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
                                "different sequences of collectives")
-            elif seq < comm.seq and int(ctrl[q, _PROG]) >= t:
-                # Its ticks ran past this op's while it was still in an earlier op (a rank
-                # writes its seq before any tick of an op): that op ran other phases there
-                # than here, so its calls differed (a broadcast root that finished early).
-                self._mismatch(q, f"is still in {self._desc(q)} #{seq} past this op's phase",
-                               "the ranks called different collectives or passed other "
-                               "arguments in an earlier op (dtype, size, reduce op or root)")
             ready = ready and seq >= comm.seq
         if ready and _ready(ctrl[:, _PROG], t, who):
             self._checked = True
