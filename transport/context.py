@@ -30,9 +30,8 @@ import threading
 import time
 import zlib
 
-import numpy as np
-
 from . import framing, handshake, metrics, rdma, shm, tls
+from .matching import Matcher, Mismatch, Staged as _Staged
 from .framing import (CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR,
                       KIND_PROGRESS, KIND_QUERY)
 from .interfaces import listen_addresses
@@ -46,21 +45,6 @@ _STORE_PREFIX = "linerate/"
 _STALL_S = 2.0
 #: Default of LINERATE_LINK_TIMEOUT (seconds; see _tune).
 LINK_TIMEOUT_DEFAULT = 60.0
-
-
-class _Staged:
-    """An unexpected message: bytes that arrived before the matching receive."""
-
-    __slots__ = ("buf", "total", "done_bytes", "opcode", "tag", "waiter", "call")
-
-    def __init__(self, buf: memoryview, total: int, opcode: int, tag: int, call: int = 0):
-        self.buf = buf
-        self.total = total
-        self.done_bytes = 0
-        self.opcode = opcode
-        self.tag = tag
-        self.call = call
-        self.waiter: Request | None = None
 
 
 class _Conn:
@@ -91,20 +75,8 @@ class _Peer:
         #: failure must still reach the send (finished ones are pruned now and then).
         self.sending: set = set()
         self.prune_at = 256  # len(sending) at which finished sends are dropped (amortized)
-        self.send_counters: dict = {}
-        self.recv_counters: dict = {}
-        self.posted: dict = {}      # match key -> Request (posted, no byte seen yet)
-        self.inflight: dict = {}    # match key -> Request or _Staged being filled
-        self.unexpected: dict = {}  # match key -> _Staged (arrived or arriving, no receive yet)
         self.failure: BaseException | None = None
         self.closes_seen = 0
-
-
-def _match_key(channel: int, tag: int, msgno: int):
-    # A message is identified by its channel, its tag (collective: the op's sequence number;
-    # point-to-point: the user's tag) and its number: an explicit slot that the algorithm
-    # gives, or the count of earlier messages on that (peer, channel, tag).
-    return (channel, tag, msgno)
 
 
 class Context:
@@ -124,9 +96,6 @@ class Context:
         self.link_timeout = self.options.link_timeout
         self.opnames = opnames or {}
         self.label = label
-        self._lock = threading.Lock()            # matching state of all peers
-        self._anysource: dict[int, collections.deque] = {}
-        self._calls: dict[int, tuple[int, str]] = {}  # collective tag -> (call digest, desc)
         self._closing = False
         #: An opaque number the user of this Context keeps (the collectives: the sequence
         #: number of the last operation entered); peers can ask for it (peer_progress).
@@ -138,9 +107,6 @@ class Context:
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         self._threads: list[threading.Thread] = []
-        self.staged_messages = 0  # messages that arrived before their receive (copied once)
-        self._stage_free: dict[int, list] = {}
-        self._stage_kept = 0
         self._scratch = threading.local()
         rails = self.options.ifnames
         self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
@@ -150,6 +116,10 @@ class Context:
                 self.options, nsocks=sockets_per_rail(0, self.nrails))
         self.nconns = self.options.nsocks * self.nrails
         self.peers: dict[int, _Peer] = {p: _Peer(p, self.nconns) for p in range(size) if p != rank}
+        #: Posted and staged messages of every peer (transport/matching.py); its lock guards
+        #: the matching state and the mesh's progress (_mesh_cond).
+        self.matcher = Matcher(self.peers, self.options.max_unexpected_bytes, self.options.keep_bytes)
+        self._lock = self.matcher.lock
         self._mesh_cond = threading.Condition(self._lock)
         #: Global rank of each group rank (for metrics labels); None: the same numbers.
         self.global_ranks: list[int] | None = None
@@ -375,7 +345,7 @@ class Context:
         with self._lock:
             err = self._refusal(channel) or p.failure
             if err is None:
-                req.msgno = slot if slot is not None else _next(p.send_counters, (channel, tag))
+                req.msgno = slot if slot is not None else self.matcher.next_send(peer, channel, tag)
         if err is not None:
             req._finish(_wrap(err))
             return req
@@ -403,23 +373,32 @@ class Context:
             raise ValueError("receive from any source is point-to-point only, without a slot")
         req = Request(False, peer, buf, channel, tag, opcode, desc)
         req.call = call
-        p = None if peer is None else self._peer(peer)
+        if peer is not None:
+            self._peer(peer)
         staged = None
+        m = self.matcher
         with self._lock:
             err = self._refusal(channel)
-            if err is None and p is None:
-                err = self._post_anysource(req)
-                if err is None and req.peer is not None:
-                    staged = self._claim_unexpected(self.peers[req.peer], req)
-            elif err is None:
-                req.msgno = slot if slot is not None else _next(p.recv_counters, (channel, tag))
-                staged = self._claim_unexpected(p, req)
-                if staged is None and p.failure is not None:
-                    # nothing arrived before the peer failed, and nothing more will
-                    mk = _match_key(channel, tag, req.msgno)
-                    p.posted.pop(mk, None)
-                    err = p.failure
+            if err is None:
+                try:
+                    if peer is None:
+                        failed = {r for r, q in self.peers.items() if q.failure is not None}
+                        staged = m.post_anysource(req, failed)
+                        if staged is False:
+                            staged = None
+                            err = TransportError("receive from any source: every peer has failed "
+                                                 "or closed")
+                    else:
+                        staged = m.post(req, slot, self.peers[peer].failure is not None)
+                except ValueError as e:
+                    raise ValueError(f"rank {self.rank}: {e}") from None
+                if req.error is True:  # the peer failed: nothing more will come from it
+                    req.error = None
+                    err = self.peers[req.peer].failure
         if err is not None:
+            if staged is not None:
+                with self._lock:
+                    m.forget(staged)
             req._finish(_wrap(err))
         elif staged is not None:
             self._deliver_staged(staged, req)
@@ -430,31 +409,41 @@ class Context:
         (already here, or arriving while it runs, whoever they are for) are a mismatch,
         reported to every rank. It catches ranks that receive nothing the others send (a
         different root)."""
-        bad = None
         with self._lock:
-            self._calls[tag] = (call, desc)
-            for p in self.peers.values():
-                for (channel, t, _), st in p.unexpected.items():
-                    if channel == CHANNEL_COLLECTIVE and t == tag and st.call != call:
-                        bad = (p.rank, st.opcode)
-                        break
-                if bad:
-                    break
-        if bad:
-            self.report_error(self._call_mismatch(bad[0], bad[1], tag, desc))
+            bad = self.matcher.begin_call(tag, call, desc)
+        if bad is not None:
+            self.report_error(self._describe(bad))
 
     def end_call(self, tag: int) -> None:
         with self._lock:
-            self._calls.pop(tag, None)
+            self.matcher.end_call(tag)
 
-    def _call_mismatch(self, peer: int, opcode: int, tag: int, desc: str) -> str:
-        theirs = self._opname(opcode)
-        if not desc.startswith(theirs + " "):
-            return (f"rank {self.rank}: rank {peer} is in {theirs} #{tag} while rank {self.rank} "
-                    f"called {desc}: the ranks called different collectives{self._where()}")
-        return (f"rank {self.rank}: rank {peer} called {self._opname(opcode)} #{tag} with other "
-                f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
-                f"{desc}{self._where()}")
+    def _describe(self, m: Mismatch) -> str:
+        """The words for a mismatch's facts (what users read in the MismatchError)."""
+        where = self._where()
+        if m.reason == "call":
+            theirs = self._opname(m.their_opcode)
+            if not m.my_desc.startswith(theirs + " "):
+                return (f"rank {self.rank}: rank {m.peer} is in {theirs} #{m.their_tag} while rank "
+                        f"{self.rank} called {m.my_desc}: the ranks called different "
+                        f"collectives{where}")
+            return (f"rank {self.rank}: rank {m.peer} called {theirs} #{m.their_tag} with other "
+                    f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
+                    f"{m.my_desc}{where}")
+        if m.reason == "op":
+            return (f"rank {m.peer} is in {self._opname(m.their_opcode)} (op #{m.their_tag}, "
+                    f"{m.their_total} bytes) while rank {self.rank} is in "
+                    f"{self._opname(m.my_opcode)} (op #{m.my_tag}, {m.my_total} bytes): the ranks "
+                    f"called different collectives{where}")
+        if m.reason == "digest":
+            return (f"rank {m.peer} called {self._opname(m.their_opcode)} #{m.their_tag} with other "
+                    f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
+                    f"{m.my_desc}{where}")
+        coll = m.channel == CHANNEL_COLLECTIVE
+        what = self._opname(m.my_opcode) if coll else f"recv (tag {m.my_tag})"
+        return (f"rank {m.peer} sent {m.their_total} bytes but rank {self.rank} expects "
+                f"{m.my_total} bytes in {what}{' op #' + str(m.my_tag) if coll else ''}: the ranks "
+                f"passed tensors of different sizes or dtypes{where}")
 
     def _refusal(self, channel: int):
         """Why a new transfer on ``channel`` cannot start (None if it can)."""
@@ -464,87 +453,26 @@ class Context:
             return self._coll_broken
         return None
 
-    def _post_anysource(self, req: Request):
-        """Bind an any-source receive to a staged message if one waits; else park it."""
-        for p in self.peers.values():
-            key = (CHANNEL_P2P, req.tag)
-            n = p.recv_counters.get(key, 0)
-            if _match_key(CHANNEL_P2P, req.tag, n) in p.unexpected:
-                req.peer = p.rank
-                req.msgno = n
-                p.recv_counters[key] = n + 1
-                return None
-        if all(p.failure is not None for p in self.peers.values()) and self.peers:
-            return TransportError("receive from any source: every peer has failed or closed")
-        self._anysource.setdefault(req.tag, collections.deque()).append(req)
-        return None
-
-    def _claim_unexpected(self, p: _Peer, req: Request):
-        """With the lock held: return a fully arrived staged message for req (or one that
-        does not match, with req.error set); else register req (as the receive to post, or as
-        the waiter of a message still arriving) and return None."""
-        key = _match_key(req.channel, req.tag, req.msgno)
-        staged = p.unexpected.pop(key, None)
-        if staged is None:
-            if key in p.posted or key in p.inflight:
-                raise ValueError(f"rank {self.rank}: a receive for message {key} from rank {p.rank} "
-                                 f"is already posted")
-            p.posted[key] = req
-            return None
-        err = self._check_match(p.rank, req, staged.opcode, staged.tag, staged.total, staged.call)
-        if err is not None:
-            req.error = err
-            return staged
-        if staged.done_bytes < staged.total:
-            if p.failure is not None:
-                req.error = _wrap(p.failure)
-                return staged
-            staged.waiter = req  # the receiver thread delivers when the rest arrives
-            p.unexpected[key] = staged
-            return None
-        return staged
-
     def _deliver_staged(self, staged: _Staged, req: Request) -> None:
         if req.error is not None:
             err, req.error = req.error, None
-            if isinstance(err, MismatchError):
-                self._on_mismatch(req, err)
+            with self._lock:
+                self.matcher.forget(staged)
+            if isinstance(err, Mismatch):
+                self._on_mismatch(req, MismatchError(self._describe(err)))
             else:
-                req._finish(err)
+                req._finish(_wrap(self.peers[req.peer].failure or err))
             return
-        # numpy copies without holding the GIL
-        np.copyto(np.frombuffer(req.buf, np.uint8), np.frombuffer(staged.buf, np.uint8))
-        req.done_bytes = staged.total
-        self._recycle(staged.buf)
+        self.matcher.deliver(staged, req)  # numpy copies without holding the GIL
         req._finish()
-
-    def _check_match(self, peer: int, req: Request, opcode: int, tag: int, total: int,
-                     call: int = 0):
-        if req.channel == CHANNEL_COLLECTIVE and (tag != req.tag or opcode != req.opcode):
-            return MismatchError(
-                f"rank {peer} is in {self._opname(opcode)} (op #{tag}, {total} bytes) while rank "
-                f"{self.rank} is in {self._opname(req.opcode)} (op #{req.tag}, {req.total} bytes): "
-                f"the ranks called different collectives{self._where()}")
-        if req.channel == CHANNEL_COLLECTIVE and call != req.call:
-            return MismatchError(
-                f"rank {peer} called {self._opname(opcode)} #{tag} with other arguments (dtype, "
-                f"size, reduce op or root) than rank {self.rank}, which called {req.desc}"
-                f"{self._where()}")
-        if total != req.total:
-            what = self._opname(req.opcode) if req.channel == CHANNEL_COLLECTIVE else f"recv (tag {req.tag})"
-            return MismatchError(
-                f"rank {peer} sent {total} bytes but rank {self.rank} expects {req.total} bytes in "
-                f"{what}{' op #' + str(req.tag) if req.channel == CHANNEL_COLLECTIVE else ''}: "
-                f"the ranks passed tensors of different sizes or dtypes{self._where()}")
-        return None
 
     def staged_collectives(self, peer: int) -> list[tuple[int, str]]:
         """(op sequence number, op name) of collective messages from ``peer`` that arrived and
         wait for a receive: after a timeout they show which op the peer is in."""
-        p = self._peer(peer)
+        self._peer(peer)
         with self._lock:
-            seen = {(k[1], self._opname(st.opcode)) for k, st in p.unexpected.items()
-                    if k[0] == CHANNEL_COLLECTIVE}
+            seen = {(tag, self._opname(op)) for ch, tag, op in self.matcher.staged_for(peer)
+                    if ch == CHANNEL_COLLECTIVE}
         return sorted(seen)
 
     def _opname(self, opcode: int) -> str:
@@ -647,12 +575,12 @@ class Context:
                 kind, opcode, channel, length, tag, msgno, total, off, call = unpack(hbuf, max_chunk)
                 if kind == KIND_DATA:
                     with self._lock:
-                        target, mismatch = self._match_incoming(p, opcode, channel, tag, msgno,
-                                                                total, call)
+                        target, mismatch = self.matcher.incoming(p.rank, opcode, channel, tag,
+                                                                 msgno, total, call)
                         buf = None if target is None else target.buf
                         dest = buf[off:off + length] if buf is not None and length else None
                     if mismatch is not None:
-                        self._on_mismatch(*mismatch)
+                        self._on_mismatch(mismatch[0], MismatchError(self._describe(mismatch[1])))
                     if buf is None:  # mismatched or failed receive: drain and drop
                         target = None
                         dest = self._discard(length)
@@ -711,63 +639,6 @@ class Context:
                                                 f"failed: {e}; rank {p.rank} exited, crashed or its "
                                                 f"link is down"))
 
-    def _match_incoming(self, p: _Peer, opcode, channel, tag, msgno, total, call=0):
-        """With the lock held: (the Request or _Staged that a chunk's bytes belong to, or None
-        to drop them; a (request, error) pair to fail outside the lock, or None)."""
-        key = _match_key(channel, tag, msgno)
-        target = p.inflight.get(key)
-        if target is not None:
-            if target is not _DEAD and target.total != total:  # its chunk would not fit the buffer
-                raise framing.FrameError(f"a chunk of message {key} announces {total} bytes, its "
-                                         f"first chunk {target.total}")
-            return (None if target is _DEAD else target), None
-        req = p.posted.pop(key, None)
-        if req is None and channel == CHANNEL_P2P:
-            ck = (CHANNEL_P2P, tag)
-            waiting = self._anysource.get(tag)
-            if waiting and p.recv_counters.get(ck, 0) == msgno:
-                req = waiting.popleft()
-                req.peer = p.rank
-                req.msgno = msgno
-                p.recv_counters[ck] = msgno + 1
-        if req is not None:
-            err = self._check_match(p.rank, req, opcode, tag, total, call)
-            if err is not None:
-                if total:  # drop this message's remaining chunks
-                    p.inflight[key] = _DEAD
-                return None, (req, err)
-            p.inflight[key] = req
-            return req, None
-        current = self._calls.get(tag) if channel == CHANNEL_COLLECTIVE else None
-        if current is not None and current[0] != call:  # a message this op will never take
-            if total:
-                p.inflight[key] = _DEAD
-            return None, (None, MismatchError(self._call_mismatch(p.rank, opcode, tag, current[1])))
-        if total > self.options.max_unexpected_bytes:
-            raise framing.FrameError(f"unexpected message of {total} bytes exceeds "
-                                     f"LINERATE_MAX_UNEXPECTED_BYTES={self.options.max_unexpected_bytes}")
-        staged = _Staged(self._stage_buffer(total), total, opcode, tag, call)
-        self.staged_messages += 1
-        p.unexpected[key] = staged
-        p.inflight[key] = staged
-        return staged, None
-
-    def _stage_buffer(self, n: int) -> memoryview:
-        """With the lock held: a buffer for an unexpected message. Kept buffers are reused:
-        fresh pages would cost a fault and a zeroing per 4 KiB on the receive path."""
-        free = self._stage_free.get(n)
-        if free:
-            self._stage_kept -= n
-            return free.pop()
-        return memoryview(np.empty(n, np.uint8))  # no zero-fill: the bytes are overwritten
-
-    def _recycle(self, buf: memoryview) -> None:
-        n = buf.nbytes
-        with self._lock:
-            if self._stage_kept + n <= self.options.keep_bytes:
-                self._stage_free.setdefault(n, []).append(buf)
-                self._stage_kept += n
-
     def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
         if req is not None:
             req._finish(err)
@@ -776,19 +647,13 @@ class Context:
 
     def _chunk_arrived(self, p: _Peer, target, channel, tag, msgno, length) -> None:
         with self._lock:
-            target.done_bytes += length
-            if target.done_bytes < target.total:
-                return
-            del p.inflight[_match_key(channel, tag, msgno)]
-            waiter = None
-            if isinstance(target, _Staged):
-                waiter, target.waiter = target.waiter, None
-                if waiter is not None:
-                    p.unexpected.pop(_match_key(channel, tag, msgno), None)
-        if isinstance(target, Request):
-            target._finish()
-        elif waiter is not None:
-            self._deliver_staged(target, waiter)
+            done = self.matcher.arrived(p.rank, target, channel, tag, msgno, length)
+        if done is None:
+            return
+        if isinstance(done, tuple):
+            self._deliver_staged(*done)
+        else:
+            done._finish()
 
     def _discard(self, n: int) -> memoryview:
         buf = getattr(self._scratch, "buf", None)
@@ -810,14 +675,8 @@ class Context:
             first = p.failure is None
             if first:
                 p.failure = err
-            failed = list(p.posted.values()) + [t for t in p.inflight.values() if isinstance(t, Request)]
-            failed += [t.waiter for t in p.unexpected.values() if t.waiter is not None]
-            p.posted.clear()
-            p.inflight.clear()
-            if all(q.failure is not None for q in self.peers.values()):
-                for dq in self._anysource.values():
-                    failed.extend(dq)
-                self._anysource.clear()
+            failed = self.matcher.take_peer(
+                p.rank, all(q.failure is not None for q in self.peers.values()))
         with p.cond:
             failed.extend(r for r in p.send_queue if isinstance(r, Request))
             if break_group or closing:
@@ -855,23 +714,7 @@ class Context:
                 self._coll_broken = self._coll_broken or err
             else:
                 self._broken = self._broken or err
-            for p in self.peers.values():
-                for key, r in list(p.posted.items()):
-                    if not only_collective or r.channel == CHANNEL_COLLECTIVE:
-                        failed.append(p.posted.pop(key))
-                for key, r in list(p.inflight.items()):
-                    if isinstance(r, Request) and (not only_collective or r.channel == CHANNEL_COLLECTIVE):
-                        failed.append(r)
-                        p.inflight[key] = _DEAD
-                for staged in p.unexpected.values():
-                    w = staged.waiter
-                    if w is not None and (not only_collective or w.channel == CHANNEL_COLLECTIVE):
-                        failed.append(w)
-                        staged.waiter = None
-            if not only_collective:
-                for dq in self._anysource.values():
-                    failed.extend(dq)
-                self._anysource.clear()
+            failed = self.matcher.take_channel(CHANNEL_COLLECTIVE if only_collective else None)
         # Sends too: an algorithm waiting on a send must see this reason, not whatever ends
         # that send later (e.g. the peer closing once it failed for the same reason).
         for p in self.peers.values():
@@ -1067,15 +910,7 @@ class _PeerEOF(Exception):
     pass
 
 
-#: Stands in the inflight map for a message whose receive failed: its chunks are dropped.
-_DEAD = object()
 _CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
-
-
-def _next(counters: dict, key) -> int:
-    n = counters.get(key, 0)
-    counters[key] = n + 1
-    return n
 
 
 def _wrap(err: BaseException) -> BaseException:
