@@ -22,7 +22,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from linerate.tools.dev import fuzz  # noqa: E402
-from linerate.transport import context as context_mod  # noqa: E402
+from linerate.transport import rendezvous  # noqa: E402
 from linerate.transport import framing  # noqa: E402
 from linerate.transport.request import PeerFailure, TransportError  # noqa: E402
 
@@ -82,11 +82,11 @@ def test_unpack_header_wrong_length_is_frame_error(n):
                                  b"[" * 5000 + b"]" * 5000, b"\xff\xfe", b'[["h", 1.0]]'])
 def test_parse_addresses_rejects(raw):
     with pytest.raises(TransportError, match="malformed"):
-        context_mod._parse_addresses(raw, 1, 1)
+        rendezvous.parse_addresses(raw, 1, 1)
 
 
 def test_parse_addresses_accepts():
-    assert context_mod._parse_addresses(b'[["10.0.0.1", 1], ["::1", 65535]]', 1, 2) == \
+    assert rendezvous.parse_addresses(b'[["10.0.0.1", 1], ["::1", 65535]]', 1, 2) == \
         [["10.0.0.1", 1], ["::1", 65535]]
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from linerate.transport import Context, TransportError, TransportOptions, metrics, rdma, verbs
+from linerate.transport import Context, TransportError, TransportOptions, metrics, rdma, rendezvous, verbs
 from linerate.transport.framing import CHANNEL_P2P
 
 from _harness import run_ranks
@@ -275,8 +275,8 @@ def _opts(**kw):
 def test_agreement_when_a_rank_has_no_port(fake, mode, caplog):
     """auto: every rank falls back to TCP, rank 0 logs one line naming the rank and why;
     rdma: every rank fails with an error naming it."""
-    caplog.set_level(logging.INFO, logger="linerate.rdma")
-    rdma._logged.clear()
+    caplog.set_level(logging.INFO, logger="linerate.transport")
+    rendezvous._logged.clear()
     res = _contexts(3, lambda r: _opts(transport=mode, rdma_device="nosuchdev0" if r == 2 else ""))
     try:
         if mode == "auto":
@@ -297,8 +297,8 @@ def test_agreement_when_a_rank_has_no_port(fake, mode, caplog):
 
 
 def test_agreement_auto_picks_rdma_and_settings_must_match(fake, caplog):
-    caplog.set_level(logging.INFO, logger="linerate.rdma")
-    rdma._logged.clear()
+    caplog.set_level(logging.INFO, logger="linerate.transport")
+    rendezvous._logged.clear()
     res = _contexts(2, lambda r: _opts(transport="auto"))
     try:
         assert [c.transport for c in res] == ["rdma", "rdma"]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from linerate.transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
                        TransportError, TransportOptions, parse_size)
-from linerate.transport import context as context_mod
+from linerate.transport import rendezvous
 from linerate.transport import framing, handshake
 from linerate.transport.fakepeer import FakePeer as _FakePeer
 
@@ -745,7 +745,7 @@ def test_handshake_context_listener_ignores_strangers():
 
     t0 = threading.Thread(target=build, args=(0,), daemon=True)
     t0.start()
-    (host, port), = json.loads(store.get(context_mod._STORE_PREFIX + "addr/0").decode())
+    (host, port), = json.loads(store.get(rendezvous.STORE_PREFIX + "addr/0").decode())
     strangers = {}
     try:
         strangers["silent"] = socket.create_connection((host, port), timeout=5)

@@ -21,16 +21,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import json
 import logging
-import os
 import socket
 import struct
 import threading
 import time
 import zlib
 
-from . import framing, handshake, metrics, rdma, shm, tls
+from . import framing, handshake, metrics, rdma, rendezvous, shm, tls
 from .matching import Matcher, Mismatch, Staged as _Staged
 from .framing import (CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR,
                       KIND_PROGRESS, KIND_QUERY)
@@ -40,7 +38,7 @@ from .request import MismatchError, PeerFailure, Request, TransportError
 
 log = logging.getLogger("linerate.transport")
 
-_STORE_PREFIX = "linerate/"
+_STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
 #: Default of LINERATE_LINK_TIMEOUT (seconds; see _tune).
@@ -139,31 +137,22 @@ class Context:
         so that they fail at once with its message instead of waiting for it until
         LINERATE_CONNECT_TIMEOUT (or the store's own timeout)."""
         deadline = time.monotonic() + self.options.connect_timeout
-        rv = self._rv = _Rendezvous(store, self.rank, deadline, self.options.connect_timeout,
-                                    self._prefix)
+        rv = self._rv = rendezvous.Rendezvous(store, self.rank, deadline,
+                                              self.options.connect_timeout, self._prefix)
         try:
             self._build_mesh_on(rv, deadline)
             # Ranks of one host that can map one segment share memory (transport/shm.py).
             self.shm = shm.establish(rv, self.rank, self.size, self._secret, self.options.shm,
                                      self._prefix, rv.generation)
         except BaseException as e:
-            if not isinstance(e, _PeerSetupFailed):
+            if not isinstance(e, rendezvous.PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
             raise
 
-    def _build_mesh_on(self, store: "_Rendezvous", deadline: float) -> None:
+    def _build_mesh_on(self, store: rendezvous.Rendezvous, deadline: float) -> None:
         opts = self.options
         pre = self._prefix
-        mine = self._agreed_settings()
-        if self.rank == 0:
-            self._secret = os.urandom(32)
-            store.set(pre + "settings", json.dumps(mine))
-            store.set(pre + "secret", self._secret.hex())
-            store.generation = self._secret.hex()[:16]
-        else:
-            self._secret = bytes.fromhex(_store_get(store, pre + "secret").decode())
-            store.generation = self._secret.hex()[:16]
-            _check_agreement(self.rank, mine, _store_get(store, pre + "settings"))
+        self._secret = store.agree(rendezvous.agreed_settings(self.options, self.nrails))
         if opts.tls:  # agreed above: every rank has it on
             if opts.transport == "rdma":
                 raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
@@ -172,7 +161,8 @@ class Context:
             if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
                 opts = dataclasses.replace(opts, transport="tcp")
             self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
-        self.transport = rdma.agree_transport(store, self.rank, self.size, opts, pre)
+        kinds = rendezvous.choose_links(store, self.rank, self.size, opts)
+        self.transport = kinds[next(iter(kinds))] if kinds else "tcp"
         if self.transport == "rdma":  # RC queue pairs as the connections (transport/rdma.py)
             rdma.build_mesh(self, store, deadline, pre)
             return
@@ -186,13 +176,12 @@ class Context:
             listeners.append(ls)
         self._listeners = listeners
         published = [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
-        store.set(f"{pre}addr/{self.rank}", json.dumps(published))
+        store.publish_addresses(published)
         for ls in listeners:
             self._spawn(self._accept_loop, ls, name="linerate-accept")
         # Each rank connects to the lower ranks and accepts from the higher ones.
         for peer in range(self.rank):
-            raw = store.get(f"{pre}addr/{peer}")
-            remote = _parse_addresses(raw, peer, self.nrails)
+            remote = store.addresses_of(peer, self.nrails)
             for rail in range(self.nrails):
                 for k in range(opts.nsocks):
                     index = rail * opts.nsocks + k
@@ -218,14 +207,6 @@ class Context:
             except OSError:
                 pass
         log.debug("rank %d: mesh of %d ranks x %d connections ready", self.rank, self.size, self.nconns)
-
-    def _agreed_settings(self) -> dict:
-        """The settings every rank of a group must share, as this rank has them (resolved:
-        ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
-        return {"LINERATE_CHECKSUM": int(self.options.checksum),
-                "LINERATE_TLS": int(self.options.tls),
-                "LINERATE_NSOCKS": self.options.nsocks,
-                "LINERATE_SOCKET_IFNAME (number of interfaces)": self.nrails}
 
     def _use_rails(self, nrails: int) -> None:
         """Another transport's number of rails (RDMA: ports), before any connection exists."""
@@ -972,133 +953,3 @@ def _thread_peer(name: str) -> int | None:
         return int(name.rsplit("-", 1)[1].split(".", 1)[0])
     except (IndexError, ValueError):
         return None
-
-
-class _PeerSetupFailed(TransportError):
-    """Another rank of the group failed while the mesh was being built."""
-
-
-class _Rendezvous:
-    """The store as mesh set-up uses it. ``get`` polls (``check``: no blocking wait, whose
-    timeouts torch logs as warnings) until the key is there, and gives up when a rank of the
-    group reported a set-up failure (a key that rank would have set never comes) or at the
-    deadline, naming the key. Failures are reported under a key of this generation (rank 0's
-    secret), so a failure of an earlier group with the same store prefix is not taken for
-    one of this group."""
-
-    def __init__(self, store, rank: int, deadline: float, timeout: float,
-                 prefix: str = _STORE_PREFIX):
-        self._store, self._rank, self._prefix = store, rank, prefix
-        self._deadline, self._timeout = deadline, timeout
-        self.generation: str | None = None   # known once rank 0's secret is
-        # A user's Store subclass need not implement check(): without it set-up waits with
-        # blocking gets and cannot learn of other ranks' failures early.
-        self._can_check = _has_check(store)
-        if not self._can_check:
-            log.debug("rank %d: the store has no check(): mesh set-up waits with blocking gets",
-                      rank)
-
-    def _check(self, key: str) -> bool | None:
-        """Whether the key is set; None if this store cannot say without blocking."""
-        if not self._can_check:
-            return None
-        try:
-            return bool(self._store.check([key]))
-        except RuntimeError as e:  # torch's DistNetworkError and kin
-            raise TransportError(
-                f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
-                f"process hosting it (MASTER_ADDR:MASTER_PORT, rank 0 unless torchrun's agent "
-                f"hosts it) probably exited after failing: its error says why") from None
-
-    def _fail_key(self) -> str:
-        return f"{self._prefix}setup_failed/{self.generation}"
-
-    def set(self, key: str, value) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        delay = 0.002
-        while True:
-            have = self._check(key)
-            if have is None:
-                return _store_get(self._store, key)
-            if have:
-                return _store_get(self._store, key)
-            self.raise_if_failed(f"while waiting for {key!r} in the store")
-            if time.monotonic() >= self._deadline:
-                raise TransportError(f"rank {self._rank}: {key!r} did not appear in the store "
-                                     f"within {self._timeout:.0f}s (LINERATE_CONNECT_TIMEOUT): "
-                                     f"a rank of the group has not got that far; is it running?")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-    def raise_if_failed(self, doing: str) -> None:
-        if self.generation is None or not self._check(self._fail_key()):
-            return
-        why = _store_get(self._store, self._fail_key()).decode(errors="replace")
-        raise _PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
-                               f"connections were being set up ({doing}): {why}")
-
-    def report(self, message: str) -> None:
-        """Tell the other ranks (best effort: the store may be what failed)."""
-        if self.generation is None:
-            return
-        try:
-            if not self._check(self._fail_key()):  # the first failure is the cause
-                self._store.set(self._fail_key(), message[:2000])
-        except Exception:  # noqa: BLE001 - reporting must not hide the failure itself
-            pass
-
-    def __getattr__(self, name):  # anything else (rdma's agreement uses set/get only)
-        return getattr(self._store, name)
-
-
-def _has_check(store) -> bool:
-    """Whether ``store.check`` works (one probe of a key nobody sets)."""
-    try:
-        store.check([_STORE_PREFIX + "probe"])
-    except (AttributeError, NotImplementedError):
-        return False
-    except RuntimeError as e:  # a pybind Store subclass without the override says so
-        if "not implemented" in str(e).lower():
-            return False
-        raise
-    return True
-
-
-def _check_agreement(rank: int, mine: dict, raw: bytes) -> None:
-    """Compare this rank's shared settings with rank 0's record; a difference is a ValueError
-    naming every setting that differs and both values."""
-    try:
-        theirs = json.loads(raw.decode())
-        ok = isinstance(theirs, dict)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        ok = False
-    if not ok:
-        raise TransportError(f"rank {rank}: rank 0 published malformed settings in the store: {raw[:200]!r}")
-    differ = [f"{name} is {mine[name]} here but {theirs.get(name, '(not set)')} on rank 0"
-              for name in mine if theirs.get(name) != mine[name]]
-    if differ:
-        raise ValueError(f"rank {rank}: {'; '.join(differ)}: every rank must use the same setting")
-
-
-def _store_get(store, key: str) -> bytes:
-    value = store.get(key)
-    return value if isinstance(value, bytes) else bytes(value)
-
-
-def _parse_addresses(raw: bytes, peer: int, nrails: int) -> list:
-    try:
-        addrs = json.loads(raw.decode())
-        ok = isinstance(addrs, list) and all(
-            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
-            and type(a[1]) is int and 0 < a[1] < 65536  # a TCP port (bool is an int too)
-            for a in addrs)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
-        ok = False
-    if not ok:
-        raise TransportError(f"rank {peer} published malformed addresses in the store: {raw[:200]!r}")
-    if len(addrs) != nrails:
-        raise TransportError(f"rank {peer} listens on {len(addrs)} interfaces, this rank on {nrails}: "
-                             f"set LINERATE_SOCKET_IFNAME to the same number of interfaces everywhere")
-    return addrs

@@ -30,9 +30,8 @@ Queue-pair numbers, PSNs, ring and control addresses and rkeys, LIDs and GIDs ar
 through the torch Store (``linerate/rdma/qp/<rank>/<peer>``), the QPs are brought to RTS, and
 each stream then runs the same handshake as a TCP connection (the higher rank connects).
 
-``agree_transport`` is the rendezvous for LINERATE_TRANSPORT: rank 0's setting must be every
-rank's; for ``auto`` and ``rdma`` each rank publishes whether it has an active port and rank
-0 decides for everyone.
+The choice between TCP and RDMA (LINERATE_TRANSPORT) is made at rendezvous
+(``rendezvous.choose_links``), from what ``local_status`` says on every rank.
 
 This has run against tests/fake_pyverbs only (no RDMA hardware nor soft-RoCE kernel here).
 """
@@ -842,15 +841,6 @@ _POLLER = _Poller()
 
 
 # ----------------------------------------------------------------------------- rendezvous
-_logged: set = set()
-
-
-def _log_once(level: int, msg: str) -> None:
-    if msg not in _logged:
-        _logged.add(msg)
-        log.log(level, "%s", msg)
-
-
 def _store_get(store, key: str) -> bytes:
     value = store.get(key)
     return value if isinstance(value, bytes) else bytes(value)
@@ -869,60 +859,6 @@ def local_status(opts) -> tuple[bool, str, int]:
     except RdmaUnavailable as e:
         return False, str(e), 0
     return True, ", ".join(f"{p.name} ({p.kind}, {p.state})" for p in ports), len(ports)
-
-
-def agree_transport(store, rank: int, size: int, opts, prefix: str) -> str:
-    """Every rank of the group calls this at rendezvous; all return the same "tcp" or "rdma"
-    (or all raise). LINERATE_TRANSPORT must be the same everywhere (rank 0's is the one)."""
-    mode = opts.transport
-    if rank == 0:
-        store.set(prefix + "transport", mode)
-    else:
-        theirs = _store_get(store, prefix + "transport").decode(errors="replace")
-        if theirs != mode:
-            raise ValueError(f"rank {rank}: LINERATE_TRANSPORT is {mode} here but {theirs} on rank 0: "
-                             f"every rank must use the same setting")
-    if mode == "tcp":
-        return "tcp"
-    ok, why, nports = local_status(opts)
-    store.set(f"{prefix}rdma/avail/{rank}", json.dumps([ok, why, nports, socket.gethostname()]))
-    if mode == "rdma" and not ok:
-        raise TransportError(f"rank {rank}: LINERATE_TRANSPORT=rdma but there is no usable RDMA port "
-                             f"here: {why}")
-    if rank == 0:
-        missing, counts = [], {}
-        for r in range(size):
-            try:
-                ok_r, why_r, n_r, host = json.loads(_store_get(store, f"{prefix}rdma/avail/{r}").decode())
-            except (ValueError, TypeError):
-                ok_r, why_r, n_r, host = False, "published malformed RDMA status", 0, "?"
-            if ok_r:
-                counts.setdefault(n_r, r)
-            else:
-                missing.append(f"rank {r} ({host}): {why_r}")
-        if missing:
-            more = f" (and {len(missing) - 3} more ranks)" if len(missing) > 3 else ""
-            decision = ["tcp", "; ".join(missing[:3]) + more]
-        elif len(counts) > 1:
-            (a, ra), (b, rb) = list(counts.items())[:2]
-            decision = ["error", f"rank {ra} uses {a} RDMA ports and rank {rb} {b}: set "
-                                 f"LINERATE_RDMA_DEVICE to the same number of ports everywhere"]
-        else:
-            decision = ["rdma", "every rank has an active RDMA port"]
-        store.set(prefix + "rdma/decision", json.dumps(decision))
-    decision, why_all = json.loads(_store_get(store, prefix + "rdma/decision").decode())
-    if decision == "error":
-        raise TransportError(f"rank {rank}: {why_all}")
-    if decision == "tcp":
-        if mode == "rdma":
-            raise TransportError(f"rank {rank}: LINERATE_TRANSPORT=rdma, but not every rank can use "
-                                 f"RDMA: {why_all}")
-        if rank == 0:
-            _log_once(logging.WARNING, f"linerate: LINERATE_TRANSPORT=auto: using TCP: {why_all}")
-        return "tcp"
-    if rank == 0 and mode == "auto":
-        _log_once(logging.INFO, f"linerate: LINERATE_TRANSPORT=auto: using RDMA ({why})")
-    return "rdma"
 
 
 def build_mesh(ctx, store, deadline: float, prefix: str) -> None:
@@ -1021,5 +957,5 @@ def environment_summary() -> dict:
     return {"pyverbs": pv.path, "fake": pv.fake, "reason": ""}
 
 
-__all__ = ["RdmaStream", "agree_transport", "build_mesh", "local_status", "qp_timeout_exponent",
+__all__ = ["RdmaStream", "build_mesh", "local_status", "qp_timeout_exponent",
            "RING_SLOTS", "SLOT_BYTES", "environment_summary"]

@@ -19,7 +19,7 @@ properties with a few hundred inputs each. What every property asserts:
                   the HELLO is valid for this job and never sends an ACK without the secret.
 ``challenge``     handshake.connect_side fed arbitrary CHALLENGE/ACK bytes raises
                   HandshakeError and never sends its AUTH to a listener without the secret.
-``addresses``     context._parse_addresses (the listen addresses a rank reads from the Store)
+``addresses``     rendezvous.parse_addresses (the listen addresses a rank reads from the Store)
                   returns nrails [host, port] pairs with a TCP port, or raises TransportError.
 ``live``          a real Context (rank 0) and a fuzzer that did a valid handshake as rank 1 send
                   sequences of mutated frames, then a probe message and EOF: the context either
@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 
-from linerate.transport import context as context_mod
+from linerate.transport import rendezvous
 from linerate.transport import framing, handshake
 from linerate.transport.fakepeer import DictStore, FakePeer
 from linerate.transport.request import PeerFailure, TransportError
@@ -189,7 +189,7 @@ def check_challenge(data: bytes) -> str:
 def check_addresses(case) -> str:
     raw, nrails = case
     try:
-        addrs = context_mod._parse_addresses(raw, 3, nrails)
+        addrs = rendezvous.parse_addresses(raw, 3, nrails)
     except TransportError:
         return "rejected"
     assert isinstance(addrs, list) and len(addrs) == nrails

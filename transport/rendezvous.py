@@ -1,0 +1,282 @@
+"""Rendezvous: how the ranks of a group meet through the torch Store before any link exists.
+
+Every key lies under the group's prefix (``linerate/[<scope>/]``)::
+
+    settings                  rank 0's agreement record (JSON): the settings every rank must share
+    secret                    rank 0's 32 random bytes (hex): the handshake key of this group;
+                              its first 16 hex digits name this incarnation (``generation``)
+    setup_failed/<generation> the first set-up failure any rank reported (text)
+    transport                 rank 0's LINERATE_TRANSPORT
+    rdma/avail/<rank>         [usable, why or ports, number of ports, host] (auto and rdma)
+    rdma/decision             rank 0's choice for everyone: ["tcp"|"rdma"|"error", why]
+    addr/<rank>               [[address, port], ...]: the TCP listeners, one per rail
+    rdma/..., shm/...         what the RDMA links and shared memory exchange (their modules)
+
+``Rendezvous`` wraps the Store: ``get`` polls until the key is there, and gives up at once when
+another rank reported a set-up failure (the key it would have set never comes) or at the
+deadline, naming the key. Nothing read from the Store is evaluated: values are JSON or text,
+checked before use, and a malformed one is an error naming the rank that published it.
+
+``choose_links`` decides the link kind for each peer (today every peer gets the group's kind:
+``tcp`` or ``rdma``); shared memory between the ranks of one host is set up after the links by
+``transport/shm.py`` through the same Rendezvous.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+from .request import TransportError
+
+log = logging.getLogger("linerate.transport")
+
+STORE_PREFIX = "linerate/"
+
+
+class PeerSetupFailed(TransportError):
+    """Another rank of the group failed while the mesh was being built."""
+
+
+def store_get(store, key: str) -> bytes:
+    value = store.get(key)
+    return value if isinstance(value, bytes) else bytes(value)
+
+
+class Rendezvous:
+    """The store as mesh set-up uses it. ``get`` polls (``check``: no blocking wait, whose
+    timeouts torch logs as warnings) until the key is there, and gives up when a rank of the
+    group reported a set-up failure (a key that rank would have set never comes) or at the
+    deadline, naming the key. Failures are reported under a key of this generation (rank 0's
+    secret), so a failure of an earlier group with the same store prefix is not taken for
+    one of this group."""
+
+    def __init__(self, store, rank: int, deadline: float, timeout: float,
+                 prefix: str = STORE_PREFIX):
+        self._store, self._rank, self.prefix = store, rank, prefix
+        self._deadline, self._timeout = deadline, timeout
+        self.generation: str | None = None   # known once rank 0's secret is
+        # A user's Store subclass need not implement check(): without it set-up waits with
+        # blocking gets and cannot learn of other ranks' failures early.
+        self._can_check = _has_check(store)
+        if not self._can_check:
+            log.debug("rank %d: the store has no check(): mesh set-up waits with blocking gets",
+                      rank)
+
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+    def _check(self, key: str) -> bool | None:
+        """Whether the key is set; None if this store cannot say without blocking."""
+        if not self._can_check:
+            return None
+        try:
+            return bool(self._store.check([key]))
+        except RuntimeError as e:  # torch's DistNetworkError and kin
+            raise TransportError(
+                f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
+                f"process hosting it (MASTER_ADDR:MASTER_PORT, rank 0 unless torchrun's agent "
+                f"hosts it) probably exited after failing: its error says why") from None
+
+    def _fail_key(self) -> str:
+        return f"{self.prefix}setup_failed/{self.generation}"
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        delay = 0.002
+        while True:
+            have = self._check(key)
+            if have is None:
+                return store_get(self._store, key)
+            if have:
+                return store_get(self._store, key)
+            self.raise_if_failed(f"while waiting for {key!r} in the store")
+            if time.monotonic() >= self._deadline:
+                raise TransportError(f"rank {self._rank}: {key!r} did not appear in the store "
+                                     f"within {self._timeout:.0f}s (LINERATE_CONNECT_TIMEOUT): "
+                                     f"a rank of the group has not got that far; is it running?")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def raise_if_failed(self, doing: str) -> None:
+        if self.generation is None or not self._check(self._fail_key()):
+            return
+        why = store_get(self._store, self._fail_key()).decode(errors="replace")
+        raise PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
+                              f"connections were being set up ({doing}): {why}")
+
+    def report(self, message: str) -> None:
+        """Tell the other ranks (best effort: the store may be what failed)."""
+        if self.generation is None:
+            return
+        try:
+            if not self._check(self._fail_key()):  # the first failure is the cause
+                self._store.set(self._fail_key(), message[:2000])
+        except Exception:  # noqa: BLE001 - reporting must not hide the failure itself
+            pass
+
+    # ------------------------------------------------------------------ the group's record
+    def agree(self, mine: dict) -> bytes:
+        """Rank 0 publishes the agreement record and the group's secret; every other rank
+        checks its settings against the record (a ValueError naming what differs) and reads
+        the secret. Sets ``generation``; returns the secret."""
+        pre = self.prefix
+        if self._rank == 0:
+            secret = os.urandom(32)
+            self.set(pre + "settings", json.dumps(mine))
+            self.set(pre + "secret", secret.hex())
+        else:
+            secret = bytes.fromhex(store_get(self._store, pre + "secret").decode())
+        self.generation = secret.hex()[:16]
+        if self._rank != 0:
+            check_agreement(self._rank, mine, store_get(self._store, pre + "settings"))
+        return secret
+
+    def publish_addresses(self, addresses: list) -> None:
+        """This rank's TCP listeners, [[address, port], ...] one per rail."""
+        self.set(f"{self.prefix}addr/{self._rank}", json.dumps(addresses))
+
+    def addresses_of(self, peer: int, nrails: int) -> list:
+        return parse_addresses(self.get(f"{self.prefix}addr/{peer}"), peer, nrails)
+
+    def __getattr__(self, name):  # anything else of the Store
+        return getattr(self._store, name)
+
+
+def _has_check(store) -> bool:
+    """Whether ``store.check`` works (one probe of a key nobody sets)."""
+    try:
+        store.check([STORE_PREFIX + "probe"])
+    except (AttributeError, NotImplementedError):
+        return False
+    except RuntimeError as e:  # a pybind Store subclass without the override says so
+        if "not implemented" in str(e).lower():
+            return False
+        raise
+    return True
+
+
+def agreed_settings(options, nrails: int) -> dict:
+    """The settings every rank of a group must share, as this rank has them (resolved:
+    ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
+    return {"LINERATE_CHECKSUM": int(options.checksum),
+            "LINERATE_TLS": int(options.tls),
+            "LINERATE_NSOCKS": options.nsocks,
+            "LINERATE_SOCKET_IFNAME (number of interfaces)": nrails}
+
+
+def check_agreement(rank: int, mine: dict, raw: bytes) -> None:
+    """Compare this rank's shared settings with rank 0's record; a difference is a ValueError
+    naming every setting that differs and both values."""
+    try:
+        theirs = json.loads(raw.decode())
+        ok = isinstance(theirs, dict)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        ok = False
+    if not ok:
+        raise TransportError(f"rank {rank}: rank 0 published malformed settings in the store: {raw[:200]!r}")
+    differ = [f"{name} is {mine[name]} here but {theirs.get(name, '(not set)')} on rank 0"
+              for name in mine if theirs.get(name) != mine[name]]
+    if differ:
+        raise ValueError(f"rank {rank}: {'; '.join(differ)}: every rank must use the same setting")
+
+
+def parse_addresses(raw: bytes, peer: int, nrails: int) -> list:
+    """A peer's published listen addresses, checked: [[host, port], ...], one per rail."""
+    try:
+        addrs = json.loads(raw.decode())
+        ok = isinstance(addrs, list) and all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+            and type(a[1]) is int and 0 < a[1] < 65536  # a TCP port (bool is an int too)
+            for a in addrs)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
+        ok = False
+    if not ok:
+        raise TransportError(f"rank {peer} published malformed addresses in the store: {raw[:200]!r}")
+    if len(addrs) != nrails:
+        raise TransportError(f"rank {peer} listens on {len(addrs)} interfaces, this rank on {nrails}: "
+                             f"set LINERATE_SOCKET_IFNAME to the same number of interfaces everywhere")
+    return addrs
+
+
+#: Lines already logged by agree_transport (one line per process, however many groups).
+_logged: set = set()
+
+
+def _log_once(level: int, msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        log.log(level, "%s", msg)
+
+
+def agree_transport(store, rank: int, size: int, opts, prefix: str) -> str:
+    """Every rank of the group calls this at rendezvous; all return the same "tcp" or "rdma"
+    (or all raise). LINERATE_TRANSPORT must be the same everywhere (rank 0's is the one); for
+    ``auto`` and ``rdma`` each rank publishes whether it has an active RDMA port and rank 0
+    decides for everyone."""
+    from . import rdma  # pyverbs is looked for only here
+    mode = opts.transport
+    if rank == 0:
+        store.set(prefix + "transport", mode)
+    else:
+        theirs = store_get(store, prefix + "transport").decode(errors="replace")
+        if theirs != mode:
+            raise ValueError(f"rank {rank}: LINERATE_TRANSPORT is {mode} here but {theirs} on rank 0: "
+                             f"every rank must use the same setting")
+    if mode == "tcp":
+        return "tcp"
+    ok, why, nports = rdma.local_status(opts)
+    store.set(f"{prefix}rdma/avail/{rank}", json.dumps([ok, why, nports, socket.gethostname()]))
+    if mode == "rdma" and not ok:
+        raise TransportError(f"rank {rank}: LINERATE_TRANSPORT=rdma but there is no usable RDMA port "
+                             f"here: {why}")
+    if rank == 0:
+        missing, counts = [], {}
+        for r in range(size):
+            try:
+                ok_r, why_r, n_r, host = json.loads(store_get(store, f"{prefix}rdma/avail/{r}").decode())
+            except (ValueError, TypeError):
+                ok_r, why_r, n_r, host = False, "published malformed RDMA status", 0, "?"
+            if ok_r:
+                counts.setdefault(n_r, r)
+            else:
+                missing.append(f"rank {r} ({host}): {why_r}")
+        if missing:
+            more = f" (and {len(missing) - 3} more ranks)" if len(missing) > 3 else ""
+            decision = ["tcp", "; ".join(missing[:3]) + more]
+        elif len(counts) > 1:
+            (a, ra), (b, rb) = list(counts.items())[:2]
+            decision = ["error", f"rank {ra} uses {a} RDMA ports and rank {rb} {b}: set "
+                                 f"LINERATE_RDMA_DEVICE to the same number of ports everywhere"]
+        else:
+            decision = ["rdma", "every rank has an active RDMA port"]
+        store.set(prefix + "rdma/decision", json.dumps(decision))
+    decision, why_all = json.loads(store_get(store, prefix + "rdma/decision").decode())
+    if decision == "error":
+        raise TransportError(f"rank {rank}: {why_all}")
+    if decision == "tcp":
+        if mode == "rdma":
+            raise TransportError(f"rank {rank}: LINERATE_TRANSPORT=rdma, but not every rank can use "
+                                 f"RDMA: {why_all}")
+        if rank == 0:
+            _log_once(logging.WARNING, f"linerate: LINERATE_TRANSPORT=auto: using TCP: {why_all}")
+        return "tcp"
+    if rank == 0 and mode == "auto":
+        _log_once(logging.INFO, f"linerate: LINERATE_TRANSPORT=auto: using RDMA ({why})")
+    return "rdma"
+
+
+def choose_links(rv: Rendezvous, rank: int, size: int, opts) -> dict[int, str]:
+    """The link kind for each peer ("tcp" or "rdma"), the same answer on both ends of every
+    pair. Today the group agrees on one kind (``agree_transport``) and every peer gets it."""
+    kind = agree_transport(rv, rank, size, opts, rv.prefix)
+    return {p: kind for p in range(size) if p != rank}
+
+
+__all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "agreed_settings", "check_agreement",
+           "parse_addresses", "agree_transport", "choose_links", "store_get"]
