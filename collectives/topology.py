@@ -81,7 +81,8 @@ class Topology:
     :func:`from_matrix`); ``repr()`` also gives the parameters (every rank of a neighbor
     all-reduce must use the same one: the backend checks it)."""
 
-    __slots__ = ("_n", "_name", "_period", "_params", "_build", "_cache", "_gap", "_ctor")
+    __slots__ = ("_n", "_name", "_period", "_params", "_build", "_cache", "_gap", "_ctor",
+                 "_groups")
 
     def __init__(self, n: int, name: str, period: int, build, params: str = "", ctor=None):
         object.__setattr__(self, "_n", _check_n(n))
@@ -92,6 +93,7 @@ class Topology:
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_gap", None)
         object.__setattr__(self, "_ctor", ctor)  # (function, args) that makes it again: pickling
+        object.__setattr__(self, "_groups", {})
 
     def __reduce__(self):
         if self._ctor is None:
@@ -163,6 +165,37 @@ class Topology:
         j = self._check_rank(rank)
         col = self._w(step)[:, j]
         return [int(i) for i in np.flatnonzero(col) if i != j]
+
+    def averaging_groups(self, step: int = 0) -> list[list[int]] | None:
+        """The disjoint groups whose ranks W(step) averages, if it is such a matrix: every rank
+        i gives weight 1/|g| to each rank of its group g (itself included) and none to the
+        others. Sorted groups in order of their lowest rank, singletons included; None when
+        W(step) is anything else. A neighbor all-reduce runs such a step as an All-Reduce
+        (average) of each group: on shared memory where the group's ranks share a host
+        (AER's intra-host steps with ``intra="average"``, a complete graph on one host; a
+        2-rank exchange is such a group too)."""
+        k = _check_step(step) % self._period
+        if k not in self._groups:
+            w = self._w(k)
+            n = self._n
+            groups, seen = [], [False] * n
+            for i in range(n):
+                if seen[i]:
+                    continue
+                members = [int(j) for j in np.flatnonzero(w[i])]
+                g = len(members)
+                ok = i in members and all(
+                    not seen[j] and np.array_equal(np.flatnonzero(w[j]), members)
+                    and np.all(np.abs(w[j, members] - 1.0 / g) <= 1e-12) for j in members)
+                if not ok:
+                    groups = None
+                    break
+                for j in members:
+                    seen[j] = True
+                groups.append(members)
+            self._groups[k] = groups
+        got = self._groups[k]
+        return None if got is None else [list(g) for g in got]
 
     def spectral_gap(self) -> float:
         """1 - |lambda_2| of W (static), or of the product W(period-1) ... W(0) taken to the power
@@ -258,7 +291,7 @@ def one_peer_exponential(n: int) -> Topology:
                     ctor=(one_peer_exponential, (n,)))
 
 
-def alternating_exponential_ring(n: int, ranks_per_node: int) -> Topology:
+def alternating_exponential_ring(n: int, ranks_per_node: int, intra: str = "one-peer") -> Topology:
     """Alternating exponential ring (AER): the n = N * r ranks sit on N nodes of
     r = ``ranks_per_node`` ranks (rank i on node a = i // r with local index l = i % r; n must be
     a multiple of r). The nodes form a ring that is crossed by exponential hops, and steps
@@ -277,7 +310,12 @@ def alternating_exponential_ring(n: int, ranks_per_node: int) -> Topology:
     on different factors of the Kronecker product, so for N and r powers of two one period
     (2 * lcm(tN, tr) steps) averages exactly (spectral gap 1). With a single node (N = 1) or one
     rank per node (r = 1) nothing alternates: every step is the one-peer exponential graph of the
-    n ranks."""
+    n ranks.
+
+    ``intra="average"`` (as the AER of Decent-DP): every odd step averages each node's r ranks
+    instead, W = I_N (x) J_r / r, which a neighbor all-reduce runs as an All-Reduce of the node's
+    ranks -- on shared memory where they share a host; period 2 * tN (one node: its average
+    every step, period 1). With r = 2 the two are the same matrices."""
     n = _check_n(n)
     if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, numbers.Integral)
             or ranks_per_node < 1 or n % ranks_per_node):
@@ -285,7 +323,25 @@ def alternating_exponential_ring(n: int, ranks_per_node: int) -> Topology:
                          f"of n={n}, got {ranks_per_node!r}")
     r = int(ranks_per_node)
     nodes = n // r
-    params = f"ranks_per_node={r}"
+    if intra not in ("one-peer", "average"):
+        raise ValueError(f"alternating_exponential_ring: intra must be 'one-peer' or 'average', "
+                         f"got {intra!r}")
+    params = f"ranks_per_node={r}" + (", intra=average" if intra == "average" else "")
+    if intra == "average" and r > 1:
+        block = np.kron(np.eye(nodes), np.full((r, r), 1.0 / r))
+        if nodes == 1:
+            return Topology(n, "aer", 1, lambda t: block, params=params,
+                            ctor=(alternating_exponential_ring, (n, r, intra)))
+        t_nodes = len(_hops(nodes))
+
+        def build_avg(t):
+            if t % 2 == 1:
+                return block
+            h = 1 << ((t // 2) % t_nodes)
+            return _shift_mix(n, [((i // r + h) % nodes) * r + i % r for i in range(n)])
+
+        return Topology(n, "aer", 2 * t_nodes, build_avg, params=params,
+                        ctor=(alternating_exponential_ring, (n, r, intra)))
     if nodes == 1 or r == 1:
         base = one_peer_exponential(n)
         return Topology(n, "aer", base.period, base._build, params=params,

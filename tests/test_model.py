@@ -244,6 +244,12 @@ HAND = {
     "aer-allreduce": ([1.75 * MS, 0.15 * MS], 1),
     # one group of all ranks: the ring All-Reduce, overlapping the whole iteration
     "complete-allreduce": ([1.75 * MS], 1),
+    # across nodes as aer; then each node's average point to point (no shared memory here):
+    # every rank sends M to its 3 node peers over its rank link, 3e6 / 1e10
+    "aer-average": ([4.0 * MS, 0.3 * MS], 4),
+    # node average as a ring over rank links (2*3/4 M / 1e10 = 0.15 ms), 4 shards of M/4 over
+    # the uplink (1 ms), the gather (0.15 ms)
+    "hierarchical": ([1.3 * MS], 4),
 }
 
 
@@ -353,8 +359,10 @@ def test_topology_object_as_method():
 def test_model_patterns_are_the_library_topologies(n, rpn):
     """The model's copy of collectives.topology: same periods, same out-peers at every step."""
     topology = pytest.importorskip("linerate.collectives.topology")
-    for name in model.TOPOLOGIES:
-        lib = topology.by_name(name, n, **({"ranks_per_node": rpn} if name == "aer" else {}))
+    for name in model.TOPOLOGIES + ("aer-average",):
+        kw = ({"ranks_per_node": rpn} if name == "aer" else
+              {"ranks_per_node": rpn, "intra": "average"} if name == "aer-average" else {})
+        lib = topology.by_name("aer" if name == "aer-average" else name, n, **kw)
         ours = Pattern(name, n, rpn)
         assert ours.period == lib.period, name
         for t in range(2 * lib.period):
@@ -363,9 +371,146 @@ def test_model_patterns_are_the_library_topologies(n, rpn):
                     f"{name} n={n} step {t}: tools.model.Pattern differs from "
                     f"collectives.topology: reconcile them (and docs/model.md)")
         # a Topology object is modeled exactly like its name
-        c = two_tier(nodes=n // rpn, rpn=rpn)
-        assert predict(c, M, 0.0, method=lib)["comm_s"] == approx(
-            predict(c, M, 0.0, method=name)["comm_s"])
+        for c in (two_tier(nodes=n // rpn, rpn=rpn),
+                  two_tier(nodes=n // rpn, rpn=rpn, host_mem_gbs=10.0, shm_latency_s=1e-4)):
+            assert predict(c, M, 0.0, method=lib)["comm_s"] == approx(
+                predict(c, M, 0.0, method=name)["comm_s"]), (name, c)
+
+
+# ----------------------------------------------------------------------------- two-level
+# Hosts of ranks sharing memory: NIC 8 Gbit/s = 1e9 B/s, memory 10 GB/s = 1e10 B/s, a shared-memory
+# operation 0.1 ms, inter-host latency 0.1 ms, M = 1e6 B.
+
+MEM = model.IntraHost("memory", 1e10, 1e-4)
+
+
+def test_intra_host_formulas():
+    # memory: R*S/rate + latency per operation; links: the ring inside the host
+    assert MEM.allreduce_s(M, 4) == approx(0.4 * MS + 0.1 * MS)
+    assert MEM.allreduce_s(M, 4, ops=2) == approx(0.6 * MS)
+    assert MEM.allreduce_s(M, 1) == 0.0 and MEM.allreduce_s(0, 4) == 0.0
+    assert MEM.hop_bytes_s(4) == approx(2.5e9)
+    links = model.IntraHost("links", 1e9, 1e-5)
+    assert links.allreduce_s(M, 4) == approx(1.5 * MS + 6e-5)
+    assert links.hop_bytes_s(4) == 1e9
+    add = AddCost(rate_bytes_s=1e9)             # t_add(S) = S / 1e9
+    assert MEM.allreduce_s(M, 4, add, compression=2.0) == approx(0.2 * MS + 3 * 0.25 * MS
+                                                                 + 0.1 * MS)
+    with pytest.raises(ValueError, match="kind"):
+        model.IntraHost("nvlink", 1e9)
+
+
+def test_two_level_and_flat_by_hand():
+    # two-level on 2 hosts x 4: R*M/mem + 2 ops = 0.6 ms; across: 2(H-1)/H * M / NIC = 1 ms
+    # plus 2(H-1) latencies = 0.2 ms: 1.8 ms
+    two = model.two_level_allreduce(M, [4, 4], 1e9, MEM, 1e-4)
+    assert two["intra_s"] == approx(0.6 * MS) and two["inter_s"] == approx(1.2 * MS)
+    assert two["seconds"] == approx(1.8 * MS) and two["nic_bytes"] == approx(M)
+    # flat ring over 8: 2*7/8 M at min(NIC, loopback 1e10) = 1.75 ms + 14 latencies = 1.4 ms
+    loop = model.IntraHost("links", 1e10)
+    flat = model.flat_ring_allreduce(M, [4, 4], 1e9, loop, 1e-4)
+    assert flat["seconds"] == approx(3.15 * MS)
+    both = model.allreduce_choice(M, [4, 4], 1e9, MEM, 1e-4)
+    assert both["pick"] == "two-level" and both["seconds"] == approx(1.8 * MS)
+    # uneven 4 + 3: the larger host sets the intra time (0.6 ms), the NIC still carries M;
+    # flat: 2*6/7 M / 1e9 + 12 latencies
+    assert model.two_level_allreduce(M, [4, 3], 1e9, MEM, 1e-4)["seconds"] == approx(1.8 * MS)
+    assert model.flat_ring_allreduce(M, [4, 3], 1e9, loop, 1e-4)["seconds"] == approx(
+        12 / 7 * MS + 1.2 * MS)
+    # slow memory (1 GB/s): 4.2 + 1.2 ms two-level; the flat ring's hops in a host share it
+    # too (1e9 / 4 each): 7 + 1.4 ms
+    slow = model.IntraHost("memory", 1e9, 1e-4)
+    both = model.allreduce_choice(M, [4, 4], 1e9, slow, 1e-4)
+    assert both["two-level"]["seconds"] == approx(5.4 * MS)
+    assert both["flat"]["seconds"] == approx(8.4 * MS) and both["pick"] == "two-level"
+    # intra-host links as fast as the NIC, no latency: the flat ring moves fewer bytes per
+    # NIC, 1.75 ms against 2*3/4 M / 1e9 + M / 1e9 = 2.5 ms
+    both = model.allreduce_choice(M, [4, 4], 1e9, model.IntraHost("links", 1e9))
+    assert both["flat"]["seconds"] == approx(1.75 * MS)
+    assert both["two-level"]["seconds"] == approx(2.5 * MS) and both["pick"] == "flat"
+    # one host: flat is the host's own All-Reduce (one operation), a tie goes to flat
+    one = model.allreduce_choice(M, [4], 1e9, MEM)
+    assert one["flat"]["seconds"] == approx(0.5 * MS) and one["pick"] == "flat"
+    # one rank per host: both are the ring over the hosts' NICs
+    assert model.two_level_allreduce(M, [1] * 4, 1e9, MEM)["seconds"] == approx(1.5 * MS)
+    assert model.flat_ring_allreduce(M, [1] * 4, 1e9, MEM)["seconds"] == approx(1.5 * MS)
+    with pytest.raises(ValueError, match="ranks per host"):
+        model.two_level_allreduce(M, [4, 0], 1e9, MEM)
+
+
+def shm_cluster(layout=(4, 4), **kw):
+    kw.setdefault("intra_latency_s", 0.0)
+    kw.setdefault("inter_latency_s", 1e-4)
+    return Cluster(len(layout), max(layout), 80.0, 8.0, host_mem_gbs=10.0, shm_latency_s=1e-4,
+                   layout=layout, **kw)
+
+
+def test_predict_picks_two_level_and_says_so():
+    c = shm_cluster()
+    assert c.even and c.layout is None and c.n == 8
+    p = predict(c, M, 0.0)
+    assert p["algorithm"] == "two-level" and p["comm_s"] == approx(1.8 * MS)
+    assert p["algorithms"]["flat"]["allreduce_s"] == approx(3.15 * MS)  # ring_allreduce's
+    assert "two-level picked: 1.80 ms against flat 3.15 ms" in p["formula"]
+    # without shared memory there is nothing else to pick
+    plain = predict(two_tier(), M, 0.0)
+    assert plain["algorithm"] == "flat" and "algorithms" not in plain
+    # uneven hosts: node_of and the flat ring follow the layout
+    u = shm_cluster((4, 3))
+    assert u.n == 7 and [u.node_of(r) for r in range(7)] == [0, 0, 0, 0, 1, 1, 1]
+    pu = predict(u, M, 0.0)
+    assert pu["algorithm"] == "two-level" and pu["comm_s"] == approx(1.8 * MS)
+    assert pu["algorithms"]["flat"]["allreduce_s"] == approx(12 / 7 * MS + 1.2 * MS)
+    with pytest.raises(ValueError, match="same ranks on every node"):
+        predict(u, M, 0.0, method="aer")
+    with pytest.raises(ValueError, match="layout"):
+        Cluster(2, 3, 80.0, 8.0, layout=(4, 3))
+
+
+def test_host_methods_on_shared_memory():
+    c = shm_cluster()
+    # aer-average: across hosts as aer (4 flows of M over the uplink + latency), then each
+    # host's average on shared memory (4 M / 1e10 + 0.1 ms)
+    p = predict(c, M, 0.0, method="aer-average")
+    assert [x["seconds"] for x in p["steps"]] == [approx(4.1 * MS), approx(0.5 * MS)]
+    assert p["steps"][1]["kind"] == "host averages"
+    # the library's AER with 2 ranks per host: its intra-host steps are averages too
+    c2 = shm_cluster((2, 2, 2, 2))
+    aer = predict(c2, M, 0.0, method="aer")
+    assert aer["steps"][1]["kind"] == "host averages"
+    assert aer["steps"][1]["seconds"] == approx(2 * M / 1e10 + 1e-4)
+    # hierarchical: average (0.5 ms), 4 shards of M/4 over the uplink (1 ms + 0.1 ms), the
+    # gather in 4 broadcasts (4 M / 1e10 + 4 x 0.1 ms)
+    h = predict(c, M, 0.0, method="hierarchical")
+    assert h["comm_s"] == approx(0.5 * MS + 1.1 * MS + 0.8 * MS) and h["period"] == 1
+    # uneven: K = 3 shards of M/3, the 4-rank host sets the intra-host times
+    hu = predict(shm_cluster((4, 3)), M, 0.0, method="hierarchical")
+    assert hu["comm_s"] == approx(0.5 * MS + 1.1 * MS + (0.4 + 0.3) * MS)
+    # CPU: the shared-memory passes cost memory time, the shards kappa
+    cpu_m = model.CpuModel(2, 8, model.CpuCosts(net_s_per_byte=1e-9, mem_s_per_byte=1e-10))
+    x = predict(c, M, 0.0, method="hierarchical", cpu=cpu_m)["steps"][0]
+    assert x["comm_cpu_s"] == approx(2 * M * 1e-9 + 4 * 8 * M * 1e-10)
+
+
+def test_model_cli_shared_memory_hosts(capsys):
+    base = ["model", "--intra-gbit", "80", "--inter-gbit", "8", "--host-mem-gbs", "10",
+            "--shm-latency-us", "100", "--intra-latency-us", "0", "--inter-latency-us", "100",
+            "--model-bytes", "1000000", "--compute-ms", "0"]
+    assert cli.main([*base, "--nodes", "2", "--ranks-per-node", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"aer-average", "hierarchical"} <= set(out["predictions"])
+    assert out["predictions"]["allreduce"]["algorithm"] == "two-level"
+    assert out["cluster"]["host_mem_gbs"] == 10.0
+    assert cli.main([*base, "--ranks-per-node", "4,3"]) == 0
+    text = capsys.readouterr().out
+    assert "All-Reduce: flat 2.91 ms (step 2.91 ms), two-level 1.80 ms" in text
+    assert "-> two-level, the faster" in text and "allreduce (two-level)" in text
+    assert "not ranked on uneven nodes" in text and "4+3 (n=7)" in text
+    assert cli.main([*base, "--nodes", "3", "--ranks-per-node", "4,3"]) == 2
+    assert "names 2 nodes" in capsys.readouterr().err
+    assert cli.main(["model", "--intra-gbit", "8", "--shm-latency-us", "5", "--model-bytes",
+                     "1M", "--compute-ms", "1"]) == 2
+    assert "needs --host-mem-gbs" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- recommend
@@ -384,7 +529,8 @@ def test_recommend_order_and_ties():
     assert recommend(two_tier(), M, 1 * MS, methods=["ring", "exp"]) == [
         ("ring", approx(2 * MS)), ("exp", approx(7 * MS))]
     # the group-average variants only when asked for
-    with_groups = recommend(two_tier(), M, 1 * MS, methods=model.ALL_METHODS)
+    with_groups = recommend(two_tier(), M, 1 * MS,
+                            methods=model.METHODS + model.GROUP_METHODS)
     assert with_groups[0] == ("aer-allreduce", approx(1.375 * MS))
     with pytest.raises(ValueError, match="unknown method"):
         recommend(two_tier(), M, 1 * MS, methods=["star"])

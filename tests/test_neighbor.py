@@ -125,6 +125,36 @@ def test_torus_and_aer_examples():
             np.testing.assert_array_equal(a.matrix(s), T.one_peer_exponential(n).matrix(s))
 
 
+def test_aer_intra_average_and_averaging_groups():
+    # 2 nodes x 4 ranks, intra="average": even steps as before, odd steps each node's average
+    a = T.alternating_exponential_ring(8, 4, intra="average")
+    assert a.period == 2 and "intra=average" in repr(a)
+    assert a.in_weights(1, 0) == {5: 0.5}
+    np.testing.assert_allclose(a.matrix(1), np.kron(np.eye(2), np.full((4, 4), 0.25)))
+    assert a.averaging_groups(1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the even step of 2 nodes swaps pairs across them: groups too (they span nodes)
+    assert a.averaging_groups(0) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert a.spectral_gap() == pytest.approx(1.0, abs=1e-9)
+    # 4 nodes: hops 1, 2 across (a shift, not groups), period 4
+    b = T.alternating_exponential_ring(16, 4, intra="average")
+    assert b.period == 4 and b.averaging_groups(0) is None
+    assert b.averaging_groups(3) == [list(range(k, k + 4)) for k in (0, 4, 8, 12)]
+    # one node: its average every step; 2 ranks per node: the same matrices as one-peer
+    assert T.alternating_exponential_ring(4, 4, intra="average").averaging_groups(5) == [[0, 1, 2, 3]]
+    for t in range(4):
+        np.testing.assert_array_equal(T.alternating_exponential_ring(8, 2, intra="average").matrix(t),
+                                      T.alternating_exponential_ring(8, 2).matrix(t))
+    assert T.by_name("aer", 8, ranks_per_node=4, intra="average") == a
+    with pytest.raises(ValueError, match="intra"):
+        T.alternating_exponential_ring(8, 4, intra="ring")
+    # others: complete is one group; a ring of 4, a torus are not; the one-peer hop 1 of 2 ranks
+    assert T.complete(3).averaging_groups() == [[0, 1, 2]]
+    assert T.ring(4).averaging_groups() is None and T.torus2d(4).averaging_groups() is None
+    assert T.one_peer_exponential(4).averaging_groups(1) == [[0, 2], [1, 3]]
+    assert T.one_peer_exponential(4).averaging_groups(0) is None
+    assert T.from_matrix([[1.0, 0.0], [0.0, 1.0]]).averaging_groups() == [[0], [1]]
+
+
 def _ring_gap(n):
     lam = [abs((1 + 2 * math.cos(2 * math.pi * k / n)) / 3) for k in range(1, n)]
     return 1 - max(lam)

@@ -284,6 +284,32 @@ def test_flat_and_two_level_by_hand():
         whatif.two_level_time(s, 4, 8, 1.0, 100e9, free)) == approx(1.5 * s / 12.5e9)
 
 
+def test_whatif_and_model_share_the_formulas(monkeypatch):
+    """whatif's flat and two-level times are linerate.tools.model's functions (hosts of G ranks
+    on rank links of --intra-gbit): one implementation for both tools. Same case as above: S =
+    8 MB on 2 hosts of 8, NIC 1.25e9 B/s, intra 12.5e9 B/s, latency 1 us per step."""
+    from linerate.tools import model
+    free = AddCost(rate_bytes_s=float("inf"))
+    s = 8e6
+    intra = model.IntraHost("links", 12.5e9, 1e-6)
+    two = model.two_level_allreduce(s, [8, 8], 1.25e9, intra, 1e-6, free)
+    assert two["intra_s"] == approx(1.75 * s / 12.5e9 + 14e-6)
+    assert two["inter_s"] == approx(s / 1.25e9 + 2e-6)
+    assert whatif.two_level_time(s, 16, 8, 10e9, 100e9, free, latency_s=1e-6) == approx(
+        two["seconds"])
+    assert whatif.flat_ring_time(s, 16, 8, 10e9, 100e9, free, latency_s=1e-6) == approx(
+        model.flat_ring_allreduce(s, [8, 8], 1.25e9, intra, 1e-6, free)["seconds"])
+    calls = []
+    real = model.two_level_allreduce
+
+    def spy(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+    monkeypatch.setattr(model, "two_level_allreduce", spy)
+    whatif.two_level_time(s, 16, 8, 10e9, 100e9, free)
+    assert calls == [[8, 8]]
+
+
 def test_two_level_picked_and_named(tmp_path, capsys):
     log = _write(tmp_path, "one.bk.log", "c\n1\n1\n10000,8000000\n")   # 8 MB ready at 10 ms
     common = ["--timeline", log, "--add-gbs", "inf", "--iter-ms", "100", "--ranks", "16",

@@ -31,6 +31,7 @@ measure_cpu_costs().
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -53,14 +54,22 @@ METHODS = ("allreduce",) + TOPOLOGIES
 #: paper's library, runs AER and complete); not what neighbor_allreduce does today, so only
 #: ranked when asked for (--methods).
 GROUP_METHODS = ("aer-allreduce", "complete-allreduce")
-ALL_METHODS = METHODS + GROUP_METHODS
+#: For hosts whose ranks share memory (a Cluster with host_mem_gbs): AER with intra-host averaging
+#: (alternating_exponential_ring(..., intra="average"): odd steps average each host on shared
+#: memory) and the hierarchical neighbor all-reduce (linerate.hierarchical_neighbor_allreduce:
+#: average in each host, then the hosts' one-peer exponential graph, each rank of a host
+#: carrying 1/R of the tensor). Ranked by default when the cluster's hosts share memory.
+HOST_METHODS = ("aer-average", "hierarchical")
+ALL_METHODS = METHODS + GROUP_METHODS + HOST_METHODS
 #: recommend()'s order among methods whose step times tie: best mixing first.
-TIE_ORDER = ("allreduce", "complete-allreduce", "complete", "aer-allreduce", "aer",
+TIE_ORDER = ("allreduce", "complete-allreduce", "complete", "aer-allreduce", "hierarchical",
+             "aer-average", "aer",
              "one-peer-exp", "exp", "torus", "ring")
 _ALIASES = {"all-reduce": "allreduce", "all_reduce": "allreduce", "ar": "allreduce",
             "exponential": "exp", "one-peer-exponential": "one-peer-exp",
             "alternating-exp-ring": "aer", "alternating-exponential-ring": "aer",
-            "torus2d": "torus"}
+            "torus2d": "torus", "hierarchical-neighbor": "hierarchical",
+            "aer-avg": "aer-average"}
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
                "bfloat16": 2, "bf16": 2, "float64": 8, "double": 8, "fp64": 8,
                "int8": 1, "uint8": 1}
@@ -69,6 +78,7 @@ DEFAULT_MEASURE_SECONDS = 2.0
 DEFAULT_PINGS = 200
 DEFAULT_CPU_SECONDS = 1.0
 DEFAULT_CPU_CYCLES = 3
+DEFAULT_SHM_BYTES = 16 << 20
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -78,13 +88,24 @@ class Cluster:
     """``nodes`` nodes of ``ranks_per_node`` ranks. Every rank has a full-duplex link of
     ``intra_gbit`` to its node's switch; each node reaches the others through one full-duplex
     uplink of ``inter_gbit``, shared by every flow that leaves (or enters) the node. Ranks are
-    placed node-major (rank = node * ranks_per_node + local rank), as torchrun does."""
+    placed node-major (rank = node * ranks_per_node + local rank), as torchrun does.
+
+    ``host_mem_gbs``: each node is one host whose ranks share memory (GB/s: the host's memory
+    bandwidth for linerate's shared-memory collectives, IntraHost "memory"); the All-Reduce is
+    then predicted flat and two-level and the faster taken, and group averages inside a host
+    (AER's intra-host steps, the hierarchical neighbor all-reduce) run on shared memory, each
+    operation costing ``shm_latency_s`` besides its bytes. ``layout``: ranks per node where they
+    differ (``nodes`` entries, the largest ``ranks_per_node``); the topologies that need equal
+    nodes refuse it."""
     nodes: int
     ranks_per_node: int
     intra_gbit: float
     inter_gbit: float
     intra_latency_s: float = 50e-6
     inter_latency_s: float = 100e-6
+    host_mem_gbs: float | None = None
+    shm_latency_s: float = 100e-6
+    layout: tuple | None = None
 
     def __post_init__(self):
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -92,22 +113,63 @@ class Cluster:
                              f"{self.nodes} and {self.ranks_per_node}")
         if not self.intra_gbit > 0 or (self.nodes > 1 and not self.inter_gbit > 0):
             raise ValueError("bandwidths must be positive")
-        if self.intra_latency_s < 0 or self.inter_latency_s < 0:
+        if self.intra_latency_s < 0 or self.inter_latency_s < 0 or self.shm_latency_s < 0:
             raise ValueError("latencies must not be negative")
+        if self.host_mem_gbs is not None and not self.host_mem_gbs > 0:
+            raise ValueError(f"host_mem_gbs must be positive, got {self.host_mem_gbs}")
+        if self.layout is not None:
+            lay = tuple(_layout(self.layout))
+            if len(lay) != self.nodes or max(lay) != self.ranks_per_node:
+                raise ValueError(f"layout {list(lay)} must have one entry per node ({self.nodes}) "
+                                 f"and ranks_per_node ({self.ranks_per_node}) as its largest")
+            self.layout = None if len(set(lay)) == 1 else lay
+            self._starts = [sum(lay[:k]) for k in range(len(lay))]
 
     @property
     def n(self) -> int:
-        return self.nodes * self.ranks_per_node
+        return sum(self.layout) if self.layout else self.nodes * self.ranks_per_node
+
+    @property
+    def even(self) -> bool:
+        return self.layout is None
+
+    def hosts(self) -> list[int]:
+        """Ranks per node, one entry per node."""
+        return list(self.layout) if self.layout else [self.ranks_per_node] * self.nodes
+
+    def node_ranks(self, node: int) -> list[int]:
+        if self.layout:
+            return list(range(self._starts[node], self._starts[node] + self.layout[node]))
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
     def node_of(self, rank: int) -> int:
+        if self.layout:
+            import bisect
+            return bisect.bisect_right(self._starts, rank) - 1
         return rank // self.ranks_per_node
 
+    @property
+    def shared_memory(self) -> bool:
+        return self.host_mem_gbs is not None
+
+    def intra_host(self) -> IntraHost:
+        """How a node's ranks reach each other for collectives: shared memory where the node is
+        a host (``host_mem_gbs``), else their rank links."""
+        if self.host_mem_gbs is not None:
+            return IntraHost("memory", self.host_mem_gbs * 1e9, self.shm_latency_s)
+        return IntraHost("links", self.intra_gbit * 1e9 / 8, self.intra_latency_s)
+
     def describe(self) -> str:
-        s = (f"{self.nodes} node(s) x {self.ranks_per_node} rank(s) (n={self.n}), "
+        shape = ("+".join(map(str, self.layout)) if self.layout
+                 else f"{self.nodes} node(s) x {self.ranks_per_node} rank(s)")
+        s = (f"{shape} (n={self.n}), "
              f"rank links {self.intra_gbit:.4g} Gbit/s, {self.intra_latency_s * 1e6:.3g} us")
         if self.nodes > 1:
             s += (f"; node uplinks {self.inter_gbit:.4g} Gbit/s, "
                   f"{self.inter_latency_s * 1e6:.3g} us")
+        if self.host_mem_gbs is not None:
+            s += (f"; each node one host sharing memory at {self.host_mem_gbs:.4g} GB/s, "
+                  f"{self.shm_latency_s * 1e6:.3g} us per operation")
         return s
 
 
@@ -183,15 +245,77 @@ def group_allreduce(cluster: Cluster, groups, model_bytes: float) -> dict:
     return transfer(cluster, flows, latency_s)
 
 
+#: Passes over a rank's bytes in memory of a shared-memory All-Reduce (copy in, reduce, copy
+#: out) and of the hierarchical all-reduce's gather (copy out): the CPU model's memory cost.
+SHM_ALLREDUCE_PASSES = 3
+SHM_GATHER_PASSES = 1
+
+
+def host_averages(cluster: Cluster, pattern, step: int) -> list[list[int]] | None:
+    """The groups of ``step`` that run as shared-memory All-Reduces: the step averages disjoint
+    groups (``averaging_groups``, of a Pattern or a library Topology), every group of
+    more than one rank lies in one node, and the nodes are hosts sharing memory. Else None (the
+    step runs point to point)."""
+    if not cluster.shared_memory:
+        return None
+    fn = getattr(pattern, "averaging_groups", None)
+    groups = fn(step) if fn is not None else None
+    if not groups:
+        return None
+    if any(len({cluster.node_of(r) for r in g}) > 1 for g in groups if len(g) > 1):
+        return None
+    return [list(g) for g in groups]
+
+
+def _hierarchical(cluster: Cluster, pattern, step: int, model_bytes: float) -> dict:
+    """One step of the hierarchical neighbor all-reduce: each host's average (intra-host
+    All-Reduce), then local rank l < K = min ranks per host sends its 1/K of the average to
+    rank l of each host that receives this host's (the hosts' one-peer exponential graph),
+    then each host gathers the K mixed shares (K broadcasts: R*S through memory)."""
+    intra = cluster.intra_host()
+    lay = cluster.hosts()
+    k = min(lay)
+    avg = max(intra.allreduce_s(model_bytes, r) for r in lay)
+    flows = []
+    for a in range(cluster.nodes):
+        base = cluster.node_ranks(a)[0]
+        for c in pattern.host_peers(a, step):
+            dst = cluster.node_ranks(c)[0]
+            flows += [(base + lo, dst + lo, model_bytes / k) for lo in range(k)]
+    x = transfer(cluster, flows)
+    gather = max(intra.allreduce_s(model_bytes, r, ops=k) for r in lay)
+    mem = (SHM_ALLREDUCE_PASSES + SHM_GATHER_PASSES) * model_bytes * cluster.n \
+        if cluster.shared_memory else 0.0
+    return x | {"seconds": avg + x["seconds"] + gather, "intra_s": avg + gather,
+                "exchange_s": x["seconds"], "kind": "hierarchical", "flows_list": flows,
+                "memory_bytes": mem}
+
+
 def neighbor_exchange(cluster: Cluster, pattern, step: int, model_bytes: float) -> dict:
-    """One step of ``pattern``: group averages (``pattern.groups(step)``) where it has them,
-    else every rank sends M to each of its out-peers, all at once."""
+    """One step of ``pattern``: group averages (``pattern.groups(step)``) where it has them;
+    host averages on shared memory (host_averages); the hierarchical all-reduce; else every
+    rank sends M to each of its out-peers, all at once. ``flows_list``: the (src, dst, bytes)
+    on the network (the CPU model's kappa), ``memory_bytes``: bytes the ranks move through
+    shared memory (its memory passes)."""
     groups = pattern.groups(step) if hasattr(pattern, "groups") else None
     if groups is not None:
-        return group_allreduce(cluster, groups, model_bytes) | {"kind": "groups",
-                                                                "groups": len(groups)}
+        flows = exchange_flows(cluster, pattern, step, model_bytes)
+        return group_allreduce(cluster, groups, model_bytes) | {
+            "kind": "groups", "groups": len(groups), "flows_list": flows, "memory_bytes": 0.0}
+    if getattr(pattern, "name", None) == "hierarchical":
+        return _hierarchical(cluster, pattern, step, model_bytes)
+    avg = host_averages(cluster, pattern, step)
+    if avg is not None:
+        intra = cluster.intra_host()
+        t = max((intra.allreduce_s(model_bytes, len(g)) for g in avg), default=0.0)
+        return {"seconds": t, "bandwidth_s": t, "latency_s": 0.0, "bottleneck": "memory",
+                "uplink_flows": 0, "flows": 0, "sent_bytes_per_rank": 0.0,
+                "kind": "host averages", "groups": len(avg), "flows_list": [],
+                "memory_bytes": SHM_ALLREDUCE_PASSES * model_bytes
+                * sum(len(g) for g in avg if len(g) > 1)}
     flows = [(r, p, model_bytes) for r in range(cluster.n) for p in pattern.out_peers(r, step)]
-    return transfer(cluster, flows) | {"kind": "neighbors"}
+    return transfer(cluster, flows) | {"kind": "neighbors", "flows_list": flows,
+                                       "memory_bytes": 0.0}
 
 
 def ring_allreduce(cluster: Cluster, model_bytes: float) -> dict:
@@ -218,6 +342,134 @@ def ring_allreduce(cluster: Cluster, model_bytes: float) -> dict:
             "beta_eff_gbit": beta_eff * 8 / 1e9, "uplink_flows": uplink_flows,
             "bottleneck": f"{bottleneck[0]} {bottleneck[1]}", "steps": 2 * (n - 1),
             "sent_bytes_per_rank": 2 * (n - 1) / n * model_bytes}
+
+
+# ----------------------------------------------------------------------------- hosts: two-level
+
+@dataclass(frozen=True)
+class IntraHost:
+    """How the ranks of one host reach each other, for the flat and two-level All-Reduce.
+
+    ``kind`` "links": each rank has a full-duplex link of ``rate_bytes_s`` inside the host
+    (NVLink, PCIe, a switch): the host's part of an All-Reduce is a ring over R ranks,
+    2(R-1)/R * S / rate + (R-1) t_add(S/R) + 2(R-1) * latency.
+    ``kind`` "memory": the ranks share memory (linerate's shared-memory collectives): all R
+    ranks of the host together move ``rate_bytes_s`` of their inputs through memory, and an
+    All-Reduce (or a reduce-scatter and an all-gather) of S bytes moves each rank's S once:
+    R * S / rate + (R-1) t_add(S/R) + latency per operation. ``rate_bytes_s`` is then the
+    host's memory bandwidth (one copy per byte; `linerate model --measure` measures it with
+    the shared-memory All-Reduce itself, so it includes how close that comes to one copy)."""
+    kind: str
+    rate_bytes_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("links", "memory"):
+            raise ValueError(f"IntraHost kind must be 'links' or 'memory', got {self.kind!r}")
+        if not self.rate_bytes_s > 0 or self.latency_s < 0:
+            raise ValueError(f"IntraHost rate must be positive and latency not negative, got "
+                             f"{self.rate_bytes_s} and {self.latency_s}")
+
+    def allreduce_s(self, nbytes: float, ranks: int, t_add=None, compression: float = 1.0,
+                    ops: int = 1) -> float:
+        """The host's All-Reduce of ``nbytes`` over ``ranks`` ranks (``ops`` = 2: as a
+        reduce-scatter and an all-gather apart: the same bytes, each operation's latency)."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        red = (ranks - 1) * t_add(nbytes / ranks) if t_add is not None else 0.0
+        if self.kind == "links":
+            return (2 * (ranks - 1) / ranks * nbytes / compression / self.rate_bytes_s + red
+                    + 2 * (ranks - 1) * self.latency_s)
+        return ranks * nbytes / compression / self.rate_bytes_s + red + ops * self.latency_s
+
+    def hop_bytes_s(self, ranks: int) -> float:
+        """What one ring hop inside the host gets while every rank of the host sends at once:
+        its link, or a share of the memory."""
+        return self.rate_bytes_s if self.kind == "links" else self.rate_bytes_s / max(1, ranks)
+
+    def describe(self) -> str:
+        what = ("rank links" if self.kind == "links" else "shared memory")
+        return (f"{what} {self.rate_bytes_s * 8 / 1e9:.4g} Gbit/s "
+                f"({self.rate_bytes_s / 1e9:.4g} GB/s), {self.latency_s * 1e6:.3g} us")
+
+
+def _layout(layout) -> list[int]:
+    out = [int(r) for r in layout]
+    if not out or any(r < 1 for r in out):
+        raise ValueError(f"ranks per host must be a non-empty list of counts >= 1, got {layout!r}")
+    return out
+
+
+def flat_ring_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraHost,
+                        inter_latency_s: float = 0.0, t_add=None,
+                        compression: float = 1.0) -> dict:
+    """The ring All-Reduce over all P ranks of hosts with ``layout`` ranks each (host-major,
+    uneven allowed): each of the 2(P-1) steps sends S/P on every hop at once, one hop per host
+    through its NIC (``nic_bytes_s``, all rails) and the others inside the host, so a step takes
+    S/P at min(NIC, intra.hop_bytes_s(R_max)) (the NIC alone with one rank per host; one host:
+    the host's own All-Reduce, intra.allreduce_s):
+
+        T_flat = 2(P-1)/P * S/(c*b) + (P-1) t_add(S/P) + 2(P-1) * inter_latency"""
+    lay = _layout(layout)
+    hosts, p, r = len(lay), sum(lay), max(lay)
+    if p <= 1 or nbytes <= 0:
+        return {"seconds": 0.0, "bandwidth_s": 0.0, "latency_s": 0.0, "rate_bytes_s": None,
+                "nic_bytes": 0.0}
+    if hosts == 1:
+        t = intra.allreduce_s(nbytes, p, t_add, compression)
+        return {"seconds": t, "bandwidth_s": t, "latency_s": 0.0,
+                "rate_bytes_s": intra.hop_bytes_s(p), "nic_bytes": 0.0}
+    rate = nic_bytes_s if r == 1 else min(nic_bytes_s, intra.hop_bytes_s(r))
+    bw = 2 * (p - 1) / p * nbytes / compression / rate
+    red = (p - 1) * t_add(nbytes / p) if t_add is not None else 0.0
+    lat = 2 * (p - 1) * inter_latency_s
+    return {"seconds": bw + red + lat, "bandwidth_s": bw, "reduce_s": red, "latency_s": lat,
+            "rate_bytes_s": rate, "nic_bytes": 2 * (p - 1) / p * nbytes / compression}
+
+
+def two_level_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraHost,
+                        inter_latency_s: float = 0.0, t_add=None,
+                        compression: float = 1.0) -> dict:
+    """Two-level All-Reduce on hosts with ``layout`` ranks each (uneven allowed): a
+    reduce-scatter inside each host, an All-Reduce of the host's S across the H hosts (one
+    ring per local rank, each with its share, all through the host's NIC at once: the NIC
+    carries 2(H-1)/H * S each way), an all-gather inside each host. The largest host sets the
+    intra-host time:
+
+        T_2L = intra.allreduce_s(S, R_max, ops=2)
+             + 2(H-1)/H * S/(c*NIC) + (H-1) t_add(S/(H*R_min)) + 2(H-1) * inter_latency
+
+    (links: 2(R-1)/R * S/(c*X) + (R-1) t_add(S/R) + 2(R-1) a; memory: R*S/(c*mem) +
+    (R-1) t_add(S/R) + 2 a_shm)."""
+    lay = _layout(layout)
+    hosts, r = len(lay), max(lay)
+    if sum(lay) <= 1 or nbytes <= 0:
+        return {"seconds": 0.0, "intra_s": 0.0, "inter_s": 0.0, "inter_bandwidth_s": 0.0,
+                "inter_latency_s": 0.0, "nic_bytes": 0.0}
+    intra_s = intra.allreduce_s(nbytes, r, t_add, compression, ops=2)
+    inter_bw = inter_red = inter_lat = nic = 0.0
+    if hosts > 1:
+        nic = 2 * (hosts - 1) / hosts * nbytes / compression
+        inter_bw = nic / nic_bytes_s
+        if t_add is not None:
+            inter_red = (hosts - 1) * t_add(nbytes / (hosts * min(lay)))
+        inter_lat = 2 * (hosts - 1) * inter_latency_s
+    inter = inter_bw + inter_red + inter_lat
+    return {"seconds": intra_s + inter, "intra_s": intra_s, "inter_s": inter,
+            "inter_bandwidth_s": inter_bw, "inter_latency_s": inter_lat, "nic_bytes": nic}
+
+
+def allreduce_choice(nbytes: float, layout, nic_bytes_s: float, intra: IntraHost,
+                     inter_latency_s: float = 0.0, t_add=None,
+                     compression: float = 1.0) -> dict:
+    """Both All-Reduces and the faster: {"flat": ..., "two-level": ..., "pick": name,
+    "seconds": the pick's}. A tie goes to the flat ring (one algorithm, no intra phases)."""
+    both = {"flat": flat_ring_allreduce(nbytes, layout, nic_bytes_s, intra, inter_latency_s,
+                                        t_add, compression),
+            "two-level": two_level_allreduce(nbytes, layout, nic_bytes_s, intra,
+                                             inter_latency_s, t_add, compression)}
+    pick = "two-level" if both["two-level"]["seconds"] < both["flat"]["seconds"] else "flat"
+    return both | {"pick": pick, "seconds": both[pick]["seconds"]}
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -249,13 +501,29 @@ class Pattern:
     ``method``.
     """
 
-    def __init__(self, name: str, n: int, ranks_per_node: int = 1):
-        if n % ranks_per_node:
+    def __init__(self, name: str, n: int, ranks_per_node: int = 1, layout=None):
+        if layout is not None and len(set(layout)) > 1:
+            if name != "hierarchical":
+                raise ValueError(f"{name} needs the same ranks on every node, not "
+                                 f"{'+'.join(map(str, layout))}")
+            self.layout = list(layout)
+        elif n % ranks_per_node:
             raise ValueError(f"{n} ranks do not split into nodes of {ranks_per_node}")
-        self.name, self.n, self.rpn = name, n, ranks_per_node
-        self.nodes = n // ranks_per_node
+        else:
+            self.layout = [ranks_per_node] * (n // ranks_per_node)
+        if sum(self.layout) != n:
+            raise ValueError(f"layout {self.layout} does not hold {n} ranks")
+        self.name, self.n, self.rpn = name, n, max(self.layout)
+        self.nodes = len(self.layout)
+        self._starts = [sum(self.layout[:k]) for k in range(self.nodes)]
         self._alternates = self.nodes > 1 and self.rpn > 1
-        if name == "one-peer-exp" or (name == "aer" and not self._alternates):
+        if name == "one-peer-exp" or (name in ("aer", "aer-average") and self.rpn == 1):
+            self.period = max(1, len(_hops(n)))
+        elif name == "aer-average":       # one node: its average every step
+            self.period = 1 if self.nodes == 1 else 2 * len(_hops(self.nodes))
+        elif name == "hierarchical":
+            self.period = max(1, len(_hops(self.nodes)))
+        elif name == "aer" and not self._alternates:
             self.period = max(1, len(_hops(n)))
         elif name == "aer":
             t_nodes, t_local = len(_hops(self.nodes)), len(_hops(self.rpn))
@@ -268,7 +536,38 @@ class Pattern:
             raise ValueError(f"no pattern {name!r}")
 
     def _node_ranks(self, node: int) -> list[int]:
-        return list(range(node * self.rpn, (node + 1) * self.rpn))
+        return list(range(self._starts[node], self._starts[node] + self.layout[node]))
+
+    def _host_average_step(self, step: int) -> bool:
+        """aer-average's odd steps (one node: every step) average every node's ranks."""
+        return (self.name == "aer-average" and self.rpn > 1
+                and (self.nodes == 1 or step % self.period % 2 == 1))
+
+    def averaging_groups(self, step: int = 0) -> list[list[int]] | None:
+        """The disjoint groups this step averages, as collectives.topology.Topology's method of
+        that name finds them in W (a neighbor all-reduce runs each as an All-Reduce, on shared
+        memory inside a host), or None. Every pattern here weighs a rank and its in-neighbors
+        equally, so a step averages groups exactly when every rank's closed neighborhood
+        ({rank} + out-peers) is the same set for all its members: aer-average's intra-node
+        steps, a pairwise swap (one-peer graphs at hop n/2, aer's 2-rank nodes), complete."""
+        if self.name == "hierarchical" or self.groups(step) is not None:
+            return None
+        hood = [frozenset([r, *self.out_peers(r, step)]) for r in range(self.n)]
+        if any(hood[j] != hood[r] for r in range(self.n) for j in hood[r]):
+            return None
+        seen, out = set(), []
+        for r in range(self.n):
+            if hood[r] not in seen:
+                seen.add(hood[r])
+                out.append(sorted(hood[r]))
+        return out
+
+    def host_peers(self, node: int, step: int = 0) -> list[int]:
+        """hierarchical: the nodes that receive ``node``'s average at ``step`` (the one-peer
+        exponential graph of the nodes)."""
+        if self.nodes == 1:
+            return []
+        return [(node - (1 << (step % self.period))) % self.nodes]
 
     def groups(self, step: int = 0) -> list[list[int]] | None:
         """The averaging groups of this step (ranks sorted), or None for a neighbor exchange.
@@ -301,7 +600,15 @@ class Pattern:
         if n == 1:
             return []
         groups = self.groups(step)
-        if groups is not None:
+        if groups is None and self._host_average_step(step):
+            groups = [self._node_ranks(a) for a in range(self.nodes)]
+        if self.name == "hierarchical":   # the average inside the node, then the shards
+            node = bisect.bisect_right(self._starts, rank) - 1
+            local = rank - self._starts[node]
+            peers = set(self._node_ranks(node))
+            if local < min(self.layout):
+                peers |= {self._starts[c] + local for c in self.host_peers(node, step)}
+        elif groups is not None:
             peers = set(next(g for g in groups if rank in g))
         elif self.name == "ring":
             peers = {(rank - 1) % n, (rank + 1) % n}
@@ -316,6 +623,11 @@ class Pattern:
             peers = set(range(n))
         elif self.name == "one-peer-exp" or not self._alternates:   # aer on 1 node / 1 rank
             peers = {(rank - (1 << (step % self.period))) % n}
+        elif self.name == "aer-average":  # even steps: aer's, across nodes
+            node, local = divmod(rank, self.rpn)
+            hops = _hops(self.nodes)
+            h = hops[(step % self.period // 2) % len(hops)]
+            peers = {((node - h) % self.nodes) * self.rpn + local}
         else:                             # aer: even steps across nodes, odd within
             t = step % self.period
             node, local = divmod(rank, self.rpn)
@@ -483,6 +795,41 @@ def exchange_flows(cluster: Cluster, pattern, step: int, model_bytes: float) -> 
     return [(r, p, model_bytes) for r in range(cluster.n) for p in pattern.out_peers(r, step)]
 
 
+def allreduce_candidates(cluster: Cluster, model_bytes: float) -> dict:
+    """The All-Reduces linerate can run on ``cluster``: {name: (times, network flows, bytes
+    through shared memory)}. "flat": the ring over every rank (ring_allreduce, node-major; on
+    uneven nodes flat_ring_allreduce; one host sharing memory: its shared-memory All-Reduce);
+    where the nodes are hosts sharing memory and there are several, also "two-level"
+    (two_level_allreduce: the intra-host phases on shared memory, one inter-host ring per local
+    rank, K = min ranks per node of them)."""
+    lay = cluster.hosts()
+    if cluster.shared_memory and cluster.nodes == 1:
+        t = cluster.intra_host().allreduce_s(model_bytes, cluster.n)
+        return {"flat": ({"seconds": t, "bandwidth_s": t, "latency_s": 0.0, "uplink_flows": 0,
+                          "beta_eff_gbit": None, "bottleneck": "memory"}, [],
+                         SHM_ALLREDUCE_PASSES * model_bytes * cluster.n)}
+    if cluster.even:
+        flat = ring_allreduce(cluster, model_bytes)
+    else:
+        links = IntraHost("links", cluster.intra_gbit * 1e9 / 8, cluster.intra_latency_s)
+        f = flat_ring_allreduce(model_bytes, lay, cluster.inter_gbit * 1e9 / 8, links,
+                                cluster.inter_latency_s)
+        flat = f | {"beta_eff_gbit": (f["rate_bytes_s"] * 8 / 1e9 if f["rate_bytes_s"]
+                                      else None), "uplink_flows": 1 if cluster.nodes > 1 else 0,
+                    "sent_bytes_per_rank": f["nic_bytes"]}
+    out = {"flat": (flat, ring_flows(cluster, model_bytes), 0.0)}
+    if cluster.shared_memory and cluster.nodes > 1 and cluster.n > cluster.nodes:
+        two = two_level_allreduce(model_bytes, lay, cluster.inter_gbit * 1e9 / 8,
+                                  cluster.intra_host(), cluster.inter_latency_s)
+        k, h = min(lay), cluster.nodes
+        flows = [(cluster.node_ranks(a)[0] + lo, cluster.node_ranks((a + 1) % h)[0] + lo,
+                  2 * (h - 1) / h * model_bytes / k) for a in range(h) for lo in range(k)]
+        two |= {"uplink_flows": k, "beta_eff_gbit": None,
+                "sent_bytes_per_rank": two["nic_bytes"] / k}
+        out["two-level"] = (two, flows, SHM_ALLREDUCE_PASSES * model_bytes * cluster.n)
+    return out
+
+
 # ----------------------------------------------------------------------------- prediction
 
 def allreduce_step(compute_s: float, fwd_fraction: float, t_net: float, cpu_s: float,
@@ -621,17 +968,22 @@ def predict(cluster: Cluster, model_bytes: int, compute_s: float,
                                               "rho": rho, "costs": cpu.costs.to_json()}}
 
     if isinstance(method, str) and canonical_method(method) == "allreduce":
-        ar = ring_allreduce(cluster, model_bytes)
+        cands = allreduce_candidates(cluster, model_bytes)
+        evals = {}
+        for name, (ar, flows, mem_bytes) in cands.items():
+            k = comm_cpu_s(cluster, flows, cpu)
+            k_eff = comm_cpu_s(cluster, flows, cpu, shared=True)
+            if cpu is not None and cluster.n > 1:
+                mem = ((DDP_MEMORY_PASSES * model_bytes * min(cpu.ranks, cluster.n)
+                        + mem_bytes * min(1.0, cpu.ranks / cluster.n))
+                       * cpu.costs.mem_s_per_byte)
+                k, k_eff = k + mem, k_eff + mem
+            evals[name] = (ar, k, allreduce_step(
+                compute_s, fwd_fraction, ar["seconds"], k, cpu, overlap, k_eff,
+                measured_shared_s if cpu is not None else None))
+        pick = min(evals, key=lambda m: (evals[m][2]["step_s"], m != "flat"))
+        ar, k, x = evals[pick]
         t_ar = ar["seconds"]
-        flows = ring_flows(cluster, model_bytes)
-        k = comm_cpu_s(cluster, flows, cpu)
-        k_eff = comm_cpu_s(cluster, flows, cpu, shared=True)
-        if cpu is not None and cluster.n > 1:
-            mem = (DDP_MEMORY_PASSES * model_bytes * cpu.costs.mem_s_per_byte
-                   * min(cpu.ranks, cluster.n))
-            k, k_eff = k + mem, k_eff + mem
-        x = allreduce_step(compute_s, fwd_fraction, t_ar, k, cpu, overlap, k_eff,
-                           measured_shared_s if cpu is not None else None)
         step = x["step_s"]
         if cpu is None:
             how = "T = T_fwd + max(T_bwd, T_ar)" if overlap else "T = T_fwd + T_bwd + T_ar"
@@ -641,29 +993,43 @@ def predict(cluster: Cluster, model_bytes: int, compute_s: float,
             how = "T = C' + (1 - p) T_c, C' = rho C, T_c = max(T_ar, K/P)"
             vals = (f"{base['shared_compute_s'] * ms:.2f} + (1 - {x['overlap_share']:.3f}) * "
                     f"max({t_ar * ms:.2f}, {k:.3f}/{cpu.cores:g} s) ms")
-        if ar["beta_eff_gbit"] is not None:
+        if pick == "two-level":
+            ar_f = (f"two-level T_ar = R*M/mem + 2 a_shm + 2(H-1)/H*M/uplink + 2(H-1)a = "
+                    f"{ar['intra_s'] * ms:.2f} + {ar['inter_s'] * ms:.2f} = {t_ar * ms:.2f} ms")
+        elif ar.get("beta_eff_gbit") is not None:
             ar_f = (f"T_ar = 2(n-1)a + 2(n-1)/n*M/b_eff = {2 * (cluster.n - 1)}*"
                     f"{ar['latency_s'] / (2 * (cluster.n - 1)) * 1e6:g}us + "
                     f"{2 * (cluster.n - 1) / cluster.n:.3f}*{model_bytes / 2**20:.2f}MiB/"
                     f"{ar['beta_eff_gbit']:.4g}Gbit/s = {t_ar * ms:.2f} ms")
         else:
             ar_f = "T_ar = 0 (one rank, or nothing to send)"
-        return {**base, "method": "allreduce", "step_s": step, "comm_s": x["comm_alone_s"],
-                "network_s": t_ar, "comm_cpu_s": k, "overlap_share": x["overlap_share"],
-                "period": 1, "formula": f"{how} = {vals} = {step * ms:.2f} ms; {ar_f}",
-                "uplink_flows": ar["uplink_flows"], "allreduce": ar,
-                "sent_bytes_per_rank": ar.get("sent_bytes_per_rank", 0.0)}
+        out = {**base, "method": "allreduce", "step_s": step, "comm_s": x["comm_alone_s"],
+               "network_s": t_ar, "comm_cpu_s": k, "overlap_share": x["overlap_share"],
+               "period": 1, "formula": f"{how} = {vals} = {step * ms:.2f} ms; {ar_f}",
+               "uplink_flows": ar.get("uplink_flows", 0), "allreduce": ar,
+               "algorithm": pick,
+               "sent_bytes_per_rank": ar.get("sent_bytes_per_rank", 0.0)}
+        if len(evals) > 1:
+            out["algorithms"] = {m: {"step_s": e[2]["step_s"], "allreduce_s": e[0]["seconds"]}
+                                 for m, e in evals.items()}
+            other = next(m for m in evals if m != pick)
+            out["formula"] += (f"; {pick} picked: {step * ms:.2f} ms against {other} "
+                               f"{evals[other][2]['step_s'] * ms:.2f} ms")
+        return out
 
-    pattern = Pattern(canonical_method(method), cluster.n, cluster.ranks_per_node) \
-        if isinstance(method, str) else method
+    pattern = Pattern(canonical_method(method), cluster.n, cluster.ranks_per_node,
+                      cluster.layout) if isinstance(method, str) else method
     if pattern.n != cluster.n:
         raise ValueError(f"topology has {pattern.n} ranks, the cluster {cluster.n}")
     steps, step_times, comm_times = [], [], []
     for t in range(pattern.period):
         x = neighbor_exchange(cluster, pattern, t, model_bytes)
-        flows = exchange_flows(cluster, pattern, t, model_bytes)
+        flows = x.pop("flows_list")
         k = comm_cpu_s(cluster, flows, cpu)
         k_eff = comm_cpu_s(cluster, flows, cpu, shared=True)
+        if cpu is not None and x["memory_bytes"]:
+            mem = x["memory_bytes"] * cpu.costs.mem_s_per_byte * min(1.0, cpu.ranks / cluster.n)
+            k, k_eff = k + mem, k_eff + mem
         y = exchange_step(compute_s, x["seconds"], k, cpu, overlap, k_eff,
                           measured_shared_s if cpu is not None else None)
         x = x | {"comm_cpu_s": k, "shared_comm_cpu_s": k_eff,
@@ -789,15 +1155,45 @@ def _node_hosts(lab) -> list[list]:
     return [nodes[k] for k in sorted(nodes)]
 
 
+#: The rank links inside a netlab host (loopback TCP within its namespace) when not measured.
+DEFAULT_LAB_LOOPBACK_GBIT = 10.0
+
+
+def _lab_layout(lab) -> list[int] | None:
+    """The lab's ranks per host where some host holds several (then each host is a node of
+    the model, its ranks sharing memory), else None (one rank per host)."""
+    layout = lab.layout() if hasattr(lab, "layout") else [1] * len(lab.hosts)
+    if max(layout) <= 1:
+        return None
+    if getattr(lab, "nodes", 1) > 1:
+        raise ValueError(f"netlab {lab.name!r} has both nodes ({lab.nodes}) and several ranks "
+                         f"per host: the model knows two levels (hosts of ranks, or nodes of "
+                         f"one-rank hosts), not three")
+    return layout
+
+
 def cluster_from_lab(lab, intra_latency_s: float = 50e-6,
-                     inter_latency_s: float = 100e-6) -> Cluster:
+                     inter_latency_s: float = 100e-6, host_mem_gbs: float | None = None,
+                     shm_latency_s: float = 100e-6) -> Cluster:
     """The lab as configured: tbf rates, one rank per host, hosts grouped by node. An
-    unshaped lab (``--rate none``) has no configured rate: measure it."""
+    unshaped lab (``--rate none``) has no configured rate: measure it. A lab with several ranks
+    per host (``netlab up --ranks-per-host``): each host is a node of its ranks, sharing memory
+    at ``host_mem_gbs`` (None: the caller must give it, or --measure), joined by the host links
+    (``rate`` x rails); the ranks of a host reach each other over loopback at
+    DEFAULT_LAB_LOOPBACK_GBIT."""
     if not lab.rate_bps or lab.inter_rate_bps == 0:
         which = "--rate none" if not lab.rate_bps else "--inter-rate none"
         raise ValueError(f"netlab {lab.name!r} is unshaped ({which}): its links have no "
                          f"configured rate; measure them with --measure (or give --intra-gbit "
                          f"and --inter-gbit)")
+    layout = _lab_layout(lab)
+    if layout is not None:
+        return Cluster(nodes=len(layout), ranks_per_node=max(layout),
+                       intra_gbit=DEFAULT_LAB_LOOPBACK_GBIT,
+                       inter_gbit=lab.rate_bps / 1e9 * lab.rails,
+                       intra_latency_s=intra_latency_s, inter_latency_s=inter_latency_s,
+                       host_mem_gbs=host_mem_gbs, shm_latency_s=shm_latency_s,
+                       layout=tuple(layout))
     per_node = _node_hosts(lab)
     return Cluster(nodes=len(per_node), ranks_per_node=max(len(h) for h in per_node),
                    intra_gbit=lab.rate_bps / 1e9 * lab.rails,
@@ -806,7 +1202,8 @@ def cluster_from_lab(lab, intra_latency_s: float = 50e-6,
 
 
 def measure_netlab(name: str = "lab", seconds: float = DEFAULT_MEASURE_SECONDS,
-                   pings: int = DEFAULT_PINGS) -> tuple[Cluster, dict]:
+                   pings: int = DEFAULT_PINGS,
+                   shm_bytes: int = DEFAULT_SHM_BYTES) -> tuple[Cluster, dict]:
     """Measure a running netlab: (Cluster, raw figures).
 
     intra: one TCP flow between two hosts of node 0 (a rank link is not shared by it);
@@ -815,11 +1212,14 @@ def measure_netlab(name: str = "lab", seconds: float = DEFAULT_MEASURE_SECONDS,
     capacity even where it is faster than one rank link; one flow alone is also reported;
     latencies: half the median round trip of a 1-byte TCP ping-pong. Rail 0 is measured; with
     several rails the bandwidths are multiplied by the rail count (identical fabrics, striped).
+    A lab with several ranks per host: measure_hosts.
     """
     from linerate.tools import netlab
     lab = netlab.load(name)
     if not netlab.is_up(lab):
         raise RuntimeError(f"netlab {name!r} is not up (run: linerate netlab up --name {name})")
+    if _lab_layout(lab) is not None:
+        return measure_hosts(lab, seconds, pings, shm_bytes)
     per_node = _node_hosts(lab)
     raw: dict = {"lab": name, "seconds": seconds, "hosts_per_node": [len(h) for h in per_node]}
     first = per_node[0]
@@ -846,6 +1246,114 @@ def measure_netlab(name: str = "lab", seconds: float = DEFAULT_MEASURE_SECONDS,
                       inter_gbit=raw.get("inter_bps", raw["intra_bps"]) * rails / 1e9,
                       intra_latency_s=raw["intra_latency_s"],
                       inter_latency_s=raw.get("inter_latency_s", raw["intra_latency_s"]))
+    return cluster, raw
+
+
+_SHM_PROBE = r"""
+import json, statistics, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+out, nbytes, reps, layout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+dist.init_process_group("linerate", timeout=timedelta(seconds=300))
+rank, world = dist.get_rank(), dist.get_world_size()
+starts = [sum(layout[:k]) for k in range(len(layout))]
+mine = None
+for h, (s, r) in enumerate(zip(starts, layout)):   # every rank creates every host's group
+    g = dist.new_group(list(range(s, s + r)), backend="linerate")
+    if s <= rank < s + r:
+        host, mine = h, g
+shared = bool(getattr(mine._get_backend(torch.device("cpu")), "shared_memory", False))
+def times(t, k):
+    ts = []
+    for _ in range(k):
+        dist.barrier()                  # every host's group starts together, as in a step
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=mine)
+        ts.append(time.perf_counter() - t0)
+    return ts
+small, big = torch.ones(1024), torch.ones(nbytes // 4)
+times(small, 3); times(big, 2)
+res = torch.tensor([statistics.median(times(small, max(5, reps * 4))),
+                    statistics.median(times(big, reps)), float(shared)], dtype=torch.float64)
+allv = [torch.zeros_like(res) for _ in range(world)]
+dist.all_gather(allv, res)
+if rank == 0:
+    with open(out, "w") as f:
+        json.dump([v.tolist() for v in allv], f)
+dist.destroy_process_group()
+"""
+
+
+def measure_shared_memory(lab, layout: list[int], nbytes: int = DEFAULT_SHM_BYTES,
+                          reps: int = 5) -> dict:
+    """The shared-memory All-Reduce of every host of ``lab`` at once (each host's ranks in a
+    group of their own, all hosts' groups started together as in a training step, so the
+    machine's cores and memory are shared as they are then): the median time of a 4 KiB one
+    (the per-operation latency a_shm) and of an ``nbytes`` one, T, per rank; the host memory
+    rate is R * nbytes / (T - a_shm) on the slowest host (IntraHost "memory")."""
+    import statistics
+    import tempfile
+    from linerate.tools import netlab
+    fd, out = tempfile.mkstemp(prefix="linerate_shm_probe", suffix=".json")
+    os.close(fd)
+    nproc = sum(layout)
+    try:
+        args = [sys.executable, "-c", _SHM_PROBE, out, str(nbytes), str(reps), json.dumps(layout)]
+        port = netlab.free_port_in(lab.hosts[0])
+        runs = []
+        for r in range(nproc):
+            h, _ = netlab.placement(layout, r)
+            runs.append((netlab.netns_argv(lab.hosts[h], args),
+                         netlab.rank_env(lab, r, nproc, port, layout=layout)))
+        _run_probe_ranks(runs, timeout=300)
+        with open(out) as f:
+            rows = json.load(f)
+    finally:
+        os.unlink(out)
+    if not all(row[2] for row in rows):
+        raise RuntimeError("the shared-memory probe's host groups did not get shared memory "
+                           "(LINERATE_SHM=0 set?): the two-level model needs it")
+    starts = [sum(layout[:k]) for k in range(len(layout))]
+    per_host = []
+    for s, r in zip(starts, layout):
+        small = statistics.median(rows[i][0] for i in range(s, s + r))
+        big = max(rows[i][1] for i in range(s, s + r))
+        per_host.append({"ranks": r, "latency_s": small, "allreduce_s": big,
+                         "mem_bytes_s": r * nbytes / max(big - small, 1e-9)})
+    slow = min(per_host, key=lambda x: x["mem_bytes_s"])
+    return {"bytes": nbytes, "hosts": per_host, "latency_s": max(h["latency_s"] for h in per_host),
+            "mem_bytes_s": slow["mem_bytes_s"]}
+
+
+def measure_hosts(lab, seconds: float = DEFAULT_MEASURE_SECONDS, pings: int = DEFAULT_PINGS,
+                  shm_bytes: int = DEFAULT_SHM_BYTES) -> tuple[Cluster, dict]:
+    """Measure a lab with several ranks per host (``netlab up --ranks-per-host``): the host
+    link (one TCP flow h0 -> h1, rail 0, times the rails), the one-way latency between hosts,
+    the loopback TCP inside h0 (the flat ring's hops inside a host), and the shared-memory
+    All-Reduce of every host at once (measure_shared_memory, ``shm_bytes``: the model's bytes
+    fit best)."""
+    from linerate.tools import netlab
+    layout = _lab_layout(lab)
+    hosts = [lab.hosts[h] for h in range(len(layout))]
+    raw: dict = {"lab": lab.name, "seconds": seconds, "ranks_per_host": layout}
+    if len(hosts) >= 2:
+        raw["inter_bps"] = netlab.probe(lab, hosts[0].name, hosts[1].name, seconds)
+        raw["inter_single_bps"] = raw["inter_bps"]
+        raw["inter_flows"] = 1
+        raw["inter_latency_s"] = _one_way_latency(lab, hosts[0].name, hosts[1].name, pings)
+    raw["intra_bps"] = netlab.probe(lab, hosts[0].name, hosts[0].name, seconds)
+    raw["intra_latency_s"] = _one_way_latency(lab, hosts[0].name, hosts[0].name, pings)
+    raw["shm"] = measure_shared_memory(lab, layout, shm_bytes)
+    raw["rails"] = lab.rails
+    cluster = Cluster(nodes=len(layout), ranks_per_node=max(layout),
+                      intra_gbit=raw["intra_bps"] / 1e9,
+                      inter_gbit=raw.get("inter_bps", raw["intra_bps"]) * lab.rails / 1e9,
+                      intra_latency_s=raw["intra_latency_s"],
+                      inter_latency_s=raw.get("inter_latency_s", raw["intra_latency_s"]),
+                      host_mem_gbs=raw["shm"]["mem_bytes_s"] / 1e9,
+                      shm_latency_s=raw["shm"]["latency_s"], layout=tuple(layout))
     return cluster, raw
 
 
@@ -1064,8 +1572,9 @@ def add_parser(subparsers) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster (options override what --netlab gives)")
     g.add_argument("--nodes", type=_positive_int, default=None, help="nodes (default 1)")
-    g.add_argument("--ranks-per-node", type=_positive_int, default=None,
-                   help="ranks per node (default 1)")
+    g.add_argument("--ranks-per-node", type=_layout_arg, default=None,
+                   help="ranks per node (default 1), or one count per node where they differ "
+                        "(4,3; --nodes then defaults to their number)")
     g.add_argument("--intra-gbit", type=_positive_float, default=None,
                    help="Gbit/s of each rank's link inside a node, each way")
     g.add_argument("--inter-gbit", type=_positive_float, default=None,
@@ -1074,6 +1583,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="one-way latency inside a node, microseconds (default 50)")
     g.add_argument("--inter-latency-us", type=_nonneg_float, default=None,
                    help="one-way latency between nodes, microseconds (default 100)")
+    g.add_argument("--host-mem-gbs", type=_positive_float, default=None,
+                   help="each node is one host whose ranks share memory, at this many GB/s "
+                        "(memory bandwidth for linerate's shared-memory collectives): the "
+                        "All-Reduce is predicted flat and two-level, the faster taken, and "
+                        "aer-average and hierarchical are ranked too")
+    g.add_argument("--shm-latency-us", type=_nonneg_float, default=None,
+                   help="with --host-mem-gbs: each shared-memory operation's fixed cost, "
+                        "microseconds (default 100)")
     g.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
                    help="take the cluster from a running `linerate netlab` (its configured "
                         "rates; default lab name: lab)")
@@ -1154,11 +1671,24 @@ def build_cluster(args: argparse.Namespace) -> tuple[Cluster, dict | None]:
         if reason:
             raise RuntimeError(f"--netlab: {reason}")
         if args.measure:
-            base, measured = measure_netlab(args.netlab, args.measure_seconds)
+            shm_bytes = min(256 << 20, max(1 << 20, getattr(args, "_model_bytes", 0) or 0))
+            base, measured = measure_netlab(args.netlab, args.measure_seconds,
+                                            shm_bytes=shm_bytes)
         else:
             base = cluster_from_lab(netlab.load(args.netlab))
-    nodes = args.nodes or (base.nodes if base else 1)
-    rpn = args.ranks_per_node or (base.ranks_per_node if base else 1)
+    layout = None
+    rpn_arg = args.ranks_per_node
+    if isinstance(rpn_arg, list):
+        layout = rpn_arg
+        if args.nodes and args.nodes != len(layout):
+            raise ValueError(f"--ranks-per-node {','.join(map(str, layout))} names "
+                             f"{len(layout)} nodes, --nodes says {args.nodes}")
+        nodes, rpn = len(layout), max(layout)
+    else:
+        nodes = args.nodes or (base.nodes if base else 1)
+        rpn = rpn_arg or (base.ranks_per_node if base else 1)
+        if base is not None and base.layout and not args.nodes and not rpn_arg:
+            layout = list(base.layout)
     intra = args.intra_gbit or (base.intra_gbit if base else None)
     if intra is None:
         raise ValueError("give --intra-gbit (or --netlab NAME)")
@@ -1171,7 +1701,18 @@ def build_cluster(args: argparse.Namespace) -> tuple[Cluster, dict | None]:
               else base.intra_latency_s if base else 50e-6)
     lat_out = (args.inter_latency_us * 1e-6 if args.inter_latency_us is not None
                else base.inter_latency_s if base else 100e-6)
-    return Cluster(nodes, rpn, intra, inter, lat_in, lat_out), measured
+    mem = args.host_mem_gbs or (base.host_mem_gbs if base else None)
+    shm_lat = (args.shm_latency_us * 1e-6 if args.shm_latency_us is not None
+               else base.shm_latency_s if base else 100e-6)
+    if args.shm_latency_us is not None and mem is None:
+        raise ValueError("--shm-latency-us needs --host-mem-gbs (hosts whose ranks share "
+                         "memory)")
+    if mem is None and args.netlab is not None \
+            and _lab_layout(netlab.load(args.netlab)) is not None:
+        raise ValueError(f"netlab {args.netlab!r} runs several ranks per host: give "
+                         f"--host-mem-gbs (their shared memory's rate) or --measure")
+    return Cluster(nodes, rpn, intra, inter, lat_in, lat_out, host_mem_gbs=mem,
+                   shm_latency_s=shm_lat, layout=tuple(layout) if layout else None), measured
 
 
 def build_cpu(args: argparse.Namespace, cluster: Cluster) -> CpuModel | None:
@@ -1215,12 +1756,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model_bytes = args.model_bytes if args.model_bytes is not None \
         else int(args.params * DTYPE_BYTES[args.dtype])
+    args._model_bytes = model_bytes
     try:
         cluster, measured = build_cluster(args)
         cpu = build_cpu(args, cluster)
     except (ValueError, RuntimeError, FileNotFoundError, KeyError) as e:
         print(f"linerate model: error: {e}", file=sys.stderr)
         return 2
+    methods, skipped = list(args.methods), []
+    if cluster.shared_memory and args.methods == list(METHODS):
+        methods += list(HOST_METHODS)
+    if not cluster.even:
+        skipped = [m for m in methods if m not in ("allreduce", "hierarchical")]
+        methods = [m for m in methods if m not in skipped]
     compute_s = args.compute_ms / 1e3
     dec_compute_s = compute_s if args.dec_compute_ms is None else args.dec_compute_ms / 1e3
     ms = None if args.shared_compute_ms is None else args.shared_compute_ms / 1e3
@@ -1228,7 +1776,7 @@ def run(args: argparse.Namespace) -> int:
     preds = {m: predict(cluster, model_bytes, compute_s if m == "allreduce" else dec_compute_s,
                         args.fwd_fraction, m, args.overlap, cpu=cpu,
                         measured_shared_s=ms if m == "allreduce" else dms)
-             for m in args.methods}
+             for m in methods}
     ranking = sorted(((m, p["step_s"]) for m, p in preds.items()),
                      key=lambda mt: (round(mt[1], 9), TIE_ORDER.index(mt[0])))
     t_ar = predict(cluster, model_bytes, compute_s, args.fwd_fraction, "allreduce",
@@ -1236,7 +1784,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for method, step in ranking:
         p = preds[method]
-        rows.append({"method": method, "step_s": step, "comm_s": p["comm_s"],
+        if method == "allreduce" and "algorithms" in p:
+            label = f"allreduce ({p['algorithm']})"
+        else:
+            label = method
+        rows.append({"method": method, "label": label, "step_s": step, "comm_s": p["comm_s"],
                      "speedup": t_ar / step if step > 0 else None,
                      "bound": _bound(p), "uplink_flows": p["uplink_flows"],
                      "period": p["period"], "formula": p["formula"]})
@@ -1249,19 +1801,32 @@ def run(args: argparse.Namespace) -> int:
                                                 "rho": cpu.oversubscription},
                "cpu_costs": None if cpu is None else cpu.costs.to_json(),
                "allreduce_step_s": t_ar, "recommended": rows[0]["method"], "ranking": rows,
-               "predictions": preds}
+               "skipped": skipped, "predictions": preds}
         print(json.dumps(out, indent=1))
         return 0
+    ar = preds.get("allreduce")
     print(format_table(cluster, measured, model_bytes, compute_s, args.fwd_fraction, rows,
-                       cpu=cpu, dec_compute_s=dec_compute_s))
+                       cpu=cpu, dec_compute_s=dec_compute_s,
+                       allreduce=ar if ar and "algorithms" in ar else None, skipped=skipped))
     return 0
 
 
 def format_table(cluster: Cluster, measured: dict | None, model_bytes: int, compute_s: float,
                  fwd_fraction: float, rows: list[dict], cpu: CpuModel | None = None,
-                 dec_compute_s: float | None = None) -> str:
+                 dec_compute_s: float | None = None, allreduce: dict | None = None,
+                 skipped: list[str] | None = None) -> str:
     lines = [f"# cluster: {cluster.describe()}"]
-    if measured:
+    if measured and "shm" in measured:
+        shm = measured["shm"]
+        lines.append(f"# measured on netlab {measured['lab']!r} ({measured['seconds']:g} s "
+                     f"probes): host link {measured.get('inter_bps', 0) / 1e9:.3f} Gbit/s x "
+                     f"{measured['rails']} rail(s), loopback {measured['intra_bps'] / 1e9:.3f} "
+                     f"Gbit/s; shared memory: {shm['bytes'] / 2**20:g} MiB All-Reduce "
+                     + ", ".join(f"{h['allreduce_s'] * 1e3:.2f} ms on {h['ranks']} ranks"
+                                 for h in shm["hosts"])
+                     + f" (all hosts at once), 4 KiB {shm['latency_s'] * 1e6:.0f} us -> "
+                     f"{shm['mem_bytes_s'] / 1e9:.2f} GB/s")
+    elif measured:
         lines.append(f"# measured on netlab {measured['lab']!r} ({measured['seconds']:g} s "
                      f"probes): intra {measured['intra_bps'] / 1e9:.3f} Gbit/s"
                      + (f", inter {measured['inter_bps'] / 1e9:.3f} Gbit/s over "
@@ -1276,13 +1841,22 @@ def format_table(cluster: Cluster, measured: dict | None, model_bytes: int, comp
                     if dec_compute_s is not None and dec_compute_s != compute_s else ""))
     if cpu is not None:
         lines.append(f"# cpu: {cpu.describe()}")
-    w = max(13, max(len(r["method"]) for r in rows) + 1)
+    if allreduce is not None:
+        algs = allreduce["algorithms"]
+        lines.append("# All-Reduce: " + ", ".join(
+            f"{m} {a['allreduce_s'] * 1e3:.2f} ms (step {a['step_s'] * 1e3:.2f} ms)"
+            for m, a in algs.items()) + f" -> {allreduce['algorithm']}, the faster")
+    w = max(13, max(len(r.get("label", r["method"])) for r in rows) + 1)
     lines.append(f"{'method':<{w}}{'step ms':>10}{'comm ms':>10}{'speedup':>9}"
                  f"{'uplink flows':>14}{'period':>8}  bound")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        lines.append(f"{r['method']:<{w}}{r['step_s'] * 1e3:>10.2f}{r['comm_s'] * 1e3:>10.2f}"
+        lines.append(f"{r.get('label', r['method']):<{w}}{r['step_s'] * 1e3:>10.2f}"
+                     f"{r['comm_s'] * 1e3:>10.2f}"
                      f"{sp:>9}{r['uplink_flows']:>14}{r['period']:>8}  {r['bound']}")
+    if skipped:
+        lines.append(f"# not ranked on uneven nodes (they need the same ranks on every node): "
+                     f"{', '.join(skipped)}")
     best = rows[0]
     lines.append(f"recommended: {best['method']}"
                  + (f" ({best['speedup']:.2f}x the All-Reduce step)"
@@ -1308,6 +1882,18 @@ def _count(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return int(round(n))
+
+
+def _layout_arg(text: str):
+    """``4`` -> 4 (every node), ``4,3`` -> [4, 3] (one count per node)."""
+    try:
+        xs = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or comma separated counts, got "
+                                         f"{text!r}") from None
+    if any(x < 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"counts must be at least 1, got {text!r}")
+    return xs[0] if len(xs) == 1 else xs
 
 
 def _fraction(text: str) -> float:

@@ -533,11 +533,11 @@ def measure_add(min_bytes: int = 1 << 10, max_bytes: int = 64 << 20,
 def allreduce_time(nbytes: float, ranks: int, bits_per_s: float, t_add,
                    compression: float = 1.0, latency_s: float = 0.0) -> float:
     """Ring all-reduce of ``nbytes`` on ``ranks`` workers at full link rate:
-    2(N-1)/N * S / (c*B) + (N-1) * t_add(S/N) + 2(N-1) * latency."""
+    2(N-1)/N * S / (c*B) + (N-1) * t_add(S/N) + 2(N-1) * latency (one worker per host:
+    linerate.tools.model.flat_ring_allreduce)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    net = 2 * (ranks - 1) / ranks * nbytes * 8 / bits_per_s / compression
-    return net + (ranks - 1) * t_add(nbytes / ranks) + 2 * (ranks - 1) * latency_s
+    return _flat(nbytes, ranks, 1, bits_per_s, bits_per_s, t_add, compression, latency_s)
 
 
 def host_shape(ranks: int, gpus_per_host: int) -> tuple[int, int]:
@@ -548,21 +548,30 @@ def host_shape(ranks: int, gpus_per_host: int) -> tuple[int, int]:
     return g, ranks // g
 
 
+def _hosts(ranks: int, gpus_per_host: int, intra_bits_per_s: float, latency_s: float):
+    from linerate.tools.model import IntraHost
+    g, hosts = host_shape(ranks, gpus_per_host)
+    return [g] * hosts, IntraHost("links", intra_bits_per_s / 8, latency_s)
+
+
+def _flat(nbytes, ranks, gpus_per_host, bits_per_s, intra_bits_per_s, t_add, compression,
+          latency_s) -> float:
+    from linerate.tools.model import flat_ring_allreduce
+    layout, intra = _hosts(ranks, gpus_per_host, intra_bits_per_s, latency_s)
+    return flat_ring_allreduce(nbytes, layout, bits_per_s / 8, intra, latency_s, t_add,
+                               compression)["seconds"]
+
+
 def flat_ring_time(nbytes: float, ranks: int, gpus_per_host: int, bits_per_s: float,
                    intra_bits_per_s: float, t_add, compression: float = 1.0,
                    latency_s: float = 0.0) -> float:
     """The flat ring over all P ranks, neighbours on one host next to each other: every step
     sends S/P on every hop at once, one of them per host through its NIC (B) and the others
     inside the host (B_intra), so a step takes S/P over min(B, B_intra) (B_intra alone when
-    all ranks are on one host)."""
-    g, hosts = host_shape(ranks, gpus_per_host)
-    if g == 1:
-        rate = bits_per_s
-    elif hosts == 1:
-        rate = intra_bits_per_s
-    else:
-        rate = min(bits_per_s, intra_bits_per_s)
-    return allreduce_time(nbytes, ranks, rate, t_add, compression, latency_s)
+    all ranks are on one host). The formula is linerate.tools.model.flat_ring_allreduce's
+    (hosts of G ranks joined by rank links of B_intra), shared with `linerate model`."""
+    return _flat(nbytes, ranks, gpus_per_host, bits_per_s, intra_bits_per_s, t_add,
+                 compression, latency_s)
 
 
 def two_level_time(nbytes: float, ranks: int, gpus_per_host: int, bits_per_s: float,
@@ -572,16 +581,12 @@ def two_level_time(nbytes: float, ranks: int, gpus_per_host: int, bits_per_s: fl
     H hosts (G rings at once, one per local rank, sharing the host's NIC: S/H per step per NIC),
     intra-host all-gather:
     2(G-1)/G * S/(c*B_intra) + (G-1) t_add(S/G) + 2(H-1)/H * S/(c*B) + (H-1) t_add(S/P)
-    (+ 2(G-1 + H-1) * latency)."""
-    g, hosts = host_shape(ranks, gpus_per_host)
-    t = 0.0
-    if g > 1:
-        t += 2 * (g - 1) / g * nbytes * 8 / intra_bits_per_s / compression \
-            + (g - 1) * t_add(nbytes / g) + 2 * (g - 1) * latency_s
-    if hosts > 1 and nbytes > 0:
-        t += 2 * (hosts - 1) / hosts * nbytes * 8 / bits_per_s / compression \
-            + (hosts - 1) * t_add(nbytes / ranks) + 2 * (hosts - 1) * latency_s
-    return t if nbytes > 0 else 0.0
+    (+ 2(G-1 + H-1) * latency). The formula is linerate.tools.model.two_level_allreduce's,
+    shared with `linerate model` (which also knows hosts whose ranks share memory)."""
+    from linerate.tools.model import two_level_allreduce
+    layout, intra = _hosts(ranks, gpus_per_host, intra_bits_per_s, latency_s)
+    return two_level_allreduce(nbytes, layout, bits_per_s / 8, intra, latency_s, t_add,
+                               compression)["seconds"]
 
 
 def schedule(buckets: list[Bucket], bwd_s: float, ranks: int, bits_per_s: float, t_add,
