@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics
+from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics, shm
 
 from . import chain, direct, flight, fusion, halving, ring, shm_algos, stats, timeline
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
@@ -128,12 +128,20 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""
+        shm.take_layout()  # a stale one (a group whose creation failed) is dropped
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
                             label=group_name or "", scope=_incarnation())
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
+        #: Where the group's ranks are (transport/shm.py: hosts' group ranks, whether each
+        #: host's co-located ranks share a segment): the same on every rank.
+        self._layout = shm.take_layout() or shm.Layout((tuple(range(size)),), False)
+        seg = self._ctx.shm
         # Every rank on this host with a shared segment: the worker's ops run on it.
-        self._shm = shm_algos.Engine(self._ctx.shm) if self._ctx.shm is not None else None
+        self._shm = shm_algos.Engine(seg) if seg is not None and seg.size == size else None
+        # This host's ranks share a segment, the group spans hosts: the engine of the local
+        # phases of the two-level algorithms (collectives/two_level.py).
+        self._local = shm_algos.Engine(seg) if seg is not None and seg.size < size else None
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size

@@ -34,6 +34,10 @@ def pieces(t: torch.Tensor, piece_elems: int) -> list[torch.Tensor]:
 
 
 MIN_PIECES = 4
+#: Blocks of slots per (view of an) op before they wrap (Comm.block).
+_BLOCKS = (1 << 12) - 1
+#: Tags of SubComm views (slot bits 56-63).
+MAX_VIEW_TAG = 255
 MIN_PIECE_BYTES = 256 * 1024
 
 
@@ -134,9 +138,18 @@ class Comm:
         whatever order the two sides post in (algorithms post receives early and out of
         order). Each algorithm run takes a fresh block, so runs within one op (coalesced
         tensors) never share a slot. Every rank must call block() the same number of times.
-        Slots: block << 44 | phase << 40 | step << 20 | piece."""
-        self._block += 1
+        Slots: view << 56 | block << 44 | phase << 40 | step << 20 | piece; ``view`` is 0 here
+        and a SubComm's tag there, so a subset's runs never share a slot with the op's. Blocks
+        count 1..4095 and wrap: a run ends only once its messages arrived, so the block of a
+        run 4095 runs back is long free."""
+        self._block = self._block % _BLOCKS + 1
         return self._block << 44
+
+    def sub(self, ranks, tag: int) -> "SubComm":
+        """This op's view restricted to the group ranks ``ranks`` (this rank among them), as
+        ``SubComm``: sub-rank i is ``ranks[i]``. ``tag`` (1..255) keeps its slots apart from the
+        op's and from other subsets' of the same op; every member must pass the same."""
+        return SubComm(self, ranks, tag)
 
     @staticmethod
     def slot(base: int, phase: int = 0, step: int = 0, piece: int = 0) -> int:
@@ -199,3 +212,58 @@ class Comm:
     def wait_all(self, reqs) -> None:
         for r in reqs:
             self.wait(r)
+
+
+class SubComm:
+    """A Comm restricted to a subset of its group's ranks, for running the algorithms (ring,
+    direct, halving, chain, shm_algos) unchanged on that subset: ``rank``/``size`` are this
+    rank's position in ``ranks`` and their number; ``isend``/``irecv`` take sub-ranks and map
+    them to group ranks; ``block()`` gives slots tagged with ``tag`` (bits 56-63), which can
+    never collide with the parent op's own slots (tag 0) nor with another subset's of the same
+    op that uses another tag. Everything else (sequence number, call digest, deadline, scratch,
+    the op's description in errors) is the parent's: a mismatch or a timeout is reported as the
+    op's, naming group ranks. ``shm`` is the shared-memory engine of exactly these ranks, or
+    None (never the parent's)."""
+
+    def __init__(self, parent, ranks, tag: int):
+        ranks = tuple(int(q) for q in ranks)
+        if not 1 <= tag <= MAX_VIEW_TAG:
+            raise ValueError(f"a sub-communicator's tag must be in 1..{MAX_VIEW_TAG}, got {tag}")
+        if len(set(ranks)) != len(ranks) or any(not 0 <= q < parent.size for q in ranks):
+            raise ValueError(f"rank {parent.rank}: {parent._desc}: sub-group {list(ranks)} must "
+                             f"be distinct ranks of the group of size {parent.size}")
+        if parent.rank not in ranks:
+            raise ValueError(f"rank {parent.rank}: {parent._desc}: not a member of sub-group "
+                             f"{list(ranks)}")
+        root = parent
+        if isinstance(parent, SubComm):  # compose: sub-ranks of a sub-group -> group ranks
+            ranks = tuple(parent.ranks[q] for q in ranks)
+            root = parent.root
+        self.root = root
+        self.ranks = ranks
+        self.rank = ranks.index(root.rank)
+        self.size = len(ranks)
+        self.tag = tag
+        self._block = 0
+        self.algorithm = root.algorithm
+        self.shm = None
+
+    def __getattr__(self, name):  # seq, call, ctx, deadline, scratch, wait, piece_elems, ...
+        return getattr(self.root, name)
+
+    def block(self) -> int:
+        self._block = self._block % _BLOCKS + 1
+        return (self.tag << 56) | (self._block << 44)
+
+    @staticmethod
+    def slot(base: int, phase: int = 0, step: int = 0, piece: int = 0) -> int:
+        return Comm.slot(base, phase, step, piece)
+
+    def sub(self, ranks, tag: int) -> "SubComm":
+        return SubComm(self, ranks, tag)
+
+    def isend(self, peer: int, t: torch.Tensor, slot: int) -> Request:
+        return self.root.isend(self.ranks[peer], t, slot)
+
+    def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
+        return self.root.irecv(self.ranks[peer], t, slot)

@@ -126,6 +126,10 @@ class Engine:
         self.seg = seg
         self.P = P = seg.size
         self.r = seg.rank
+        #: Group rank of each segment rank (the comm this engine runs on has exactly these
+        #: ranks, in this order: the group, or a SubComm of one host's ranks).
+        self.gr = tuple(getattr(seg, "ranks", range(P)))
+        self.me = self.gr[self.r]
         self.ctrl = seg.ctrl
         self.prog = seg.ctrl[:, _PROG]
         self.want = seg.ctrl[:, _WANT]
@@ -165,7 +169,10 @@ class Engine:
     # ------------------------------------------------------------------ op life
     def begin(self, comm: Comm) -> None:
         if self.ctrl is None:
-            raise TransportError(f"rank {self.r}: {comm._desc}: the process group was closed")
+            raise TransportError(f"rank {self.me}: {comm._desc}: the process group was closed")
+        if comm.size != self.P or comm.rank != self.r:
+            raise TransportError(f"rank {self.me}: {comm._desc}: the shared segment of ranks "
+                                 f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
         row = self.ctrl[self.r]
         row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
         row[_DIGEST] = _signed(comm.call)
@@ -236,14 +243,16 @@ class Engine:
                 if broken is not None:
                     raise TransportError(str(broken))
                 for q in (who or range(self.P)):  # a rank that closed its group (or died)
-                    peer = comm.ctx.peers.get(q)
+                    peer = comm.ctx.peers.get(self.gr[q])
                     if peer is not None and peer.failure is not None and prog[q] < t:
                         raise TransportError(str(peer.failure))
                 left = comm.deadline - time.monotonic()
                 if left <= 0:
                     late = [q for q in (who or range(self.P)) if prog[q] < t]
-                    where = ", ".join(f"rank {q} is in op #{int(ctrl[q, _SEQ])}" for q in late)
-                    raise OpTimeout(f"rank {self.r}: {comm._desc} did not complete within the "
+                    where = ", ".join(f"rank {self.gr[q]} is in op #{int(ctrl[q, _SEQ])}"
+                                      for q in late)
+                    late = [self.gr[q] for q in late]
+                    raise OpTimeout(f"rank {self.me}: {comm._desc} did not complete within the "
                                     f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
                                     f"(shared memory; {where})")
                 # Say what this rank waits for (a publisher that completes it rings this
@@ -265,7 +274,7 @@ class Engine:
     def _closed(self) -> None:
         why = getattr(self.comm.ctx, "_close_error", None)
         raise TransportError(str(why) if why is not None else
-                             f"rank {self.r}: {self.comm._desc}: the process group was closed")
+                             f"rank {self.me}: {self.comm._desc}: the process group was closed")
 
     def _check(self, t: int, who, ctrl) -> None:
         """A peer in this op with another call, or past this op without this rank: mismatch."""
@@ -312,7 +321,7 @@ class Engine:
 
     def _mismatch(self, q: int, what: str, why: str) -> None:
         comm = self.comm
-        msg = (f"rank {self.r}: rank {q} {what} while rank {self.r} called {comm.op}"
+        msg = (f"rank {self.me}: rank {self.gr[q]} {what} while rank {self.me} called {comm.op}"
                f"({comm.call_text}) #{comm.seq}: {why}{comm.ctx._where()}")
         comm.ctx.report_error(msg)
         raise MismatchError(msg)

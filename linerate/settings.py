@@ -273,9 +273,10 @@ _ALL = [
        "transport", "transport.transport"),
     _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
        "auto, 0 or 1",
-       "shared memory between the ranks of one host: auto (where every rank of the group can "
-       "map the group's segment), 1 (group creation fails naming the ranks that cannot), 0 "
-       "(off); every rank must agree", "transport", "transport.shm"),
+       "shared memory between the ranks of one host (one segment per host of a group): auto "
+       "(where every host's co-located ranks can map theirs), 1 (co-located ranks must share "
+       "memory: group creation fails naming the ranks that cannot), 0 (off); every rank must "
+       "agree", "transport", "transport.shm"),
     _S("LINERATE_TLS", _bool, _one_of((True, False)), False, "0",
        "1/0, true/false, yes/no or on/off",
        "TLS 1.3 with mutual authentication on every TCP connection (every rank must agree; "

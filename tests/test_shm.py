@@ -417,7 +417,12 @@ def _mode(rank, P, lr, patch):
     y = torch.arange(4.0) if rank == 0 else torch.zeros(4)
     dist.broadcast(y, 0, group=g)
     ok = bool((x == P * (P + 1) / 2).all()) and y.tolist() == [0.0, 1.0, 2.0, 3.0]
-    return ("shm" if g._shm is not None else "tcp"), ok
+    seg = g._ctx.shm
+    if g._shm is not None:
+        return "shm", ok
+    if seg is not None:  # this host's ranks share a segment, the group spans hosts
+        return f"local{list(seg.ranks)}", ok
+    return "tcp", ok
 
 
 @pytest.mark.timeout(300)
@@ -426,15 +431,17 @@ def _mode(rank, P, lr, patch):
     ({"LINERATE_SHM": "auto"}, None, "shm"),
     ({"LINERATE_SHM": "1"}, None, "shm"),
     ({"LINERATE_SHM": "0"}, None, "tcp"),
-    ({}, "host", "tcp"),             # a rank on "another host": the group keeps TCP
+    # rank 1 on "another host": ranks 0 and 2 share their host's segment, rank 1 has none
+    ({}, "host", ("local[0, 2]", "tcp", "local[0, 2]")),
     ({}, "token", "tcp"),            # the segment's token is refused: TCP
-    ({"LINERATE_SHM": "1"}, "host", "error"),
+    # co-located ranks must share memory; rank 1, alone on its host, needs none
+    ({"LINERATE_SHM": "1"}, "host", ("local[0, 2]", "tcp", "local[0, 2]")),
     ({"LINERATE_SHM": "1"}, "token", "error"),
 ])
 def test_linerate_shm_setting(env, patch, want):
     res = run_ranks(_mode, 3, patch, env=env, timeout=240)
     for rank, (got, detail) in enumerate(res):
-        assert got == want, res
+        assert got == (want[rank] if isinstance(want, tuple) else want), res
         if want == "error":
             assert "LINERATE_SHM=1" in detail and "[1]" in detail, detail
             if patch == "token":

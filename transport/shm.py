@@ -1,18 +1,28 @@
-"""Shared memory between the ranks of one host: one segment per group, proved at rendezvous.
+"""Shared memory between the ranks of one host: one segment per host of a group, proved at
+rendezvous.
 
-A group whose ranks all run on this host (same boot id, hostname and /dev/shm file system)
-maps one segment that every rank can read and write. The proof is that it works: rank 0
+The ranks of a group are grouped by host (same boot id, hostname, /dev/shm file system and
+network namespace: ``host_id``); hosts are ordered by their lowest rank, ranks within a host
+by rank (the group's *layout*). The ranks of each host with two or more of them map one
+segment that they can all read and write. The proof is that it works: the host's lowest rank
 creates ``/dev/shm/linerate-<128 random bits>`` (``O_EXCL``, mode 0600), writes a random token
 into it and publishes the name and ``HMAC(job secret, name + token)`` through the store once
 the authenticated TCP mesh is complete (the job secret never leaves the store nor the
-handshake). Every other rank opens it (refusing a file that is not a regular 0600 file of its
-own user of the announced size), checks the token against the MAC and says so through the
-store; rank 0 then unlinks the name, so the segment lives only as long as the ranks' mappings:
-nothing is left in /dev/shm after a normal exit, ``destroy_process_group``, or a SIGKILL.
+handshake). Every other rank of that host opens it (refusing a file that is not a regular 0600
+file of its own user of the announced size), checks the token against the MAC and says so
+through the store; the creator then unlinks the name, so the segment lives only as long as the
+ranks' mappings: nothing is left in /dev/shm after a normal exit, ``destroy_process_group``, or
+a SIGKILL. Every rank then reads every host's outcome, so that all ranks agree whether the
+group has shared memory (the collectives' choice of algorithm must be the same everywhere).
 
-``LINERATE_SHM``: ``auto`` (default) uses shared memory where every rank of the group proved
-it and the group's TCP connections otherwise; ``1`` fails group creation naming the ranks that
-could not; ``0`` never tries. Every rank must use the same setting.
+``LINERATE_SHM``: ``auto`` (default) uses shared memory where every host's co-located ranks
+proved it, and the group's TCP connections for everything otherwise (one log line says which
+ranks could not and why); ``1``: co-located ranks must share memory, group creation fails on
+every rank naming the ranks that cannot (ranks alone on their host need none); ``0`` never
+tries. Every rank must use the same setting.
+
+A rank alone on its host (of this group) gets no Segment; every rank can read the layout with
+``take_layout()`` on the thread that built the group, right after ``establish`` returned.
 
 What the segment holds is the collectives' business (collectives/shm_algos.py). The transport
 gives: a control row per rank (``ctrl``: int64 words), a data area (``data``: bytes), and a
@@ -33,6 +43,8 @@ import secrets
 import socket
 import stat
 import struct
+import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +62,41 @@ _HEADER = 4096            # magic, sizes, token; then one bell per rank
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
+
+
+class Layout(NamedTuple):
+    """Where a group's ranks are: ``hosts[h]`` lists the group ranks of host h (hosts ordered by
+    their lowest rank, ranks ascending); ``shared``: every host with two or more ranks has a
+    proved segment (the same on every rank)."""
+    hosts: tuple
+    shared: bool
+
+    def host_of(self, rank: int) -> int:
+        for h, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return h
+        raise ValueError(f"rank {rank} is not in the layout {self.hosts}")
+
+
+_last = threading.local()
+
+
+def take_layout() -> Layout | None:
+    """The layout that the last ``establish`` on this thread computed (None if none since the
+    last call): a rank without a Segment (alone on its host, LINERATE_SHM=0) learns the
+    group's layout here. Taken once."""
+    layout = getattr(_last, "layout", None)
+    _last.layout = None
+    return layout
+
+
+def group_hosts(ids: list[str]) -> tuple:
+    """The layout's hosts from each rank's host id: ranks with the same id, ordered by their
+    lowest rank."""
+    by: dict[str, list[int]] = {}
+    for r, h in enumerate(ids):
+        by.setdefault(h, []).append(r)
+    return tuple(tuple(v) for v in sorted(by.values(), key=lambda v: v[0]))
 
 
 class ShmError(TransportError):
@@ -119,12 +166,19 @@ def _futex_lib():
 
 
 class Segment:
-    """One group's mapping of the shared segment (see the module docstring)."""
+    """One host's mapping of a group's shared segment (see the module docstring). ``size`` and
+    ``rank`` count the ranks that share it (segment ranks); ``ranks[i]`` is the group rank of
+    segment rank i; ``layout`` the whole group's (every host's group ranks)."""
 
-    def __init__(self, buf: torch.Tensor, size: int, rank: int, name: str):
+    def __init__(self, buf: torch.Tensor, size: int, rank: int, name: str,
+                 ranks: tuple | None = None, layout: Layout | None = None):
         self.size = size
         self.rank = rank
         self.name = name  # unlinked once every rank had mapped it: for messages only
+        self.ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        self.layout = layout if layout is not None else Layout((self.ranks,), True)
+        if len(self.ranks) != size:
+            raise ValueError(f"a segment of {size} ranks needs {size} group ranks, got {self.ranks}")
         ctrl_off, data_off, total = segment_layout(size)
         self._buf = buf
         raw = buf.numpy()
@@ -214,7 +268,7 @@ def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
 
 
 def _attach(name: str, size: int, secret: bytes, mac: str) -> torch.Tensor:
-    """Open and map the segment announced by rank 0; ShmRefused says why not."""
+    """Open and map the segment announced by the host's lowest rank; ShmRefused says why not."""
     nbytes = segment_layout(size)[2]
     if not (name.startswith("linerate-") and all(c in "0123456789abcdef" for c in name[9:])
             and len(name) == 41):
@@ -241,8 +295,8 @@ def _attach(name: str, size: int, secret: bytes, mac: str) -> torch.Tensor:
     token = bytes(mm[_TOKEN_OFF:_TOKEN_OFF + _TOKEN_LEN])
     if mm[0:len(_MAGIC)] != _MAGIC or not hmac.compare_digest(_mac(secret, name, token), mac):
         mm.close()
-        raise ShmRefused(f"{path}: the token in the segment does not match rank 0's (not the "
-                         f"segment rank 0 created)")
+        raise ShmRefused(f"{path}: the token in the segment does not match its creator's (not the "
+                         f"segment the host's lowest rank created)")
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
@@ -257,14 +311,18 @@ def _unlink(path: str) -> None:
 
 def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str,
               generation: str) -> Segment | None:
-    """Agree with the group's other ranks on a shared segment (every rank calls it, after the
-    authenticated mesh is built). Returns this rank's Segment, or None where the group uses no
-    shared memory (LINERATE_SHM=0, ranks on several hosts, a rank that cannot map it under
-    auto). With ``mode == "1"`` a group that cannot raises ShmError naming the ranks.
+    """Agree with the group's other ranks on a shared segment per host (every rank calls it,
+    after the authenticated mesh is built). Returns this rank's Segment (shared with the other
+    ranks of its host), or None where this rank shares none: alone on its host, LINERATE_SHM=0,
+    or (under auto) some host's ranks could not map theirs, which leaves every rank without
+    (all ranks agree). With ``mode == "1"`` a group whose co-located ranks cannot share memory
+    raises ShmError naming the ranks, on every rank. The layout is left for ``take_layout()``.
 
     ``store`` has ``set``/``get`` (get waits for the key, failing when another rank gave up);
     keys are under ``prefix + "shm/" + generation`` (this group's incarnation)."""
+    _last.layout = None
     if size < 2:
+        _last.layout = Layout(((rank,),), True)
         return None
     base = f"{prefix}shm/{generation}/"
     me = {"host": host_id(), "mode": mode}
@@ -278,63 +336,86 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
         raise ShmError(f"rank {rank}: LINERATE_SHM differs between ranks ({detail}): every rank "
                        f"must use the same setting")
-    if mode == "0":
+    hosts = group_hosts([str(p.get("host")) for p in peers])
+    shared = [h for h in hosts if len(h) >= 2]
+    if mode == "0" or not shared:
+        _last.layout = Layout(hosts, False)
         return None
-    other = [r for r, p in enumerate(peers) if p.get("host") != peers[0].get("host")]
-    if other:
-        msg = (f"ranks {other} are on another host than rank 0 (boot id, host name or "
-               f"{SHM_DIR} differ)")
+    mine = next(h for h in hosts if rank in h)
+    buf = None
+    name = "?"
+    if len(mine) >= 2:
+        buf, name = _host_segment(store, base, rank, mine, secret)
+    # Every host's outcome, on every rank: all agree whether the group shares memory.
+    bad: dict[int, str] = {}
+    for h in shared:
+        done = _loads(store.get(f"{base}done/{h[0]}"), h[0])
+        bad.update({int(r): str(w) for r, w in done.items()})
+    if bad:
+        if buf is not None:
+            del buf  # the mapping goes with its last view
+            buf = None
+        detail = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
         if mode == "1":
-            raise ShmError(f"rank {rank}: LINERATE_SHM=1 but the group cannot share memory: {msg}")
+            raise ShmError(f"rank {rank}: LINERATE_SHM=1 but ranks {sorted(bad)} cannot map "
+                           f"their host's shared memory: {detail}")
         if rank == 0:
-            log.info("linerate: group of %d ranks: no shared memory (%s)", size, msg)
+            log.warning("linerate: group of %d ranks uses TCP, not shared memory: %s",
+                        size, detail)
+        _last.layout = Layout(hosts, False)
         return None
-    # Every rank is on this host: rank 0 creates, the others prove they can map it.
+    layout = Layout(hosts, True)
+    _last.layout = layout
+    if buf is None:
+        return None  # alone on its host
+    if rank == 0 and len(hosts) > 1:
+        log.info("linerate: group of %d ranks on %d hosts (%s): shared memory within each host",
+                 size, len(hosts), "+".join(str(len(h)) for h in hosts))
+    return Segment(buf, len(mine), mine.index(rank), name, mine, layout)
+
+
+def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
+    """The segment of this host's ranks ``mine`` (group ranks, ascending): the lowest creates
+    it, the others prove they map it; (mapping or None, name). The creator publishes the
+    host's outcome as ``done/<creator>`` ({rank: why} of those that could not)."""
+    creator = mine[0]
+    n = len(mine)
     buf = None
     path = None
+    name = "?"
     try:
-        if rank == 0:
+        if rank == creator:
             try:
-                name, path, token, buf = _create(size)
-                store.set(f"{base}seg", json.dumps({"name": name,
-                                                    "mac": _mac(secret, name, token)}))
+                name, path, token, buf = _create(n)
+                store.set(f"{base}seg/{creator}", json.dumps({"name": name,
+                                                              "mac": _mac(secret, name, token)}))
             except OSError as e:
-                store.set(f"{base}seg", json.dumps({"error": f"rank 0: cannot create a segment "
-                                                             f"in {SHM_DIR}: {e}"}))
-            results = {0: "ok" if buf is not None else "no segment"}
-            for r in range(1, size):
+                store.set(f"{base}seg/{creator}", json.dumps({
+                    "error": f"rank {creator}: cannot create a segment in {SHM_DIR}: {e}"}))
+            results = {creator: "ok" if buf is not None else "no segment"}
+            for r in mine[1:]:
                 results[r] = store.get(f"{base}ok/{r}").decode(errors="replace")
             if path is not None:
                 _unlink(path)  # every rank has mapped it (or given up): the name goes now
                 path = None
-            bad = {r: why for r, why in results.items() if why != "ok"}
-            store.set(f"{base}done", json.dumps(bad and {str(r): w for r, w in bad.items()}))
+            bad = {str(r): why for r, why in results.items() if why != "ok"}
+            store.set(f"{base}done/{creator}", json.dumps(bad))
         else:
-            seg = _loads(store.get(f"{base}seg"), 0)
+            seg = _loads(store.get(f"{base}seg/{creator}"), creator)
             if "error" in seg:
                 why = str(seg["error"])
             else:
                 try:
-                    buf = _attach(str(seg.get("name", "")), size, secret, str(seg.get("mac", "")))
+                    buf = _attach(str(seg.get("name", "")), n, secret, str(seg.get("mac", "")))
                     why = "ok"
                 except ShmRefused as e:
                     why = str(e)
             store.set(f"{base}ok/{rank}", why)
-            bad = _loads(store.get(f"{base}done"), 0)
             name = str(seg.get("name", "?"))
     finally:
         if path is not None:
             _unlink(path)
-    if bad:
-        detail = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items(), key=lambda x: int(x[0])))
-        if mode == "1":
-            raise ShmError(f"rank {rank}: LINERATE_SHM=1 but ranks {sorted(int(r) for r in bad)} "
-                           f"cannot map the group's shared memory: {detail}")
-        if rank == 0:
-            log.warning("linerate: group of %d ranks on one host uses TCP, not shared memory: %s",
-                        size, detail)
-        return None
-    return Segment(buf, size, rank, name)
+    return buf, name
 
 
 def _loads(raw, peer: int):
