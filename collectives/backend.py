@@ -608,12 +608,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ neighbor all-reduce
     def neighbor_allreduce(self, tensor, self_weight, in_weights: dict, out_peers: list,
-                           timeout=None, call: str = "", out=None):
+                           timeout=None, call: str = "", out=None, plan=None):
         """``tensor <- self_weight * tensor + sum_j in_weights[j] * (rank j's tensor)``, sending
         this rank's tensor to every rank in ``out_peers`` (collectives.neighbor.mix). ``call``
         names the mixing step (topology and step) and must be the same on every rank, like the
         dtype and size; the weights and peers are this rank's own. With ``out`` the result goes
-        there instead (same shape and dtype, not overlapping ``tensor``). Returns a Work."""
+        there instead (same shape and dtype, not overlapping ``tensor``). ``plan(comm, flat,
+        out_flat_or_None)``, where given, runs instead of the point-to-point mix (a group average
+        on shared memory, the hierarchical all-reduce: collectives/neighbor.py). Returns a Work."""
         what = "neighbor_allreduce"
         me, size = self.rank(), self.size()
         if not isinstance(tensor, torch.Tensor):
@@ -652,6 +654,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         def run(comm: Comm):
             from .neighbor import mix
+            if plan is not None:
+                return plan(comm, _flat(buf), None if out is None else _flat(dst))
             mix(comm, _flat(buf), sw, ins, outs, handshake, out=None if out is None else _flat(dst))
 
         return self._submit(what, run, [tensor if out is None else out], stage, float(timeout),

@@ -36,7 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .neighbor import neighbor_allreduce
+from .neighbor import _layout, _linerate_backend, hierarchical_neighbor_allreduce, neighbor_allreduce
 from .topology import Topology, by_name
 
 __all__ = ["DecentralizedDataParallel"]
@@ -54,13 +54,17 @@ class DecentralizedDataParallel(torch.nn.Module):
 
     ``topology``: a ``collectives.topology.Topology`` or a name for ``topology.by_name``
     (default "one-peer-exp"). ``overlap=False`` exchanges after the backward pass instead
-    (for comparison; the math is the same)."""
+    (for comparison; the math is the same). ``hierarchical=True``: each step averages the
+    parameters within each host (shared memory) and mixes the hosts' averages under
+    ``topology``, then a topology of the group's hosts (hierarchical_neighbor_allreduce); every
+    rank of a host then holds the same parameters."""
 
     def __init__(self, module: torch.nn.Module, optimizer: str = "adam", lr: float = 1e-3,
                  topology: Topology | str = "one-peer-exp", accumulation: int = 1,
                  bucket_bytes: int = 25 << 20, group=None, overlap: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, momentum: float = 0.0, **topology_kw):
+                 weight_decay: float = 0.0, momentum: float = 0.0, hierarchical: bool = False,
+                 **topology_kw):
         super().__init__()
         if optimizer not in ("adam", "adamw", "sgd"):
             raise ValueError(f"DecentralizedDataParallel: optimizer {optimizer!r} is not one of "
@@ -73,9 +77,18 @@ class DecentralizedDataParallel(torch.nn.Module):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.hierarchical = bool(hierarchical)
+        nodes = self.world
+        if self.hierarchical:
+            hosts, _ = _layout(_linerate_backend(group))
+            nodes = len(hosts)
         if isinstance(topology, str):
-            topology = by_name(topology, self.world, **topology_kw)
-        if topology.n != self.world:
+            topology = by_name(topology, nodes, **topology_kw)
+        if topology.n != nodes:
+            if self.hierarchical:
+                raise ValueError(f"DecentralizedDataParallel: hierarchical=True mixes hosts: "
+                                 f"topology {topology.name} is for {topology.n} ranks, the "
+                                 f"group's ranks are on {nodes} host(s)")
             raise ValueError(f"DecentralizedDataParallel: topology {topology.name} is for "
                              f"{topology.n} ranks, the group has {self.world}")
         self.topology = topology
@@ -122,8 +135,9 @@ class DecentralizedDataParallel(torch.nn.Module):
         """Start W x(t) from the parameters' buffers into the other ones, bucket by bucket."""
         step = self.steps
         src, dst = self._bufs[self._cur], self._bufs[1 - self._cur]
-        self._works = [neighbor_allreduce(s, self.topology, step=step, async_op=True,
-                                          group=self.group, out=d) for s, d in zip(src, dst)]
+        fn = hierarchical_neighbor_allreduce if self.hierarchical else neighbor_allreduce
+        self._works = [fn(s, self.topology, step=step, async_op=True, group=self.group, out=d)
+                       for s, d in zip(src, dst)]
 
     def forward(self, *args, **kwargs):
         if self.overlap and self._works is None:

@@ -43,6 +43,8 @@ _LAZY = {
     "TransportOptions": ("linerate.transport.options", "TransportOptions"),
     "MetricsOptions": ("linerate.transport.options", "MetricsOptions"),
     "neighbor_allreduce": ("linerate.collectives.neighbor", "neighbor_allreduce"),
+    "hierarchical_neighbor_allreduce": ("linerate.collectives.neighbor",
+                                        "hierarchical_neighbor_allreduce"),
     "DecentralizedDataParallel": ("linerate.collectives.decentralized", "DecentralizedDataParallel"),
     "PriorityDataParallel": ("linerate.collectives.priority", "PriorityDataParallel"),
     "topology": ("linerate.collectives.topology", None),

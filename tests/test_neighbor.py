@@ -422,3 +422,126 @@ def test_neighbor_allreduce_all_sizes():
         # the ranks that received the odd rank's messages name its call and theirs
         text = " ".join(o[-1] for o in outcomes)
         assert "ring(n=4) step=0" in text, text
+
+
+# ----------------------------------------------------------------------------- hosts (netlab)
+# ONE launch on a netlab of 2 hosts x 2 ranks (shared memory within a host, TCP between): the
+# intra-host averages of AER (intra="average") as shared-memory All-Reduces, a group spanning
+# hosts (complete) point to point, the hierarchical neighbor all-reduce with two host
+# topologies, several dtypes and sizes, out=, async, a wrong topology; and
+# DecentralizedDataParallel(hierarchical=True) with SGD against x(t+1) = M x(t) - lr g(x(t))
+# computed from the ranks' x(t) and g gathered with Gloo. References: NumPy on the inputs
+# gathered with Gloo.
+
+HOSTS_SCRIPT = r'''
+import numpy as np
+import torch
+import torch.distributed as dist
+import linerate
+import linerate.collectives.neighbor as nb
+from linerate import topology as T
+
+dist.init_process_group("linerate")
+rank, world = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+hosts, shared = nb._layout(backend)
+assert hosts == ((0, 1), (2, 3)) and shared and backend._local is not None, (hosts, shared)
+host = 0 if rank < 2 else 1
+shm_calls = []
+orig = nb._average_plan
+nb._average_plan = lambda b, m: (shm_calls.append(tuple(m)), orig(b, m))[1]
+
+def gather(x):
+    xs = [torch.empty_like(x, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(xs, x.to(torch.float64), group=gloo)
+    return np.stack([v.numpy() for v in xs])
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+checks = 0
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    for n in (1, 37, 70_001, 300_000):
+        g = torch.Generator().manual_seed(1000 * rank + n)
+        x = torch.randn(n, generator=g).to(dtype)
+        X = gather(x)
+        tol = TOL[dtype] * max(1.0, float(np.abs(X).max()))
+        aer = T.alternating_exponential_ring(4, 2, intra="average")
+        for step in (0, 1):          # across hosts (point to point), within (shared memory)
+            y = x.clone()
+            before = len(shm_calls)
+            linerate.neighbor_allreduce(y, aer, step=step)
+            want = aer.matrix(step) @ X
+            np.testing.assert_allclose(y.to(torch.float64).numpy(), want[rank], atol=tol, rtol=0)
+            assert len(shm_calls) - before == (1 if step == 1 else 0), (step, shm_calls)
+            checks += 1
+        y = torch.empty_like(x)      # complete: one group spanning the hosts, point to point
+        w = linerate.neighbor_allreduce(x, T.complete(4), step=0, out=y, async_op=True)
+        w.wait()
+        np.testing.assert_allclose(y.to(torch.float64).numpy(), X.mean(0), atol=tol, rtol=0)
+        for topo in (T.one_peer_exponential(2), T.from_matrix([[0.75, 0.25], [0.25, 0.75]])):
+            Wm = topo.matrix(0)
+            avg = np.stack([X[0:2].mean(0), X[2:4].mean(0)])
+            want = (Wm @ avg)[host]
+            y = x.clone()
+            linerate.hierarchical_neighbor_allreduce(y, topo, step=0)
+            np.testing.assert_allclose(y.to(torch.float64).numpy(), want, atol=tol, rtol=0)
+            z = torch.empty_like(x)
+            linerate.hierarchical_neighbor_allreduce(x, topo, step=0, out=z, async_op=True).wait()
+            assert torch.equal(y, z), (dtype, n)
+            peers = gather(y)        # the ranks of a host hold the same bits
+            assert np.array_equal(peers[2 * host], peers[2 * host + 1])
+            checks += 2
+try:
+    linerate.hierarchical_neighbor_allreduce(torch.ones(4), T.ring(4))
+except ValueError as e:
+    assert "on 2 host(s)" in str(e), e
+else:
+    raise AssertionError("a topology of ranks, not hosts, was accepted")
+
+# DecentralizedDataParallel(hierarchical=True), SGD: x(t+1) = M x(t) - lr g(x(t)),
+# M = W_hosts(t) (x) averaging within hosts
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+model = linerate.DecentralizedDataParallel(net, "sgd", lr=0.05, topology="one-peer-exp",
+                                           hierarchical=True, bucket_bytes=1024)
+assert model.topology.n == 2
+for t in range(3):
+    g = torch.Generator().manual_seed(10 * t + rank)
+    xb, yb = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    x_t = torch.cat([p.detach().reshape(-1) for p in model.params])
+    loss = torch.nn.functional.mse_loss(model(xb), yb)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in model.params])
+    X, G = gather(x_t), gather(grad)
+    Wm = model.topology.matrix(t)
+    M = np.kron(Wm, np.full((2, 2), 0.5))
+    model.step()
+    x_new = torch.cat([p.detach().reshape(-1) for p in model.params]).to(torch.float64).numpy()
+    np.testing.assert_allclose(x_new, (M @ X)[rank] - 0.05 * G[rank], atol=1e-6, rtol=0)
+    checks += 1
+print("hosts-ok", rank, checks, len(shm_calls), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.netlab
+@pytest.mark.timeout(200)
+def test_host_averages_and_hierarchical_on_netlab(lab_name, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from linerate.tools import netlab
+    root = Path(__file__).resolve().parent.parent
+    netlab.up(lab_name, hosts=2, rate="1gbit", ranks_per_host=2)
+    script = tmp_path / "hosts.py"
+    script.write_text(HOSTS_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", "run", "--name",
+                        lab_name, "--timeout", "150", str(script)], cwd=root,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    ok = [line.split() for line in r.stdout.splitlines() if "hosts-ok" in line]
+    assert len(ok) == 4, r.stdout[-4000:]
+    for words in ok:
+        i = words.index("hosts-ok")
+        assert int(words[i + 2]) == 4 * 4 * 6 + 3 and int(words[i + 3]) == 16, words

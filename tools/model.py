@@ -254,16 +254,16 @@ SHM_GATHER_PASSES = 1
 def host_averages(cluster: Cluster, pattern, step: int) -> list[list[int]] | None:
     """The groups of ``step`` that run as shared-memory All-Reduces: the step averages disjoint
     groups (``averaging_groups``, of a Pattern or a library Topology), every group of
-    more than one rank lies in one node, and the nodes are hosts sharing memory. Else None (the
-    step runs point to point)."""
+    more than one rank is all the ranks of one node (the ranks of a host's segment), and the
+    nodes are hosts sharing memory. Else None (the step runs point to point)."""
     if not cluster.shared_memory:
         return None
     fn = getattr(pattern, "averaging_groups", None)
     groups = fn(step) if fn is not None else None
     if not groups:
         return None
-    if any(len({cluster.node_of(r) for r in g}) > 1 for g in groups if len(g) > 1):
-        return None
+    if any(sorted(g) != cluster.node_ranks(cluster.node_of(g[0])) for g in groups if len(g) > 1):
+        return None   # a group that spans nodes, or part of one: point to point
     return [list(g) for g in groups]
 
 
