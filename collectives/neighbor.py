@@ -43,6 +43,10 @@ __all__ = ["neighbor_allreduce", "hierarchical_neighbor_allreduce"]
 
 #: SubComm tags of this module's views (1..255; every member of a view passes the same).
 _TAG_HOST = 11
+#: Group averages inside a host on shared memory (False: point to point, as before; the
+#: benchmarks compare the two: tools/dev/decent_bench.py's xp2p and decp2p). Every rank must
+#: have the same value when it calls.
+_SHM_AVERAGES = True
 
 #: Half types are accumulated in float32 (then rounded once); the others in their own dtype.
 _ACC_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -103,7 +107,7 @@ def neighbor_allreduce(tensor: torch.Tensor, topology: Topology, step: int | Non
         if step is None:
             step = counter
         plan = None
-        groups = topology.averaging_groups(step)
+        groups = topology.averaging_groups(step) if _SHM_AVERAGES else None
         if groups is not None:
             mine = next(g for g in groups if rank in g)
             if len(mine) > 1 and _host_of_exactly(backend, mine) is not None:

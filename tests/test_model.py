@@ -813,6 +813,41 @@ def test_measure_netlab_two_tier(capsys):
     assert 0 < costs["pace_beside_compute"] <= 1 and costs["shared_net_s_per_byte"] >= 0
 
 
+def test_measure_netlab_ranks_per_host(capsys):
+    """--measure on a lab of 2 hosts x 2 ranks: the host link, loopback, latencies and every
+    host's shared-memory All-Reduce at once; the model then picks between flat and two-level.
+    Without --measure the lab needs --host-mem-gbs."""
+    reason = _netlab_reason()
+    if reason:
+        pytest.skip(f"netlab unavailable: {reason}")
+    from linerate.tools import netlab
+    name = f"m{uuid.uuid4().hex[:8]}"
+    try:
+        netlab.up(name, hosts=2, rate="400mbit", ranks_per_host=2)
+        base = ["model", "--netlab", name, "--model-bytes", "4M", "--compute-ms", "0",
+                "--no-cpu"]
+        assert cli.main(base) == 2
+        assert "--host-mem-gbs" in capsys.readouterr().err
+        assert cli.main([*base, "--host-mem-gbs", "5", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["cluster"]["host_mem_gbs"] == 5 and out["cluster"]["inter_gbit"] == 0.4
+        rc = cli.main([*base, "--measure", "--measure-seconds", "0.5", "--json"])
+        assert rc == 0
+        out = json.loads(capsys.readouterr().out)
+    finally:
+        netlab.down(name)
+        assert netlab.lab_netns(name) == []
+    c, m = out["cluster"], out["measured"]
+    assert (c["nodes"], c["ranks_per_node"]) == (2, 2) and m["ranks_per_host"] == [2, 2]
+    assert c["inter_gbit"] == pytest.approx(0.4, rel=0.2), m
+    assert c["intra_gbit"] > c["inter_gbit"] and c["host_mem_gbs"] > 0.1, m
+    assert [h["ranks"] for h in m["shm"]["hosts"]] == [2, 2] and m["shm"]["bytes"] == 4 << 20
+    assert 0 < c["shm_latency_s"] < 0.1 and 0 < c["inter_latency_s"] < 0.01
+    ar = out["predictions"]["allreduce"]
+    assert ar["algorithm"] == "two-level" and set(ar["algorithms"]) == {"flat", "two-level"}
+    assert {"aer-average", "hierarchical"} <= set(out["predictions"])
+
+
 def test_cluster_from_an_unshaped_lab_asks_for_a_measurement():
     from linerate.tools import netlab
     shaped = model.cluster_from_lab(netlab.plan("m1", 4, 1, 10**9, nodes=2, inter_rate_bps=4 * 10**8))

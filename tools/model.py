@@ -1543,7 +1543,8 @@ def measure_cpu_costs(lab_name: str | None = None, seconds: float = DEFAULT_CPU_
         lab = netlab.load(lab_name)
         if not netlab.is_up(lab):
             raise RuntimeError(f"netlab {lab_name!r} is not up")
-        ranks = ranks or len(lab.hosts)
+        # one rank per host (a lab with several ranks per host: its first hosts' first ranks)
+        ranks = min(ranks or len(lab.hosts), len(lab.hosts))
         if not 2 <= ranks <= len(lab.hosts):
             raise ValueError(f"the CPU probe needs 2..{len(lab.hosts)} ranks on lab {lab_name}")
         where = f"netlab {lab_name}, {ranks} ranks"

@@ -16,7 +16,12 @@ the same machine conditions:
              only; time-varying topologies over whole periods);
   ddp        torch DDP over linerate (All-Reduce of gradients, overlapping the backward pass);
   dec        collectives.DecentralizedDataParallel (Adam, ``--topology``), whose parameter
-             exchange overlaps the whole iteration.
+             exchange overlaps the whole iteration;
+  xp2p, decp2p  exchange and dec with the group averages inside a host point to point instead
+             of on shared memory (``--topology aer-average`` on a lab with ``--ranks-per-host``:
+             AER's intra-host steps; not in the default methods).
+``--topology aer-average``: AER with intra-host averaging (alternating_exponential_ring(...,
+intra="average")); on a lab started with ``--ranks-per-host R`` the nodes of aer are its hosts.
 A step's time is the slowest rank's (a barrier before every step); a round's figure is the mean
 over its ``--steps`` steps (rounded up to whole periods of the topology). Printed per method: the
 best round, the mean over rounds, the machine's CPU use during the method (busy core-seconds per
@@ -38,7 +43,8 @@ import time
 from datetime import timedelta
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-METHODS = ("compute1", "dcompute1", "compute", "dcompute", "allreduce", "exchange", "ddp", "dec")
+METHODS = ("compute1", "dcompute1", "compute", "dcompute", "allreduce", "exchange", "ddp", "dec",
+           "xp2p", "decp2p")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--topology", default="one-peer-exp")
-    p.add_argument("--methods", default=",".join(METHODS),
+    p.add_argument("--methods", default=",".join(METHODS[:8]),
                    help=f"comma-separated, from {', '.join(METHODS)} (default all)")
     p.add_argument("--gbit", type=float, default=None,
                    help="link rate for the model's prediction without --netlab (flat cluster)")
@@ -125,7 +131,7 @@ def _cpu_costs_file(args) -> str:
     nproc = args.nproc
     if nproc is None and args.netlab is not None:
         from linerate.tools import netlab
-        nproc = len(netlab.load(args.netlab).hosts)
+        nproc = sum(netlab.load(args.netlab).layout())
     out: dict = {}
     if args.cpu_costs:
         with open(args.cpu_costs) as f:
@@ -142,7 +148,9 @@ def _cpu_costs_file(args) -> str:
     if args.netlab is not None and "cluster" not in out:
         print(f"# decent_bench: measuring the links of netlab {args.netlab} "
               f"(`linerate model --measure`)", flush=True)
-        cluster, raw = rt.measure_netlab(args.netlab)
+        nbytes = args.depth * (args.width * args.width + args.width) * 4
+        cluster, raw = rt.measure_netlab(args.netlab,
+                                         shm_bytes=min(256 << 20, max(1 << 20, nbytes)))
         out["cluster"], out["measured"] = asdict(cluster), raw
     fd, path = tempfile.mkstemp(prefix="decent_bench_inputs", suffix=".json")
     with os.fdopen(fd, "w") as f:
@@ -211,10 +219,7 @@ def _rank(args) -> int:
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
     loss_fn = torch.nn.functional.mse_loss
-    topo_kw = {}
-    if args.topology == "aer":
-        topo_kw["ranks_per_node"] = _ranks_per_node(world)
-    topo = by_name(args.topology, world, **topo_kw)
+    topo = _topology(args, world)
     period = topo.period
 
     def whole_periods(k: int) -> int:
@@ -267,10 +272,23 @@ def _rank(args) -> int:
     def exchange_step():
         neighbor_allreduce(flat, topo)
 
+    from linerate.collectives import neighbor as nb_mod
+
+    def p2p(fn):
+        def run():
+            nb_mod._SHM_AVERAGES = False
+            try:
+                fn()
+            finally:
+                nb_mod._SHM_AVERAGES = True
+        return run
+
     steps_of = {name: args.steps for name in METHODS}
     steps_of["exchange"] = steps_of["dec"] = whole_periods(args.steps)
+    steps_of["xp2p"] = steps_of["decp2p"] = whole_periods(args.steps)
     fns = {"compute1": compute1_step, "dcompute1": dcompute1_step, "compute": compute_step,
-           "dcompute": dcompute_step, "allreduce": allreduce_step, "exchange": exchange_step}
+           "dcompute": dcompute_step, "allreduce": allreduce_step, "exchange": exchange_step,
+           "xp2p": p2p(exchange_step)}
     finish = {}
     if "ddp" in methods:
         ddp = torch.nn.parallel.DistributedDataParallel(net())
@@ -281,7 +299,7 @@ def _rank(args) -> int:
             dopt.step()
             dopt.zero_grad()
         fns["ddp"] = ddp_step
-    if {"dec", "dcompute1", "dcompute"} & set(methods):
+    if {"dec", "dcompute1", "dcompute", "decp2p"} & set(methods):
         dec = linerate.DecentralizedDataParallel(net(), "adam", lr=1e-4, topology=topo)
 
         def dec_step():
@@ -296,6 +314,24 @@ def _rank(args) -> int:
                     w.wait()
                 dec._works = None
         finish["dec"] = dec_finish
+    if "decp2p" in methods:
+        # its own model: dec's exchange in flight (it overlaps the next step) keeps its plan
+        dec2 = linerate.DecentralizedDataParallel(net(), "adam", lr=1e-4, topology=topo)
+
+        def decp2p_step():
+            nb_mod._SHM_AVERAGES = False
+            try:
+                loss_fn(dec2(x), y).backward()
+                dec2.step()
+            finally:
+                nb_mod._SHM_AVERAGES = True
+
+        def decp2p_finish():
+            if dec2._works is not None:
+                for w in dec2._works:
+                    w.wait()
+                dec2._works = None
+        fns["decp2p"], finish["decp2p"] = decp2p_step, decp2p_finish
 
     for name in methods:  # warm up every method once, before the first round
         for _ in range(args.warmup):
@@ -354,16 +390,28 @@ def _rank(args) -> int:
     return 0
 
 
+def _topology(args, world: int):
+    """The library's topology of ``--topology``: aer's nodes are the lab's nodes, or its hosts
+    where it runs several ranks per host; aer-average is aer with intra-host averaging."""
+    from linerate.collectives.topology import by_name
+    if args.topology == "aer":
+        return by_name("aer", world, ranks_per_node=_ranks_per_node(world))
+    if args.topology == "aer-average":
+        return by_name("aer", world, ranks_per_node=_ranks_per_node(world), intra="average")
+    return by_name(args.topology, world)
+
+
 def topo_name(args, world: int):
     """The topology for the model: a name, or for aer the library's object (ranks per node)."""
-    if args.topology != "aer":
+    if args.topology not in ("aer", "aer-average"):
         return args.topology
-    from linerate.collectives.topology import by_name
-    return by_name("aer", world, ranks_per_node=_ranks_per_node(world))
+    return _topology(args, world)
 
 
 def _ranks_per_node(world: int) -> int:
     lab = _lab()
+    if lab is not None and max(lab.layout()) > 1:
+        return lab.layout()[0]
     if lab is not None and lab.nodes > 1:
         return len(lab.hosts) // lab.nodes
     return world
@@ -396,12 +444,19 @@ def predictions(cluster, nbytes: int, compute1_s: float, dcompute1_s: float | No
     dc = compute1_s if dcompute1_s is None else dcompute1_s
     shared = shared or {}
     c_sh, dc_sh = shared.get("compute"), shared.get("dcompute")
+    import dataclasses
+    p2p = dataclasses.replace(cluster, host_mem_gbs=None) if cluster.shared_memory else cluster
+    ar = rt.predict(cluster, nbytes, 0.0, method="allreduce", cpu=cpu)
     return {"compute1": compute1_s,
             "dcompute1": dc,
             "compute": c_sh if c_sh is not None else rt.shared_compute_s(compute1_s, cpu),
             "dcompute": dc_sh if dc_sh is not None else rt.shared_compute_s(dc, cpu),
-            "allreduce": rt.predict(cluster, nbytes, 0.0, method="allreduce", cpu=cpu)["step_s"],
+            "allreduce": ar["step_s"], "allreduce_algorithm": ar.get("algorithm"),
+            "allreduce_algorithms": ar.get("algorithms"),
             "exchange": rt.predict(cluster, nbytes, 0.0, method=topology, cpu=cpu)["step_s"],
+            "xp2p": rt.predict(p2p, nbytes, 0.0, method=topology, cpu=cpu)["step_s"],
+            "decp2p": rt.predict(p2p, nbytes, dc, f, method=topology, cpu=cpu,
+                                 measured_shared_s=dc_sh)["step_s"],
             "ddp": rt.predict(cluster, nbytes, compute1_s, f, method="allreduce", cpu=cpu,
                               measured_shared_s=c_sh)["step_s"],
             "dec": rt.predict(cluster, nbytes, dc, f, method=topology, cpu=cpu,
@@ -461,10 +516,14 @@ def _report(args, world: int, nbytes: int, period: int, rounds: dict,
         if name not in summary:
             continue
         s, p, p2 = summary[name], pred.get(name), pred2.get(name)
+        if name == "allreduce" and pred.get("allreduce_algorithms"):
+            print("# all_reduce predicted: " + ", ".join(
+                f"{k} {v['allreduce_s']:.3f} s" for k, v in pred["allreduce_algorithms"].items())
+                + f" -> {pred['allreduce_algorithm']}")
         ps = (f"{p:>10.3f} {p / s['best_s']:>10.2f} {p / s['mean_s']:>10.2f}" if p
               else f"{'-':>10} {'-':>10} {'-':>10}")
         ps2 = (f" {p2:>9.3f} {p2 / s['best_s']:>6.2f} {p2 / s['mean_s']:>6.2f}"
-               if p2 and name in ("ddp", "dec") else "")
+               if p2 and name in ("ddp", "dec", "decp2p") else "")
         print(f"  {name:>9} {s['best_s']:>8.3f} {s['mean_s']:>8.3f} "
               f"{s['machine_busy_s_per_step']:>9.2f} {ps}{ps2}")
     if "ddp" in summary and "dec" in summary:
@@ -476,6 +535,14 @@ def _report(args, world: int, nbytes: int, period: int, rounds: dict,
         if "ddp" in pred2 and "dec" in pred2:
             line += f" ({pred2['ddp'] / pred2['dec']:.2f} with C*)"
         print(line)
+    for a, b in (("exchange", "xp2p"), ("dec", "decp2p")):
+        if a in summary and b in summary:
+            line = (f"# {a} with shared-memory averages / point to point: measured "
+                    f"{summary[a]['best_s']:.3f} / {summary[b]['best_s']:.3f} s (best rounds), "
+                    f"{summary[a]['mean_s']:.3f} / {summary[b]['mean_s']:.3f} s (means)")
+            if a in pred and b in pred:
+                line += f"; predicted {pred[a]:.3f} / {pred[b]:.3f} s"
+            print(line)
     print("# predicted: from one rank's compute alone (C' = rho C); pred(C*): with the compute "
           "of all ranks at once as measured above (compute, dcompute best rounds) as C'")
     print(f"# model inputs: compute1 {c1 if c1 is None else round(c1, 4)} s, dcompute1 "
