@@ -436,6 +436,18 @@ def test_two_level_and_flat_by_hand():
     assert model.flat_ring_allreduce(M, [1] * 4, 1e9, MEM)["seconds"] == approx(1.5 * MS)
     with pytest.raises(ValueError, match="ranks per host"):
         model.two_level_allreduce(M, [4, 0], 1e9, MEM)
+    # 4 pipelined chunks: t_i = 0.4/4 + 2 x 0.1 = 0.3 ms, t_e = 1/4 + 0.2 = 0.45 ms per chunk:
+    # 0.3 + 0.45 + 3 x 0.45
+    four = model.two_level_allreduce(M, [4, 4], 1e9, MEM, 1e-4, chunks=4)
+    assert four["seconds"] == approx(2.1 * MS) and four["chunks"] == 4
+    # linerate's chunks: 8 MiB pieces, at most 16
+    assert [model.two_level_chunks(b) for b in (1, 8 << 20, 64 << 20, 1 << 30)] == [1, 1, 8, 16]
+
+
+def test_two_level_chunks_are_the_runtimes():
+    two_level = pytest.importorskip("linerate.collectives.two_level")
+    assert model.TWO_LEVEL_PIPE_BYTES == two_level.PIPE_BYTES
+    assert model.TWO_LEVEL_MAX_CHUNKS == two_level.MAX_CHUNKS
 
 
 def shm_cluster(layout=(4, 4), **kw):

@@ -427,9 +427,24 @@ def flat_ring_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraH
             "rate_bytes_s": rate, "nic_bytes": 2 * (p - 1) / p * nbytes / compression}
 
 
+#: linerate's two-level all_reduce (collectives/two_level.py) pipelines chunks of this size,
+#: at most this many: the inter-host phase of chunk k runs while the local phases of the
+#: others do (tests/test_model.py checks these against the runtime's).
+TWO_LEVEL_PIPE_BYTES = 8 << 20
+TWO_LEVEL_MAX_CHUNKS = 16
+
+
+def two_level_chunks(nbytes: float, elem_bytes: int = 4) -> int:
+    """Chunks of linerate's two-level all_reduce of ``nbytes``: pieces of max(PIPE_BYTES,
+    S / MAX_CHUNKS)."""
+    n = max(1, int(nbytes) // elem_bytes)
+    per = max(1, min(n, max(TWO_LEVEL_PIPE_BYTES // elem_bytes, -(-n // TWO_LEVEL_MAX_CHUNKS))))
+    return -(-n // per)
+
+
 def two_level_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraHost,
                         inter_latency_s: float = 0.0, t_add=None,
-                        compression: float = 1.0) -> dict:
+                        compression: float = 1.0, chunks: int = 1) -> dict:
     """Two-level All-Reduce on hosts with ``layout`` ranks each (uneven allowed): a
     reduce-scatter inside each host, an All-Reduce of the host's S across the H hosts (one
     ring per local rank, each with its share, all through the host's NIC at once: the NIC
@@ -440,23 +455,32 @@ def two_level_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraH
              + 2(H-1)/H * S/(c*NIC) + (H-1) t_add(S/(H*R_min)) + 2(H-1) * inter_latency
 
     (links: 2(R-1)/R * S/(c*X) + (R-1) t_add(S/R) + 2(R-1) a; memory: R*S/(c*mem) +
-    (R-1) t_add(S/R) + 2 a_shm)."""
+    (R-1) t_add(S/R) + 2 a_shm).
+
+    ``chunks`` = k > 1: cut into k chunks, the inter-host phase of one overlapping the
+    intra-host phases of the others (as linerate runs it: two_level_chunks), each phase of a
+    chunk taking 1/k of its bytes and all of its latencies (t_i, t_e):
+        T_2L = t_i + t_e + (k-1) * max(t_i, t_e)."""
     lay = _layout(layout)
     hosts, r = len(lay), max(lay)
     if sum(lay) <= 1 or nbytes <= 0:
         return {"seconds": 0.0, "intra_s": 0.0, "inter_s": 0.0, "inter_bandwidth_s": 0.0,
                 "inter_latency_s": 0.0, "nic_bytes": 0.0}
-    intra_s = intra.allreduce_s(nbytes, r, t_add, compression, ops=2)
+    k = max(1, int(chunks))
+    part = nbytes / k
+    intra_s = intra.allreduce_s(part, r, t_add, compression, ops=2)
     inter_bw = inter_red = inter_lat = nic = 0.0
     if hosts > 1:
         nic = 2 * (hosts - 1) / hosts * nbytes / compression
-        inter_bw = nic / nic_bytes_s
+        inter_bw = nic / nic_bytes_s / k
         if t_add is not None:
-            inter_red = (hosts - 1) * t_add(nbytes / (hosts * min(lay)))
+            inter_red = (hosts - 1) * t_add(part / (hosts * min(lay)))
         inter_lat = 2 * (hosts - 1) * inter_latency_s
     inter = inter_bw + inter_red + inter_lat
-    return {"seconds": intra_s + inter, "intra_s": intra_s, "inter_s": inter,
-            "inter_bandwidth_s": inter_bw, "inter_latency_s": inter_lat, "nic_bytes": nic}
+    total = intra_s + inter + (k - 1) * max(intra_s, inter)
+    return {"seconds": total, "intra_s": intra_s * k, "inter_s": inter * k, "chunks": k,
+            "inter_bandwidth_s": inter_bw * k, "inter_latency_s": inter_lat * k,
+            "nic_bytes": nic}
 
 
 def allreduce_choice(nbytes: float, layout, nic_bytes_s: float, intra: IntraHost,
@@ -820,7 +844,8 @@ def allreduce_candidates(cluster: Cluster, model_bytes: float) -> dict:
     out = {"flat": (flat, ring_flows(cluster, model_bytes), 0.0)}
     if cluster.shared_memory and cluster.nodes > 1 and cluster.n > cluster.nodes:
         two = two_level_allreduce(model_bytes, lay, cluster.inter_gbit * 1e9 / 8,
-                                  cluster.intra_host(), cluster.inter_latency_s)
+                                  cluster.intra_host(), cluster.inter_latency_s,
+                                  chunks=two_level_chunks(model_bytes))
         k, h = min(lay), cluster.nodes
         flows = [(cluster.node_ranks(a)[0] + lo, cluster.node_ranks((a + 1) % h)[0] + lo,
                   2 * (h - 1) / h * model_bytes / k) for a in range(h) for lo in range(k)]
@@ -994,8 +1019,9 @@ def predict(cluster: Cluster, model_bytes: int, compute_s: float,
             vals = (f"{base['shared_compute_s'] * ms:.2f} + (1 - {x['overlap_share']:.3f}) * "
                     f"max({t_ar * ms:.2f}, {k:.3f}/{cpu.cores:g} s) ms")
         if pick == "two-level":
-            ar_f = (f"two-level T_ar = R*M/mem + 2 a_shm + 2(H-1)/H*M/uplink + 2(H-1)a = "
-                    f"{ar['intra_s'] * ms:.2f} + {ar['inter_s'] * ms:.2f} = {t_ar * ms:.2f} ms")
+            ar_f = (f"two-level T_ar: intra R*M/mem + 2 a_shm, inter 2(H-1)/H*M/uplink + 2(H-1)a, "
+                    f"{ar['chunks']} pipelined chunk(s): {ar['intra_s'] * ms:.2f} and "
+                    f"{ar['inter_s'] * ms:.2f} -> {t_ar * ms:.2f} ms")
         elif ar.get("beta_eff_gbit") is not None:
             ar_f = (f"T_ar = 2(n-1)a + 2(n-1)/n*M/b_eff = {2 * (cluster.n - 1)}*"
                     f"{ar['latency_s'] / (2 * (cluster.n - 1)) * 1e6:g}us + "
