@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics, shm
 
-from . import chain, direct, flight, fusion, halving, ring, shm_algos, stats, timeline
+from . import (algorithms, chain, direct, flight, fusion, halving, ring, shm_algos, stats, timeline,
+               two_level)
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
@@ -142,6 +143,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         # This host's ranks share a segment, the group spans hosts: the engine of the local
         # phases of the two-level algorithms (collectives/two_level.py).
         self._local = shm_algos.Engine(seg) if seg is not None and seg.size < size else None
+        #: What the algorithm table (collectives/algorithms.py) knows of the group.
+        self._shape = algorithms.Shape(size, self._layout.hosts, self._layout.shared)
+        #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
+        self._plan = two_level.Plan(self._layout.hosts, rank) if self._shape.two_level_ok else None
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
@@ -304,6 +309,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._check_usable(op, seq)
                 comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
                 comm.shm = self._shm
+                comm.worker = True  # the shared-memory engines are this thread's
                 t0 = time.perf_counter()
                 comm.set_call(desc)
                 self._flight.started(seq)
@@ -341,10 +347,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")
             comm.shm = self._shm
+            comm.worker = True
             fr = self._flight
             fr.started(head.seq)
-            k, head_done = self._on_shm(comm, fusion).agree(comm, offered, len(offered),
-                                                           self._options.small_bytes)
+            how = self._choose(comm, "agree", 0)
+            k, head_done = (shm_algos if how == "shm" else fusion).agree(
+                comm, offered, len(offered), 0 if how == "two_level" else self._options.small_bytes)
             taken = offered[:k]
             for e in taken[1:]:
                 fr.started(e.seq)
@@ -438,17 +446,30 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _small(self, nbytes: int) -> bool:
         return nbytes <= self._options.small_bytes
 
-    @staticmethod
-    def _on_shm(comm: Comm, algo):
-        """shm_algos for an op of the worker of a group with a shared segment, else ``algo``."""
-        return shm_algos if getattr(comm, "shm", None) is not None else algo
+    def _choose(self, comm: Comm, op: str, nbytes: int, allreduce_algo: str | None = None) -> str:
+        """The algorithm for this op (collectives/algorithms.py, the one table)."""
+        o = self._options
+        return algorithms.choose(op, nbytes, self._shape,
+                                 allreduce_algo=allreduce_algo or o.allreduce_algo,
+                                 rooted_algo=o.rooted_algo, small_bytes=o.small_bytes,
+                                 worker=getattr(comm, "worker", False))
 
-    def _rooted_module(self, t: torch.Tensor):
-        """The broadcast/reduce algorithm for this tensor: direct (one round) or chain."""
-        algo = self._options.rooted_algo
-        if algo == "direct" or (algo == "auto" and self._small(t.numel() * t.element_size())):
-            return direct
-        return chain
+    def _module(self, comm: Comm, op: str, flat):
+        """shm_algos where the table says so (one host, shared segment), else ``flat``."""
+        return shm_algos if self._choose(comm, op, 0) == "shm" else flat
+
+    def _two_level_engine(self):
+        return self._local if self._local is not None else self._shm
+
+    def _rooted(self, comm: Comm, op: str, t: torch.Tensor, *args) -> None:
+        """broadcast(comm, t, root) / reduce(comm, t, op, root) by the table's choice."""
+        name = self._choose(comm, op, t.numel() * t.element_size())
+        if name == "two_level":
+            getattr(two_level, op)(comm, t, *args, self._plan, self._two_level_engine(),
+                                   self._options.small_bytes)
+        else:
+            mod = {"shm": shm_algos, "direct": direct, "chain": chain}[name]
+            getattr(mod, op)(comm, t, *args)
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
@@ -565,16 +586,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                          self.size())
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
-        nbytes = flat.numel() * flat.element_size()
-        if getattr(comm, "shm", None) is not None:
-            shm_algos.all_reduce(comm, flat, op)
-        elif algo == "direct" or (algo == "auto" and self._small(nbytes)):
-            direct.all_reduce(comm, flat, op)
-        elif algo == "hd" or (algo == "auto" and comm.size >= halving.AUTO_MIN_RANKS
-                              and nbytes <= halving.AUTO_MAX_BYTES):
-            halving.all_reduce(comm, flat, op)
+        name = self._choose(comm, "all_reduce", flat.numel() * flat.element_size(), algo)
+        if name == "two_level":
+            two_level.all_reduce(comm, flat, op, self._plan, self._two_level_engine(),
+                                 self._options.small_bytes)
         else:
-            ring.all_reduce(comm, flat, op)
+            {"shm": shm_algos, "direct": direct, "hd": halving, "ring": ring}[name].all_reduce(
+                comm, flat, op)
         finish_avg(flat, op, comm.size)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -688,8 +706,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_root(root, what)
         stage = _Stage(f"rank {self.rank()}: {what}")
         buf = stage.out(t, keep=(self.rank() == root))
-        algo = self._rooted_module(t)
-        return self._submit(what, lambda comm: self._on_shm(comm, algo).broadcast(comm, _flat(buf), root), list(tensors), stage, self._op_timeout(opts),
+        return self._submit(what, lambda comm: self._rooted(comm, "broadcast", _flat(buf), root),
+                            list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}")
 
     def reduce(self, tensors, opts=None):
@@ -703,11 +721,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage(f"rank {self.rank()}: {what}")
         is_root = self.rank() == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
-        algo = self._rooted_module(t)
 
         def run(comm: Comm):
             flat = _flat(buf)
-            self._on_shm(comm, algo).reduce(comm, flat, op, root)
+            self._rooted(comm, "reduce", flat, op, root)
             if is_root:
                 finish_avg(flat, op, comm.size)
 
@@ -733,7 +750,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             outs = [_flat(stage.out(o)) for o in output_lists[0]]
 
         def run(comm: Comm):
-            self._on_shm(comm, direct).gather(comm, _flat(src), outs, root)
+            self._module(comm, "gather", direct).gather(comm, _flat(src), outs, root)
 
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
@@ -759,7 +776,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         out = stage.out(t)
 
         def run(comm: Comm):
-            self._on_shm(comm, direct).scatter(comm, _flat(out), ins, root)
+            self._module(comm, "scatter", direct).scatter(comm, _flat(out), ins, root)
 
         return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}")
@@ -773,12 +790,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _run_all_gather(self, comm: Comm, src: torch.Tensor, segs: list[torch.Tensor]) -> None:
         segs[comm.rank].copy_(src)
         total = sum(s.numel() for s in segs) * src.element_size()
-        if getattr(comm, "shm", None) is not None:
-            shm_algos.all_gather(comm, segs)
-        elif self._small(total):
-            direct.all_gather(comm, segs)
+        name = self._choose(comm, "all_gather", total)
+        if name == "two_level":
+            two_level.all_gather(comm, segs, self._plan, self._two_level_engine(),
+                                 self._options.small_bytes)
         else:
-            ring.all_gather(comm, segs)
+            {"shm": shm_algos, "direct": direct, "ring": ring}[name].all_gather(comm, segs)
 
     def allgather(self, output_lists, input_tensors, opts=None):
         what = "all_gather"
@@ -865,11 +882,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _run_reduce_scatter(self, comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
         """``segs`` are the caller's inputs (read only here)."""
         numel = sum(s.numel() for s in segs)
-        shm = getattr(comm, "shm", None) is not None
-        if shm or self._small(numel * out.element_size()):
+        name = self._choose(comm, "reduce_scatter", numel * out.element_size())
+        if name == "two_level":
+            if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
+                segs = [s.clone() for s in segs]    # out is written while segs are still read
+            two_level.reduce_scatter(comm, segs, out, op, self._plan, self._two_level_engine(),
+                                     self._options.small_bytes)
+        elif name in ("shm", "direct"):
             if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
                 segs = [s.clone() for s in segs]    # out is written while segs may still be sending
-            (shm_algos if shm else direct).reduce_scatter(comm, segs, out, op)
+            (shm_algos if name == "shm" else direct).reduce_scatter(comm, segs, out, op)
         else:
             # The ring reduces in place: work on a private copy, in reused scratch memory
             # (a fresh 64 MB buffer per call costs its page faults: 5% of a 1 Gbit/s op).
@@ -962,7 +984,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         stage = _Stage(f"rank {self.rank()}: {what}")
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
-        return self._submit(what, lambda comm: self._on_shm(comm, direct).all_to_all(comm, outs, ins),
+        return self._submit(what, lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
                             list(output_tensors), stage, self._op_timeout(opts),
                             desc=str(ref.dtype).replace("torch.", ""))
 
@@ -982,7 +1004,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if ins[self.rank()].numel() != outs[self.rank()].numel():
             raise ValueError(f"rank {self.rank()}: {what}: this rank sends itself "
                              f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
-        return self._submit("all_to_all", lambda comm: self._on_shm(comm, direct).all_to_all(comm, outs, ins),
+        return self._submit("all_to_all", lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
                             [output], stage, self._op_timeout(opts),
                             desc=str(input.dtype).replace("torch.", ""))
 
@@ -1015,7 +1037,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", lambda comm: self._on_shm(comm, direct).barrier(comm), [],
+        return self._submit("barrier", lambda comm: self._module(comm, "barrier", direct).barrier(comm), [],
                             _Stage(), self._op_timeout(opts),
                             desc="")
 
@@ -1076,6 +1098,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._worker.join(timeout=self._timeout)
         if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
             self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
+        if self._plan is not None:
+            self._plan.close()
         self._ctx.close()
 
     def abort(self) -> None:

@@ -537,31 +537,114 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
 
 def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
     """Rank q gets the reduction of every rank's segs[q] in ``out`` (segs are read only)."""
+    reduce_scatter_v(comm, segs, [out.numel()] * comm.size, out, op)
+
+
+class Cat:
+    """Byte ranges of several contiguous tensors read or written as one (the two-level
+    algorithms' shares: one column from each host, scattered in the caller's tensors)."""
+
+    def __init__(self, parts):
+        self.parts = [(t.data_ptr(), t.numel() * t.element_size()) for t in parts]
+        self.nbytes = sum(n for _, n in self.parts)
+
+    def _spans(self, off: int, ln: int):
+        for addr, n in self.parts:
+            if ln <= 0:
+                return
+            if off >= n:
+                off -= n
+                continue
+            k = min(n - off, ln)
+            yield addr + off, k
+            off, ln = 0, ln - k
+
+    def read(self, dst: int, off: int, ln: int) -> None:
+        """Bytes [off, off + ln) of the concatenation to address ``dst``."""
+        for addr, k in self._spans(off, ln):
+            ctypes.memmove(dst, addr, k)
+            dst += k
+
+    def write(self, src: int, off: int, ln: int) -> None:
+        """``ln`` bytes at address ``src`` into bytes [off, off + ln) of the concatenation."""
+        for addr, k in self._spans(off, ln):
+            ctypes.memmove(addr, src, k)
+            src += k
+
+
+def _cat(x) -> Cat:
+    return x if isinstance(x, Cat) else Cat([x])
+
+
+def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor, op) -> None:
+    """Rank q gets the reduction of every rank's ``srcs[q]`` (a tensor or a Cat of
+    ``lens[q]`` elements of out's dtype; read only) in ``out`` (``lens[me]`` elements); ``lens``
+    are the same on every rank and may differ from rank to rank. Rank order everywhere."""
     E = _engine(comm)
     P, r = E.P, E.r
-    n, es, dt = out.numel(), out.element_size(), out.dtype
+    es, dt = out.element_size(), out.dtype
+    srcs = [_cat(x) for x in srcs]
     m = max(1, (E.C // P) // es // 16 * 16)  # elements per rank's sub-block
-    chunks = _chunks(n, m)
-    nch = len(chunks)
-    sets = [E.next_set() for _ in chunks]
+    nch = max(1, max(-(-ln // m) for ln in lens))  # the same on every rank
+    sets = [E.next_set() for _ in range(nch)]
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
         if i >= 0:
-            o, ln = chunks[i]
+            o = i * m
+            ln = max(0, min(m, lens[r] - o))
             b = sets[i]
-            srcs = [E.view(E.S(b, q), dt, P * m, es)[r * m:r * m + ln] for q in range(P)]
-            _fold(out[o:o + ln], srcs, op)
+            if ln:
+                srcs_q = [E.view(E.S(b, q), dt, P * m, es)[r * m:r * m + ln] for q in range(P)]
+                _fold(out[o:o + ln], srcs_q, op)
             reads = [E.S(b, q) for q in range(P)]
         if ph < nch:
-            o, ln = chunks[ph]
+            o = ph * m
             a = E.S(sets[ph], r)
             E.wait_free(a)
-            slot = E.view(a, dt, P * m, es)
+            base = E.addr[a]
             for q in range(P):
-                _copy(slot[q * m:q * m + ln], segs[q][o:o + ln])
+                ln = max(0, min(m, lens[q] - o))
+                if ln:
+                    srcs[q].read(base + q * m * es, o * es, ln * es)
         E.publish(reads)
         if ph < nch:
+            E.wait(E.tick)
+
+
+def gather_v(comm: Comm, segs: list, root: int | None = None) -> None:
+    """``segs[q]`` (a Cat or tensor; its byte length the same on every rank, may differ from
+    rank to rank) receives rank q's ``segs[q]`` on every rank (``root`` None) or on the root;
+    ``segs[me]`` holds this rank's contribution."""
+    E = _engine(comm)
+    P, r = E.P, E.r
+    segs = [_cat(x) for x in segs]
+    lens = [s.nbytes for s in segs]
+    C = E.C
+    nch = max(1, max(-(-ln // C) for ln in lens))
+    sets = [E.next_set() for _ in range(nch)]
+    reader = root is None or r == root
+    for ph in range(nch + 1):
+        reads = []
+        i = ph - 1
+        if i >= 0:
+            o = i * C
+            b = sets[i]
+            if reader:
+                for q in range(P):
+                    ln = min(C, lens[q] - o)
+                    if q != r and ln > 0:
+                        segs[q].write(E.addr[E.S(b, q)], o, ln)
+            reads = [E.S(b, q) for q in range(P)]
+        if ph < nch:
+            o = ph * C
+            a = E.S(sets[ph], r)
+            ln = min(C, lens[r] - o)
+            E.wait_free(a)
+            if ln > 0:
+                segs[r].read(E.addr[a], o, ln)
+        E.publish(reads)
+        if ph < nch and reader:
             E.wait(E.tick)
 
 

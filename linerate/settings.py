@@ -28,8 +28,8 @@ __all__ = ["Setting", "SETTINGS", "read", "raw", "is_set", "parse", "check", "fi
            "parse_size", "parse_rate", "parse_capacity", "markdown_table",
            "ALLREDUCE_ALGOS", "ROOTED_ALGOS", "TRANSPORTS"]
 
-ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd")
-ROOTED_ALGOS = ("auto", "chain", "direct")
+ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd", "two_level")
+ROOTED_ALGOS = ("auto", "chain", "direct", "two_level")
 TRANSPORTS = ("tcp", "rdma", "auto")
 
 
@@ -311,10 +311,13 @@ _ALL = [
        f"{_SIZE}, 0 or more", "messages up to this size use the one-round algorithms under auto",
        "collectives", "small_bytes"),
     _S("LINERATE_ALLREDUCE_ALGO", _word, _one_of(ALLREDUCE_ALGOS), "auto", "auto",
-       "one of " + ", ".join(ALLREDUCE_ALGOS), "the all_reduce algorithm", "collectives",
+       "one of " + ", ".join(ALLREDUCE_ALGOS), "the all_reduce algorithm (ring, direct and "
+       "two_level also for reduce_scatter and all_gather); forced where it can run",
+       "collectives",
        "allreduce_algo"),
     _S("LINERATE_ROOTED_ALGO", _word, _one_of(ROOTED_ALGOS), "auto", "auto",
-       "one of " + ", ".join(ROOTED_ALGOS), "the broadcast/reduce algorithm", "collectives",
+       "one of " + ", ".join(ROOTED_ALGOS), "the broadcast/reduce algorithm; forced where it "
+       "can run", "collectives",
        "rooted_algo"),
     _S("LINERATE_FUSION_BYTES", parse_size, _int_in(0, 1 << 62), 4 << 20, "4M",
        f"{_SIZE}, 0 or more (0: no fusion)", "tensor fusion: largest fused all_reduce",

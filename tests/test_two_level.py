@@ -5,11 +5,15 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from _harness import run_ranks
+
+needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
 
 # ----------------------------------------------------------------------------- SubComm
@@ -51,3 +55,229 @@ def test_subcomm_runs_algorithms_on_subsets():
         assert r["all"] == [6.0] * 5
         if rank:
             assert r["trio"] == (3.0, [float(i) for i in range(7)]), r
+
+
+# ----------------------------------------------------------------------------- the table
+def _shape(hosts, shared=True):
+    from linerate.collectives.algorithms import Shape
+    return Shape(sum(len(h) for h in hosts), tuple(tuple(h) for h in hosts), shared)
+
+
+def test_table_auto():
+    from linerate.collectives.algorithms import choose
+    two = _shape([[0, 1, 2, 3], [4, 5, 6, 7]])
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
+        for n in (0, 4096, 64 << 20):
+            assert choose(op, n, two) == "two_level", (op, n)
+        assert choose(op, 64 << 20, two, worker=False) != "two_level"  # beside the worker
+    for op in ("gather", "scatter", "all_to_all"):
+        assert choose(op, 1 << 20, two) == "direct"
+    assert choose("barrier", 0, two) == "dissemination"
+    assert choose("agree", 0, two) == "two_level"
+    one = _shape([[0, 1, 2, 3]])
+    for op in ("all_reduce", "all_to_all", "barrier", "agree", "broadcast"):
+        assert choose(op, 1 << 20, one) == "shm"
+    assert choose("all_reduce", 1 << 20, one, worker=False) == "ring"  # prioritized: TCP
+    # one rank per host, or co-located ranks without shared memory: the flat size rule
+    for shape in (_shape([[0], [1], [2], [3]]), _shape([[0, 1], [2, 3]], shared=False)):
+        assert choose("all_reduce", 4096, shape) == "direct"
+        assert choose("all_reduce", 64 << 20, shape) == "ring"
+        assert choose("reduce_scatter", 64 << 20, shape) == "ring"
+        assert choose("broadcast", 64 << 20, shape) == "chain"
+        assert choose("broadcast", 4096, shape) == "direct"
+    eight = _shape([[i] for i in range(8)])
+    assert choose("all_reduce", 128 << 10, eight) == "hd"
+    assert choose("all_reduce", 1 << 20, eight) == "ring"
+    assert choose("all_reduce", 10, _shape([[0]])) == "direct"
+    # uneven hosts and a host with one rank of the group
+    assert choose("all_reduce", 1 << 20, _shape([[0, 1, 2, 3], [4, 5, 6]])) == "two_level"
+    assert choose("all_reduce", 1 << 20, _shape([[0, 2], [1]])) == "two_level"
+
+
+def test_table_overrides():
+    from linerate.collectives.algorithms import choose
+    two = _shape([[0, 1], [2, 3]])
+    one = _shape([[0, 1, 2]])
+    flat = _shape([[0], [1], [2]])
+    noshm = _shape([[0, 1], [2, 3]], shared=False)
+    for shape in (two, one):  # a flat algorithm is forced, over TCP even on one host
+        assert choose("all_reduce", 1 << 20, shape, allreduce_algo="hd") == "hd"
+        assert choose("all_reduce", 10, shape, allreduce_algo="ring") == "ring"
+        assert choose("all_gather", 10, shape, allreduce_algo="ring") == "ring"
+        assert choose("reduce_scatter", 1 << 20, shape, allreduce_algo="direct") == "direct"
+        assert choose("broadcast", 10, shape, rooted_algo="chain") == "chain"
+        assert choose("reduce", 1 << 20, shape, rooted_algo="direct") == "direct"
+    assert choose("reduce_scatter", 1 << 20, two, allreduce_algo="hd") == "two_level"
+    assert choose("all_gather", 10, flat, allreduce_algo="hd") == "direct"
+    # two_level is forced where it can run: one host, one rank per host; not without shm
+    for shape in (two, one, flat):
+        assert choose("all_reduce", 10, shape, allreduce_algo="two_level") == "two_level"
+        assert choose("reduce", 10, shape, rooted_algo="two_level") == "two_level"
+    assert choose("all_reduce", 1 << 20, noshm, allreduce_algo="two_level") == "ring"
+    assert choose("all_reduce", 1 << 20, two, allreduce_algo="two_level", worker=False) == "ring"
+    with pytest.raises(ValueError, match="no algorithm table entry"):
+        choose("all_reduce_twice", 1, two)
+
+
+def test_plan_columns():
+    """Every local rank owns a column; columns of a rank are contiguous; owners per column."""
+    from linerate.collectives.two_level import Plan
+    for hosts in ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3], [4, 5, 6]], [[0, 2], [1], [3, 4, 5]],
+                  [[0, 1, 2], [3, 4, 5], [6, 7, 8]]):
+        L = max(len(h) for h in hosts)
+        owned: dict = {}
+        for h in hosts:
+            for r in h:
+                p = Plan(hosts, r)
+                assert p.runs, (hosts, r)  # carries inter-host traffic
+                assert p.cols and all(i % len(h) == h.index(r) for i in p.cols)
+                for c0, c1, members in p.runs:
+                    assert r in members and len(members) == len(hosts)
+                    for c in range(c0, c1):
+                        owned.setdefault(c, set()).add(r)
+        assert sorted(owned) == list(range(L))
+        assert all(len(v) == len(hosts) for v in owned.values())  # one owner per host
+    p = Plan([[0, 1, 2, 3], [4, 5, 6, 7]], 5)
+    assert p.runs == [(1, 2, (1, 5))] and p.cols == [1]
+    assert p.bounds(10) == [0, 3, 6, 8, 10]
+
+
+# ----------------------------------------------------------------------------- netlab layouts
+# One launch per layout: every rank loops over ops, dtypes and sizes, each against Gloo on the
+# same inputs in the same launch, then a sub-group taking some ranks of a host.
+RANK_SCRIPT = r'''
+import hashlib, json, os
+import torch
+import torch.distributed as dist
+from linerate.collectives import two_level
+two_level.PIPE_BYTES = 64 << 10  # several pipeline chunks from 64 KiB on
+
+R = dist.ReduceOp
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+lw = int(os.environ["LOCAL_WORLD_SIZE"])
+cpu = torch.device("cpu")
+gloo = dist.new_group(backend="gloo")
+fails, cases = [], 0
+# the layout from torchrun's variables, as netlab sets them (hosts filled in order)
+hosts = json.loads(os.environ["TL_HOSTS"])
+sub = hosts[0][:max(2, len(hosts[0]) - 1)] + [h[0] for h in hosts[1:]]
+lr_sub, gl_sub = dist.new_group(sub, backend="linerate"), dist.new_group(sub, backend="gloo")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
+          "bfloat16": torch.bfloat16}
+
+
+def values(n, dt, seed, prod=False):
+    g = torch.Generator().manual_seed(seed)
+    if prod:  # powers of two: products exact in every dtype
+        return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).mul(
+            torch.randint(1, 3, (n,), generator=g)).to(dt)
+    return torch.randint(-3, 4, (n,), generator=g).to(dt)
+
+
+def check(what, a, b):
+    global cases
+    cases += 1
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()
+        fails.append(f"rank {rank}: {what}: {bad.numel()} elements differ, first at "
+                     f"{bad[0].tolist()}: {a.reshape(-1)[bad[0]].tolist()} vs gloo "
+                     f"{b.reshape(-1)[bad[0]].tolist()}")
+
+
+def run(g, gl, me, size, sizes, dtypes, tag):
+    for n in sizes:
+        for dname in dtypes:
+            dt = DTYPES[dname]
+            ops = [R.SUM, R.MAX, R.MIN, R.PRODUCT] + ([R.AVG] if dt.is_floating_point else [])
+            for op in ops:
+                x = values(n, dt, 7 * me + n, prod=op == R.PRODUCT)
+                a, b = x.clone(), x.clone()
+                dist.all_reduce(a, op=op, group=g)
+                dist.all_reduce(b, op=R.SUM if op == R.AVG else op, group=gl)
+                if op == R.AVG:
+                    b.div_(size)
+                check(f"{tag} all_reduce {dname}[{n}] {op}", a, b)
+            x = values(n * size, dt, 11 * me + n)
+            a, b = torch.empty(n, dtype=dt), torch.empty(n, dtype=dt)
+            dist.reduce_scatter_tensor(a, x, group=g)
+            dist.reduce_scatter_tensor(b, x, group=gl)
+            check(f"{tag} reduce_scatter {dname}[{n}]", a, b)
+            x = values(n, dt, 13 * me + n)
+            a, b = torch.empty(n * size, dtype=dt), torch.empty(n * size, dtype=dt)
+            dist.all_gather_into_tensor(a, x, group=g)
+            dist.all_gather_into_tensor(b, x, group=gl)
+            check(f"{tag} all_gather {dname}[{n}]", a, b)
+            for root in sorted({0, size // 2, size - 1}):
+                groot = dist.get_global_rank(g, root) if g is not None else root
+                a, b = x.clone(), x.clone()
+                dist.broadcast(a, groot, group=g)
+                dist.broadcast(b, groot, group=gl)
+                check(f"{tag} broadcast {dname}[{n}] root {root}", a, b)
+                a, b = x.clone(), x.clone()
+                dist.reduce(a, groot, group=g)
+                dist.reduce(b, groot, group=gl)
+                check(f"{tag} reduce {dname}[{n}] root {root}", a if me == root else x,
+                      b if me == root else x)  # a non-root's input is left alone
+
+
+run(None, gloo, rank, P, [0, 1, 7, 1001, 70_001], list(DTYPES), "world")
+# random floats: every rank the same bits (a digest of each result, gathered over Gloo)
+digests = []
+for n, dt in ((70_001, torch.float32), (1001, torch.bfloat16), (300_001, torch.float64)):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dt)
+    dist.all_reduce(x)
+    digests.append(int.from_bytes(hashlib.blake2b(x.view(torch.uint8).numpy().tobytes(),
+                                                  digest_size=7).digest(), "little"))
+every = [torch.zeros(3, dtype=torch.int64) for _ in range(P)]
+dist.all_gather(every, torch.tensor(digests), group=gloo)
+if any(not torch.equal(e, every[0]) for e in every):
+    fails.append(f"rank {rank}: random-float results differ between ranks: {every}")
+if rank in sub:
+    run(lr_sub, gl_sub, sub.index(rank), len(sub), [7, 70_001], ["float32", "int32"], "sub")
+pg = dist.group.WORLD._get_backend(cpu)
+algos = sorted({f"{r.op}:{r.algorithm}" for r in pg._flight.ring})
+print("TL", rank, json.dumps({"fails": fails[:20], "nfail": len(fails), "cases": cases,
+                              "algos": algos, "two_level": pg._shape.two_level_auto}), flush=True)
+dist.destroy_process_group()
+'''
+
+LAYOUTS = {"2x2": [2, 2], "2x4": [4, 4], "3x3": [3, 3, 3], "4+3": [4, 3]}
+
+
+@needs_netlab
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_against_gloo(name, lab_name, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    counts = LAYOUTS[name]
+    hosts, r = [], 0
+    for c in counts:
+        hosts.append(list(range(r, r + c)))
+        r += c
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "two_level_ranks.py"
+    script.write_text(RANK_SCRIPT)
+    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
+    up = subprocess.run(cli + ["up", "--hosts", str(len(counts)), "--rate", "none",
+                               "--ranks-per-host", ",".join(map(str, counts)), "--name", lab_name],
+                        cwd=root, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0, up.stdout + up.stderr
+    env = dict(os.environ, TL_HOSTS=json.dumps(hosts), OMP_NUM_THREADS="1")
+    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
+                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
+    out = {}
+    for line in res.stdout.splitlines():
+        words = line.split(None, 4)
+        if len(words) == 5 and words[2] == "TL":
+            out[int(words[3])] = json.loads(words[4])
+    assert res.returncode == 0 and sorted(out) == list(range(sum(counts))), \
+        res.stdout[-4000:] + res.stderr[-4000:]
+    for rank, o in out.items():
+        assert o["nfail"] == 0, "\n".join(o["fails"])
+        assert o["cases"] > 100 and o["two_level"], o
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
+            assert f"{op}:two_level" in o["algos"], o["algos"]

@@ -1,0 +1,341 @@
+"""Two-level collectives for a group that spans hosts with several ranks on a host: shared
+memory within each host (collectives/shm_algos.py on a SubComm of the host's ranks), TCP
+between hosts (the flat algorithms on SubComms of one rank per host), with every local rank
+carrying its share of the inter-host traffic (no leader per host).
+
+Layout (transport/shm.py ``Layout``): hosts ``0..H-1`` ordered by their lowest rank, ``n_h``
+ranks on host h (local ranks ``0..n_h-1`` in rank order), ``L = max n_h``. The data is cut
+into ``L`` *columns*; on host h, column c belongs to one local rank, its *owner*; the owners
+of column c on every host form the column's inter-host group (one rank per host, in host
+order). Every local rank owns at least one column, so every rank carries inter-host traffic;
+on even layouts each rank owns exactly one column and the H x n ranks form n disjoint
+inter-host rings. Hosts with fewer ranks give some of them two or more columns (4 + 3: one rank
+of the 3-rank host owns two); a rank runs its columns' inter-host groups in column order,
+which cannot deadlock (the lowest unfinished column's owners have all finished their earlier
+ones). A host with one rank of the group takes part without shared memory (its local phases
+are empty).
+
+- all_reduce: columns are contiguous (column c of host h: local rank ``c * n_h // L``), so a
+  rank's columns are one slice; consecutive columns with the same owners run as one group.
+  Local reduce-scatter in shared memory (each owner gets its slice reduced over the host, rank
+  order), inter-host all-reduce of the slice among the column's owners (pipelined ring; direct
+  when small), local all-gather in shared memory. Large tensors are cut into chunks of
+  PIPE_BYTES: the inter-host phase of chunk k runs on a helper thread while the worker does the
+  local phases of the chunks before and after it. Up to ``small_bytes``: a shared-memory
+  all_reduce of the whole tensor (every rank of a host gets the host's sum), then each rank
+  all-reduces it directly with its column's owners (no local all-gather).
+- reduce_scatter / all_gather: column i is local rank i's segment on every host that has one
+  (owner ``i % n_h``, so each rank's own segment is in its own column); inter-host ring
+  reduce-scatter / all-gather per column; local phases through shared memory.
+- broadcast: shared-memory broadcast on the root's host, inter-host chain (or direct) per
+  column slice, local all-gather on the other hosts. reduce: local reduce-scatter, inter-host
+  chain reduce per column slice to the root's host, local gather to the root.
+
+Bit-identical results on every rank: each element is reduced at one place in a fixed order
+(over a host's ranks in rank order, then over hosts as the ring does) and copied everywhere
+else; the small path folds identical host sums in host order on every column group.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import torch
+
+from . import chain, direct, ring, shm_algos
+from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
+
+#: SubComm tag of a host's ranks (local phases: shared memory, no slots used); the inter-host
+#: groups take 1..254 (column + 1).
+LOCAL_TAG = MAX_VIEW_TAG
+#: Most ranks on one host for two-level algorithms (one tag per column).
+MAX_COLUMNS = MAX_VIEW_TAG - 1
+#: all_reduce: chunk size of the pipeline between the local and the inter-host phases.
+PIPE_BYTES = 8 << 20
+#: Most chunks of one all_reduce.
+MAX_CHUNKS = 16
+
+
+class Plan:
+    """A group's two-level layout, seen from one rank (the same columns on every rank)."""
+
+    def __init__(self, hosts, rank: int):
+        self.hosts = tuple(tuple(h) for h in hosts)
+        self.H = len(self.hosts)
+        self.n = [len(h) for h in self.hosts]
+        self.L = max(self.n)
+        self.rank = rank
+        self.h = next(i for i, h in enumerate(self.hosts) if rank in h)
+        self.local = self.hosts[self.h]
+        self.j = self.local.index(rank)
+        if self.L > MAX_COLUMNS:
+            raise ValueError(f"rank {rank}: two-level collectives take at most {MAX_COLUMNS} ranks "
+                             f"per host, the group has {self.L}")
+        self.scratch = Scratch()  # the inter-host phases' (they run on a helper thread)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        # all_reduce / broadcast / reduce: contiguous columns, grouped by their owners
+        self.runs = self._runs(self.h, self.j)
+        # reduce_scatter / all_gather: column i, owner i % n_h
+        self.cols = [i for i in range(self.L) if i % self.n[self.h] == self.j]
+
+    # ------------------------------------------------------------------ columns
+    def owner(self, g: int, c: int) -> int:
+        """Group rank owning contiguous column c on host g."""
+        return self.hosts[g][c * self.n[g] // self.L]
+
+    def col_range(self, g: int, j: int) -> tuple[int, int]:
+        """Contiguous columns [c0, c1) of local rank j of host g."""
+        n = self.n[g]
+        return -(-j * self.L // n), -(-(j + 1) * self.L // n)
+
+    def _runs(self, g: int, j: int) -> list[tuple[int, int, tuple]]:
+        """This rank's columns as (c0, c1, owners): consecutive columns with the same owners."""
+        c0, c1 = self.col_range(g, j)
+        runs: list[list] = []
+        for c in range(c0, c1):
+            members = tuple(self.owner(x, c) for x in range(self.H))
+            if runs and runs[-1][2] == members:
+                runs[-1][1] = c + 1
+            else:
+                runs.append([c, c + 1, members])
+        return [tuple(r) for r in runs]
+
+    def bounds(self, n: int) -> list[int]:
+        """Element offsets of the L contiguous columns of n elements (L + 1 of them)."""
+        base, extra = divmod(n, self.L)
+        return [c * base + min(c, extra) for c in range(self.L + 1)]
+
+    def slices(self, n: int, g: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each local rank of host g (its contiguous columns) in n elements."""
+        b = self.bounds(n)
+        return [(b[c0], b[c1]) for c0, c1 in (self.col_range(g, q) for q in range(self.n[g]))]
+
+    def rs_members(self, i: int) -> tuple:
+        """Owners of reduce-scatter/all-gather column i, in host order."""
+        return tuple(h[i % len(h)] for h in self.hosts)
+
+    # ------------------------------------------------------------------ helper thread
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"linerate-2level-{self.rank}")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+
+def _local(comm, plan: Plan, engine):
+    """This host's ranks as a SubComm on the host's segment; None for a rank alone."""
+    if len(plan.local) < 2:
+        return None
+    loc = comm.sub(plan.local, LOCAL_TAG)
+    loc.shm = engine
+    return loc
+
+
+def _ar(sub, x: torch.Tensor, op, small_bytes: int) -> None:
+    """Inter-host all-reduce of one column slice among its owners."""
+    if x.numel() * x.element_size() <= small_bytes:
+        direct.all_reduce(sub, x, op)
+    else:
+        ring.all_reduce(sub, x, op)
+
+
+def _wait_futures(comm, futures) -> None:
+    """Wait for the helper thread's work of this op (also after a failure here: it must not
+    touch the tensors once the op returned)."""
+    for f in futures:
+        try:
+            f.result(timeout=max(0.0, comm.deadline - time.monotonic()) + 5.0)
+        except BaseException:  # noqa: BLE001 - the first failure is already being raised
+            pass
+
+
+# ---------------------------------------------------------------------------- all_reduce
+def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: int) -> None:
+    """In place on a contiguous 1-D tensor; AVG sums (the caller divides)."""
+    comm.algorithm = "two_level"
+    loc = _local(comm, plan, engine)
+    n = flat.numel()
+    es = flat.element_size()
+    subs = [(c0, c1, comm.sub(members, c0 + 1)) for c0, c1, members in plan.runs]
+    if n * es <= small_bytes:
+        if loc is not None:
+            shm_algos.all_reduce(loc, flat, op)
+        # The host's sum (the same bits on each of its ranks), folded over hosts in host order
+        # with each of this rank's column groups: the same result from each; a rank with
+        # several keeps the first.
+        host_sum = flat.clone() if len(subs) > 1 else None
+        for k, (_, _, sub) in enumerate(subs):
+            direct.all_reduce(sub, flat if k == 0 else host_sum.clone(), op)
+        return
+    per = max(1, min(n, max(PIPE_BYTES // es, -(-n // MAX_CHUNKS))))
+    chunks = [(o, min(per, n - o)) for o in range(0, n, per)]
+    mine = []   # per chunk: this rank's slices of it
+    for s in (sub for _, _, sub in subs):
+        s.scratch = plan.scratch
+
+    def inter(k: int) -> None:
+        o, ln = chunks[k]
+        b = plan.bounds(ln)
+        for c0, c1, sub in subs:
+            _ar(sub, flat[o + b[c0]:o + b[c1]], op, small_bytes)
+
+    pool = plan.pool()
+    futures = []
+    try:
+        for k, (o, ln) in enumerate(chunks):
+            x = flat[o:o + ln]
+            sl = plan.slices(ln, plan.h)
+            mine.append(sl)
+            if loc is not None:
+                lo, hi = sl[plan.j]
+                shm_algos.reduce_scatter_v(loc, [x[a:b] for a, b in sl], [b - a for a, b in sl],
+                                           x[lo:hi], op)
+            futures.append(pool.submit(inter, k))
+        for k, (o, ln) in enumerate(chunks):
+            left = comm.deadline - time.monotonic()
+            try:
+                futures[k].result(timeout=max(0.0, left))
+            except concurrent.futures.TimeoutError:
+                raise OpTimeout(f"rank {comm.rank}: {comm._desc} did not complete within the "
+                                f"{comm.timeout:.1f}s timeout: its inter-host phase (chunk {k} of "
+                                f"{len(chunks)}) had not finished") from None
+            if loc is not None:
+                x = flat[o:o + ln]
+                shm_algos.gather_v(loc, [x[a:b] for a, b in mine[k]])
+    except BaseException:
+        _wait_futures(comm, futures)
+        raise
+    finally:
+        plan.scratch.trim(comm.ctx.options.keep_bytes)
+
+
+# ---------------------------------------------------------------------------- reduce_scatter
+def reduce_scatter(comm, segs: list[torch.Tensor], out: torch.Tensor, op, plan: Plan, engine,
+                   small_bytes: int) -> None:
+    """Rank p gets the reduction of every rank's ``segs[p]`` in ``out`` (segs read only; all
+    of out's size). AVG sums (the caller divides)."""
+    comm.algorithm = "two_level"
+    loc = _local(comm, plan, engine)
+    m = out.numel()
+    H, hosts = plan.H, plan.hosts
+
+    def column(i: int):
+        """The group ranks whose segments form column i, in host order (None: host has none)."""
+        return [hosts[g][i] if i < plan.n[g] else None for g in range(H)]
+
+    # This host's local reduce-scatter: rank q of the host gets, for each of its columns, the
+    # host's partial of every segment of the column (host order), laid out one after another.
+    def share(q: int) -> list:
+        return [p for i in range(plan.L) if i % plan.n[plan.h] == q
+                for p in column(i) if p is not None]
+
+    mine = share(plan.j)
+    stage = comm.scratch.get(3, len(mine) * m, out.dtype)
+    if loc is not None:
+        shares = [share(q) for q in range(len(plan.local))]
+        shm_algos.reduce_scatter_v(loc, [shm_algos.Cat([segs[p] for p in s]) for s in shares],
+                                   [len(s) * m for s in shares], stage, op)
+    else:
+        for k, p in enumerate(mine):
+            stage[k * m:(k + 1) * m].copy_(segs[p])
+    off = 0
+    for i in plan.cols:
+        col = column(i)
+        parts = []
+        for p in col:
+            parts.append(stage[off:off + m] if p is not None else stage[:0])
+            off += m if p is not None else 0
+        sub = comm.sub(plan.rs_members(i), i + 1)
+        if len(col) * m * out.element_size() <= small_bytes:
+            _direct_rs(sub, parts, op)
+        else:
+            ring.reduce_scatter(sub, parts, op)
+        if col[plan.h] == comm.rank:
+            out.copy_(parts[plan.h])
+
+
+def _direct_rs(sub, parts: list[torch.Tensor], op) -> None:
+    """direct.reduce_scatter in place: sub-rank g's ``parts[g]`` receives the reduction."""
+    me = sub.rank
+    res = torch.empty_like(parts[me])
+    direct.reduce_scatter(sub, parts, res, op)
+    parts[me].copy_(res)
+
+
+# ---------------------------------------------------------------------------- all_gather
+def all_gather(comm, segs: list[torch.Tensor], plan: Plan, engine, small_bytes: int) -> None:
+    """``segs[q]`` receives rank q's contribution; ``segs[me]`` holds this rank's."""
+    comm.algorithm = "two_level"
+    loc = _local(comm, plan, engine)
+    H, hosts = plan.H, plan.hosts
+    empty = segs[comm.rank][:0]
+    for i in plan.cols:
+        col = [hosts[g][i] if i < plan.n[g] else None for g in range(H)]
+        parts = [segs[p] if p is not None else empty for p in col]
+        sub = comm.sub(plan.rs_members(i), i + 1)
+        if sum(x.numel() for x in parts) * empty.element_size() <= small_bytes:
+            direct.all_gather(sub, parts)
+        else:
+            ring.all_gather(sub, parts)
+    if loc is not None:
+        shares = []
+        for q in range(len(plan.local)):
+            shares.append(shm_algos.Cat([segs[hosts[g][i]] for i in range(plan.L)
+                                         if i % plan.n[plan.h] == q
+                                         for g in range(H) if i < plan.n[g]]))
+        shm_algos.gather_v(loc, shares)
+
+
+# ---------------------------------------------------------------------------- rooted
+def broadcast(comm, t: torch.Tensor, root: int, plan: Plan, engine, small_bytes: int) -> None:
+    comm.algorithm = "two_level"
+    loc = _local(comm, plan, engine)
+    hr = next(g for g, h in enumerate(plan.hosts) if root in h)
+    n = t.numel()
+    if plan.h == hr and loc is not None:
+        shm_algos.broadcast(loc, t, plan.local.index(root))
+    b = plan.bounds(n)
+    for c0, c1, members in plan.runs:
+        sub = comm.sub(members, c0 + 1)
+        x = t[b[c0]:b[c1]]
+        (direct if x.numel() * x.element_size() <= small_bytes else chain).broadcast(sub, x, hr)
+    if plan.h != hr and loc is not None:
+        shm_algos.gather_v(loc, [t[lo:hi] for lo, hi in plan.slices(n, plan.h)])
+
+
+def reduce(comm, flat: torch.Tensor, op, root: int, plan: Plan, engine, small_bytes: int) -> None:
+    """Result in ``flat`` on the root; other ranks' ``flat`` is not modified. AVG sums."""
+    comm.algorithm = "two_level"
+    loc = _local(comm, plan, engine)
+    hr = next(g for g, h in enumerate(plan.hosts) if root in h)
+    n = flat.numel()
+    sl = plan.slices(n, plan.h)
+    lo, hi = sl[plan.j]
+    part = comm.scratch.get(3, hi - lo, flat.dtype)
+    if loc is not None:
+        shm_algos.reduce_scatter_v(loc, [flat[a:b] for a, b in sl], [b - a for a, b in sl],
+                                   part, op)
+    else:
+        part.copy_(flat[lo:hi])
+    b = plan.bounds(n)
+    for c0, c1, members in plan.runs:
+        sub = comm.sub(members, c0 + 1)
+        x = part[b[c0] - lo:b[c1] - lo]
+        (direct if x.numel() * x.element_size() <= small_bytes else chain).reduce(sub, x, op, hr)
+    if plan.h == hr:
+        if loc is not None:
+            # the root receives every slice into its flat; each rank sends its part (a non-root
+            # rank's flat is only named for its length: it reads nothing into it)
+            segs = [part if q == plan.j else flat[a:b] for q, (a, b) in enumerate(sl)]
+            shm_algos.gather_v(loc, segs, plan.local.index(root))
+        if comm.rank == root:
+            flat[lo:hi].copy_(part)
