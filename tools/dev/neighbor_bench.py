@@ -11,6 +11,13 @@ Time-varying topologies are timed over whole periods. Printed: seconds per op, t
 all_reduce, and the theoretical ratio from the bytes on the busiest link direction: a topology
 at step t moves max over ranks of max(out-peers, in-neighbors) x M per rank, a ring all_reduce
 2(n-1)/n x M (one-peer exponential: 1 / 1.75 = 0.571 at n = 8).
+
+Hosts of several ranks (a lab started with ``--ranks-per-host``, or torchrun on several
+nodes): ``aer`` takes the ranks per host (LOCAL_WORLD_SIZE) as its nodes unless
+``--ranks-per-node`` says otherwise; ``aer-average`` is AER with intra-host averaging
+(``intra="average"``: on shared memory); ``hierarchical`` is hierarchical_neighbor_allreduce with
+the one-peer exponential graph of the hosts; ``aer-average-p2p`` is aer-average with its
+intra-host averages point to point (for comparison).
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="tensor size, K/M/G suffixes allowed (default 64M)")
     parser.add_argument("--topologies", default=DEFAULT_TOPOLOGIES,
                         help=f"comma separated topology names (default {DEFAULT_TOPOLOGIES}; also "
-                             "torus, aer (needs --ranks-per-node), complete)")
+                             "torus, aer, aer-average, aer-average-p2p, hierarchical, complete)")
     parser.add_argument("--ranks-per-node", type=_positive_int, default=None,
                         help="ranks per node for the aer topology")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32")
@@ -64,14 +71,56 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 def _check_topologies(args) -> str | None:
     from linerate.collectives.topology import NAMES
+    known = list(NAMES) + list(_HOST_TOPOLOGIES)
     names = [t.strip() for t in args.topologies.split(",") if t.strip()]
-    unknown = [t for t in names if t not in NAMES]
+    unknown = [t for t in names if t not in known]
     if unknown or not names:
-        return f"unknown topology {', '.join(unknown) or '(none)'}; choose from {', '.join(NAMES)}"
-    if "aer" in names and not args.ranks_per_node:
-        return "the aer topology needs --ranks-per-node"
+        return f"unknown topology {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}"
     args.topology_names = names
     return None
+
+
+_HOST_TOPOLOGIES = ("aer-average", "aer-average-p2p", "hierarchical")
+
+
+def _make_topologies(args, world: int, hosts: int):
+    """{name: (topology, op(x, topo, step), the rank-level matrix at a step)}."""
+    import numpy as np
+
+    from linerate import hierarchical_neighbor_allreduce, neighbor_allreduce
+    from linerate import topology as T
+    from linerate.collectives import neighbor as nb
+    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or world
+    if world % rpn:
+        raise ValueError(f"{world} ranks do not split into nodes of {rpn} (--ranks-per-node)")
+
+    def p2p(x, topo, step):
+        nb._SHM_AVERAGES = False
+        try:
+            neighbor_allreduce(x, topo, step=step)
+        finally:
+            nb._SHM_AVERAGES = True
+
+    out = {}
+    for name in args.topology_names:
+        if name == "hierarchical":
+            topo = T.one_peer_exponential(hosts)
+            r = world // hosts
+            out[name] = (topo, lambda x, t, s: hierarchical_neighbor_allreduce(x, t, step=s),
+                         lambda s, topo=topo, r=r: np.kron(topo.matrix(s),
+                                                           np.full((r, r), 1.0 / r)))
+            continue
+        if name in ("aer", "aer-average", "aer-average-p2p"):
+            kw = {"ranks_per_node": rpn}
+            if name != "aer":
+                kw["intra"] = "average"
+            topo = T.by_name("aer", world, **kw)
+        else:
+            topo = T.by_name(name, world)
+        op = p2p if name == "aer-average-p2p" else (
+            lambda x, t, s: neighbor_allreduce(x, t, step=s))
+        out[name] = (topo, op, topo.matrix)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,8 +150,7 @@ def run_worker(args) -> int:
     import torch.distributed as dist
 
     import linerate  # noqa: F401 - registers the backend
-    from linerate import neighbor_allreduce
-    from linerate import topology as T
+    from linerate.collectives import neighbor as nb
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     options = linerate.Options.from_env()
@@ -114,15 +162,17 @@ def run_worker(args) -> int:
     try:
         dtype = getattr(torch, args.dtype)
         numel = args.bytes // torch.empty((), dtype=dtype).element_size()
-        kw = {"aer": {"ranks_per_node": args.ranks_per_node}}
-        topos = {name: T.by_name(name, world, **kw.get(name, {})) for name in args.topology_names}
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        hosts, _ = nb._layout(backend)
+        made = _make_topologies(args, world, len(hosts))
+        topos = {name: t for name, (t, _, _) in made.items()}
         x = torch.full((numel,), float(rank + 1), dtype=dtype)
 
         # sanity: constant inputs c_j = j + 1 give sum_j W[i, j] c_j everywhere
-        for name, topo in topos.items():
+        for name, (topo, op, matrix) in made.items():
             x.fill_(rank + 1)
-            neighbor_allreduce(x, topo, step=0)
-            want = float(topo.matrix(0)[rank] @ (torch.arange(world, dtype=torch.float64) + 1).numpy())
+            op(x, topo, 0)
+            want = float(matrix(0)[rank] @ (torch.arange(world, dtype=torch.float64) + 1).numpy())
             got = (x[0].item(), x[-1].item()) if numel else (want, want)
             tol = 1e-2 * abs(want) if dtype in (torch.bfloat16, torch.float16) else 1e-5 * abs(want)
             if any(abs(g - want) > tol for g in got):
@@ -131,8 +181,8 @@ def run_worker(args) -> int:
         def op_for(name):
             if name == "all_reduce":
                 return lambda i: dist.all_reduce(x)
-            topo = topos[name]
-            return lambda i: neighbor_allreduce(x, topo, step=i)
+            topo, op, _ = made[name]
+            return lambda i: op(x, topo, i)
 
         methods = ["all_reduce"] + list(topos)
         iters = {m: args.iters if m == "all_reduce" else
@@ -175,14 +225,19 @@ def _report(args, world, numel, dtype, topos, per_op, best, count) -> None:
     print(f"neighbor_allreduce vs all_reduce: {world} ranks ({where}), {args.bytes / 2**20:g} MiB "
           f"{str(dtype).replace('torch.', '')} ({numel} elements), linerate, "
           f"all_reduce algorithm {getattr(args, 'allreduce_algo', 'ring')}")
-    print(f"{'method':<30}{'s/op':>9}{'ratio':>8}{'best':>9}{'ratio':>8}{'theory':>8}"
+    w = max([30] + [len(repr(t)) + 14 for t in topos.values()])
+    print(f"{'method':<{w}}{'s/op':>9}{'ratio':>8}{'best':>9}{'ratio':>8}{'theory':>8}"
           f"{'M/link':>8}{'ops':>6}  gap")
-    print(f"{'all_reduce':<30}{ar:>9.4f}{1.0:>8.3f}{best['all_reduce']:>9.4f}{1.0:>8.3f}{1.0:>8.3f}"
+    print(f"{'all_reduce':<{w}}{ar:>9.4f}{1.0:>8.3f}{best['all_reduce']:>9.4f}{1.0:>8.3f}{1.0:>8.3f}"
           f"{ar_units:>8.3f}{count['all_reduce']:>6}")
     for name, topo in topos.items():
         units = theoretical_bytes(topo)
-        print(f"{repr(topo):<30}{per_op[name]:>9.4f}{per_op[name] / ar:>8.3f}{best[name]:>9.4f}"
-              f"{best[name] / best['all_reduce']:>8.3f}{units / ar_units:>8.3f}{units:>8.3f}"
+        label = (f"hierarchical {topo!r}" if name == "hierarchical" else
+                 f"{topo!r} p2p" if name.endswith("-p2p") else repr(topo))
+        theory = "-" if name in _HOST_TOPOLOGIES else f"{units / ar_units:.3f}"
+        link = "-" if name in _HOST_TOPOLOGIES else f"{units:.3f}"
+        print(f"{label:<{w}}{per_op[name]:>9.4f}{per_op[name] / ar:>8.3f}{best[name]:>9.4f}"
+              f"{best[name] / best['all_reduce']:>8.3f}{theory:>8}{link:>8}"
               f"{count[name]:>6}  {topo.spectral_gap():.3f}")
     print("s/op: mean over all rounds (the slowest rank's time); best: the best round's s/op; "
           "ratio: over all_reduce's; theory: bytes on the busiest link direction over "
