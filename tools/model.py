@@ -1356,7 +1356,8 @@ def measure_shared_memory(lab, layout: list[int], nbytes: int = DEFAULT_SHM_BYTE
 def measure_hosts(lab, seconds: float = DEFAULT_MEASURE_SECONDS, pings: int = DEFAULT_PINGS,
                   shm_bytes: int = DEFAULT_SHM_BYTES) -> tuple[Cluster, dict]:
     """Measure a lab with several ranks per host (``netlab up --ranks-per-host``): the host
-    link (one TCP flow h0 -> h1, rail 0, times the rails), the one-way latency between hosts,
+    link (a TCP flow h0 -> h1 and one h1 -> h0 at once, the slower, rail 0, times the rails; one
+    flow alone is reported too), the one-way latency between hosts,
     the loopback TCP inside h0 (the flat ring's hops inside a host), and the shared-memory
     All-Reduce of every host at once (measure_shared_memory, ``shm_bytes``: the model's bytes
     fit best)."""
@@ -1365,10 +1366,16 @@ def measure_hosts(lab, seconds: float = DEFAULT_MEASURE_SECONDS, pings: int = DE
     hosts = [lab.hosts[h] for h in range(len(layout))]
     raw: dict = {"lab": lab.name, "seconds": seconds, "ranks_per_host": layout}
     if len(hosts) >= 2:
-        raw["inter_bps"] = netlab.probe(lab, hosts[0].name, hosts[1].name, seconds)
-        raw["inter_single_bps"] = raw["inter_bps"]
+        a, b = hosts[0].name, hosts[1].name
+        raw["inter_single_bps"] = netlab.probe(lab, a, b, seconds)
+        # both ways at once, as every collective loads the link (ring, exchanges): each
+        # direction's data shares the wire with the other's acknowledgements
+        both = _concurrent([lambda: netlab.probe(lab, a, b, seconds),
+                            lambda: netlab.probe(lab, b, a, seconds)])
+        raw["inter_both_ways_bps"] = both
+        raw["inter_bps"] = min(both)
         raw["inter_flows"] = 1
-        raw["inter_latency_s"] = _one_way_latency(lab, hosts[0].name, hosts[1].name, pings)
+        raw["inter_latency_s"] = _one_way_latency(lab, a, b, pings)
     raw["intra_bps"] = netlab.probe(lab, hosts[0].name, hosts[0].name, seconds)
     raw["intra_latency_s"] = _one_way_latency(lab, hosts[0].name, hosts[0].name, pings)
     raw["shm"] = measure_shared_memory(lab, layout, shm_bytes)
