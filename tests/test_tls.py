@@ -178,10 +178,10 @@ except Exception as e:
     sys.stdout.flush()
     os._exit(3)
 ctx = dist.group.WORLD._get_backend(torch.device("cpu"))._ctx
-socks = [c.sock for p in ctx.peers.values() for c in p.conns]
+conns = [c for p in ctx.stats()["peers"] for link in p["links"] for c in link["connections"]]
 info = {"shm": ctx.shm is not None,
-        "streams": sorted({type(s).__name__ + ":" + str(getattr(s, "version", "plain"))
-                           for s in socks})}
+        "streams": sorted({("TlsStream:" + c["tls"]) if c["tls"] else "socket:plain"
+                           for c in conns})}
 
 def data(r, n, salt):
     rng = np.random.default_rng(1000 * salt + r)
@@ -455,7 +455,8 @@ dist.broadcast(b, 0)
 a = t.clone()
 dist.all_reduce(a, op=dist.ReduceOp.MAX)
 ctx = dist.group.WORLD._get_backend(torch.device("cpu"))._ctx
-kinds = sorted({type(c.sock).__name__ for p in ctx.peers.values() for c in p.conns})
+kinds = sorted({"TlsStream" if c["tls"] else "socket" for p in ctx.stats()["peers"]
+                for link in p["links"] for c in link["connections"]})
 with open(os.environ["OUT"] + ".rank%d" % RANK, "w") as f:
     json.dump({"ok": bool(torch.equal(b, t) and torch.equal(a, t)), "kinds": kinds}, f)
 dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""A transport context: the full mesh of striped TCP connections of one group, and matching.
+"""A transport Context: the links of one rank to every other rank of a group, and matching.
 
 Algorithms talk to it in two verbs (as Gloo's pairs and ncclNet do)::
 
@@ -7,78 +7,58 @@ Algorithms talk to it in two verbs (as Gloo's pairs and ncclNet do)::
     req.wait(timeout)
 
 Messages between two ranks on one (channel, tag) match in the order they were posted on each
-side (a per-key message number travels in every frame), whatever connection their chunks took.
-Each message is cut into ``chunk_bytes`` chunks; every connection of the peer has a sender
-thread that takes the next chunk of the head message, so the chunks of one message go out on
-all connections (and all rails) at once, and a slow connection simply takes fewer. Each
-connection also has a receiver thread that reads a header and then the payload straight into
-the posted buffer (``recv_into`` a memoryview of the tensor): no copy, no Python bytes object.
-A message that arrives before its receive is posted is staged in a buffer of its announced
-size (bounded by ``max_unexpected_bytes``) and copied once the receive comes.
+side (a per-key message number travels with every message), whatever stream carried them
+(transport/matching.py). The Context is built in three parts:
+
+- rendezvous (transport/rendezvous.py): the Store, the agreement record, the group's secret,
+  the link kind for each peer;
+- links (transport/link.py, the interface; transport/tcp.py, transport/rdma.py): one per
+  peer, driven only through that interface; the Context is every link's sink: a link asks it
+  where an arriving chunk goes (the matcher answers) and tells it of control frames,
+  failures and closes;
+- failure propagation: a peer that dies fails every transfer with it and (fail fast) every
+  pending collective of the group, and the others learn why (ERROR frames).
+
+The Context speaks no collective vocabulary of its own: a mismatch is a set of facts
+(matching.Mismatch) that ``describe_mismatch``, given by the user of the Context, words.
+``stats()`` is a plain snapshot of every link (the metrics exporter reads only that).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import errno
 import logging
-import socket
-import struct
 import threading
 import time
-import zlib
 
-from . import framing, handshake, metrics, rdma, rendezvous, shm, tls
-from .matching import Matcher, Mismatch, Staged as _Staged
-from .framing import (CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_CLOSE, KIND_DATA, KIND_ERROR,
-                      KIND_PROGRESS, KIND_QUERY)
+from . import framing, metrics, rdma, rendezvous, shm, tcp, tls
+from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_PROGRESS, KIND_QUERY
 from .interfaces import listen_addresses
+from .link import LinkSink
+from .matching import Matcher, Mismatch, Staged as _Staged
 from .options import TransportOptions, sockets_per_rail
 from .request import MismatchError, PeerFailure, Request, TransportError
+from .tcp import LINK_TIMEOUT_DEFAULT, tune as _tune  # noqa: F401 - re-exported
 
 log = logging.getLogger("linerate.transport")
 
 _STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
-#: Default of LINERATE_LINK_TIMEOUT (seconds; see _tune).
-LINK_TIMEOUT_DEFAULT = 60.0
-
-
-class _Conn:
-    __slots__ = ("peer", "index", "sock", "sent_bytes", "recv_bytes", "local", "remote", "closed")
-
-    def __init__(self, peer: int, index: int, sock: socket.socket):
-        self.peer = peer
-        self.index = index
-        self.sock = sock
-        self.sent_bytes = 0
-        self.recv_bytes = 0
-        self.closed = False
-        try:
-            self.local = sock.getsockname()[0]
-            self.remote = sock.getpeername()[0]
-        except OSError:
-            self.local = self.remote = "?"
 
 
 class _Peer:
-    def __init__(self, rank: int, nconns: int):
+    """A peer as the Context sees it: its link, and why it can no longer be reached."""
+
+    __slots__ = ("rank", "link", "failure")
+
+    def __init__(self, rank: int):
         self.rank = rank
-        self.conns: list[_Conn | None] = [None] * nconns
-        self.cond = threading.Condition(threading.Lock())  # guards send_queue
-        self.send_queue: collections.deque = collections.deque()
-        #: Sends not known to be finished (guarded by cond): a send whose last chunk a sender
-        #: thread has taken has left send_queue; if that thread dies with the connection, the
-        #: failure must still reach the send (finished ones are pruned now and then).
-        self.sending: set = set()
-        self.prune_at = 256  # len(sending) at which finished sends are dropped (amortized)
+        self.link = None
         self.failure: BaseException | None = None
-        self.closes_seen = 0
 
 
-class Context:
-    """The connections of ``rank`` to every other rank of a group of ``size`` ranks."""
+class Context(LinkSink):
+    """The links of ``rank`` to every other rank of a group of ``size`` ranks."""
 
     def __init__(self, store, rank: int, size: int, options: TransportOptions | None = None,
                  opnames: dict[int, str] | None = None, label: str = "", scope: str = ""):
@@ -104,8 +84,6 @@ class Context:
         self.on_failure: list = []
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
-        self._threads: list[threading.Thread] = []
-        self._scratch = threading.local()
         rails = self.options.ifnames
         self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
         self.nrails = len(self.addresses)
@@ -113,7 +91,7 @@ class Context:
             self.options = dataclasses.replace(
                 self.options, nsocks=sockets_per_rail(0, self.nrails))
         self.nconns = self.options.nsocks * self.nrails
-        self.peers: dict[int, _Peer] = {p: _Peer(p, self.nconns) for p in range(size) if p != rank}
+        self.peers: dict[int, _Peer] = {p: _Peer(p) for p in range(size) if p != rank}
         #: Posted and staged messages of every peer (transport/matching.py); its lock guards
         #: the matching state and the mesh's progress (_mesh_cond).
         self.matcher = Matcher(self.peers, self.options.max_unexpected_bytes, self.options.keep_bytes)
@@ -121,12 +99,13 @@ class Context:
         self._mesh_cond = threading.Condition(self._lock)
         #: Global rank of each group rank (for metrics labels); None: the same numbers.
         self.global_ranks: list[int] | None = None
-        #: "tcp" or "rdma": what the connections are (LINERATE_TRANSPORT, agreed at rendezvous).
+        #: "tcp" or "rdma": what the links are (LINERATE_TRANSPORT, agreed at rendezvous).
         self.transport = "tcp"
         #: The group's shared-memory segment (transport/shm.py), or None.
         self.shm = None
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
+        self._tcp: tcp.TcpMesh | None = None  # TCP set-up (its listeners), while it runs
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -147,12 +126,12 @@ class Context:
         except BaseException as e:
             if not isinstance(e, rendezvous.PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
+            self._discard_links()
             raise
 
-    def _build_mesh_on(self, store: rendezvous.Rendezvous, deadline: float) -> None:
+    def _build_mesh_on(self, rv: rendezvous.Rendezvous, deadline: float) -> None:
         opts = self.options
-        pre = self._prefix
-        self._secret = store.agree(rendezvous.agreed_settings(self.options, self.nrails))
+        self._secret = rv.agree(rendezvous.agreed_settings(self.options, self.nrails))
         if opts.tls:  # agreed above: every rank has it on
             if opts.transport == "rdma":
                 raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
@@ -161,148 +140,39 @@ class Context:
             if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
                 opts = dataclasses.replace(opts, transport="tcp")
             self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
-        kinds = rendezvous.choose_links(store, self.rank, self.size, opts)
-        self.transport = kinds[next(iter(kinds))] if kinds else "tcp"
-        if self.transport == "rdma":  # RC queue pairs as the connections (transport/rdma.py)
-            rdma.build_mesh(self, store, deadline, pre)
-            return
-        listeners = []
-        for addr in self.addresses:
-            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            ls = socket.socket(family, socket.SOCK_STREAM)
-            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            ls.bind((addr, 0))
-            ls.listen(max(128, self.size * self.nconns))
-            listeners.append(ls)
-        self._listeners = listeners
-        published = [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
-        store.publish_addresses(published)
-        for ls in listeners:
-            self._spawn(self._accept_loop, ls, name="linerate-accept")
-        # Each rank connects to the lower ranks and accepts from the higher ones.
-        for peer in range(self.rank):
-            remote = store.addresses_of(peer, self.nrails)
-            for rail in range(self.nrails):
-                for k in range(opts.nsocks):
-                    index = rail * opts.nsocks + k
-                    sock = self._connect(peer, remote[rail], self.addresses[rail], index, deadline)
-                    self._add_conn(peer, index, sock)
-        with self._mesh_cond:
-            while not self._mesh_complete():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(p.rank for p in self.peers.values() if None in p.conns)
-                    refused = self._tls.last_refusal if self._tls is not None else None
-                    raise TransportError(
-                        f"rank {self.rank}: connections from ranks {missing} did not arrive within "
-                        f"{opts.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); are all ranks "
-                        f"started and is their address reachable?"
-                        + (f" (LINERATE_TLS: the last TLS handshake refused here: {refused})"
-                           if refused else ""))
-                self._mesh_cond.wait(min(left, 0.05))
-                store.raise_if_failed("while waiting for connections")
-        for ls in listeners:  # mesh complete: nobody else may connect
-            try:
-                ls.close()
-            except OSError:
-                pass
-        log.debug("rank %d: mesh of %d ranks x %d connections ready", self.rank, self.size, self.nconns)
+        kinds = rendezvous.choose_links(rv, self.rank, self.size, opts)
+        if len(set(kinds.values())) > 1:
+            raise TransportError(f"rank {self.rank}: links of several kinds in one group "
+                                 f"({sorted(set(kinds.values()))}) are not supported")
+        self.transport = next(iter(kinds.values()))
+        if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
+            ports = rdma.open_ports(self.rank, opts)
+            self._use_rails(len(ports))
+            links = rdma.build_links(rv, self.rank, self.size, self._secret, opts, ports,
+                                     self.link_timeout, deadline, self._prefix)
+        else:
+            mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
+                                           self.addresses, self._tls, self.link_timeout)
+            rv.publish_addresses(mesh.listen())
+            links = mesh.links(mesh.connect(rv, deadline))
+        for p, link in links.items():
+            self.peers[p].link = link
+        for link in links.values():
+            link.start(self)
 
     def _use_rails(self, nrails: int) -> None:
-        """Another transport's number of rails (RDMA: ports), before any connection exists."""
+        """Another transport's number of rails (RDMA: ports), before any link exists."""
         self.nrails = nrails
         self.nconns = self.options.nsocks * nrails
-        self.peers = {p: _Peer(p, self.nconns) for p in self.peers}
 
-    def _mesh_complete(self) -> bool:
-        return all(None not in p.conns for p in self.peers.values())
-
-    def _connect(self, peer: int, remote, local_addr: str, index: int, deadline: float) -> socket.socket:
-        host, port = remote
-        delay = 0.01
-        while True:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                if self.nrails > 1:
-                    sock.bind((local_addr, 0))
-                sock.settimeout(max(1.0, min(30.0, deadline - time.monotonic())))
-                sock.connect((host, port))
-                _tune(sock, self.link_timeout)
-                if self._tls is not None:  # TLS first; linerate's handshake runs inside it
-                    sock = self._tls.wrap(sock, False, f"rank {peer} ({host}:{port})")
-                handshake.connect_side(sock, self._secret, self.rank, peer, index, self.nconns)
-                sock.settimeout(None)
-                return sock
-            except (OSError, handshake.HandshakeError) as e:
-                sock.close()
-                retryable = isinstance(e, (ConnectionRefusedError, socket.timeout)) or (
-                    isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET,
-                                                           errno.EHOSTUNREACH, errno.ENETUNREACH))
-                if not retryable or time.monotonic() + delay > deadline:
-                    raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
-                                         f"{host}:{port} (connection {index}): {e}") from e
-                # A peer that gave up (a setting that differs, say) closed its listener: its
-                # report, not this refusal, is the cause, and it must not take until the deadline.
-                rv = getattr(self, "_rv", None)
-                if rv is not None:
-                    rv.raise_if_failed(f"while connecting to rank {peer}")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-
-    def _accept_loop(self, ls: socket.socket) -> None:
-        while True:
-            with self._lock:
-                if self._closing or self._mesh_complete():
-                    return
-            try:
-                ls.settimeout(0.5)
-                sock, addr = ls.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if ls.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
-                    return  # listener closed
-                # Out of descriptors (a flood) or a connection reset before accept: keep
-                # accepting; the mesh's own deadline still bounds the wait.
-                log.warning("rank %d: accept failed (%s); retrying", self.rank, e)
-                time.sleep(0.1)
-                continue
-            self._spawn(self._accept_one, sock, addr, name="linerate-handshake")
-
-    def _accept_one(self, sock: socket.socket, addr) -> None:
-        try:
-            sock.settimeout(min(10.0, self.options.connect_timeout))
-            _tune(sock, self.link_timeout)
-            if self._tls is not None:  # TLS first; linerate's handshake runs inside it
-                sock = self._tls.wrap(sock, True, f"the connection from {tls.peer_label(addr)}")
-            peer, index = handshake.accept_side(sock, self._secret, self.rank, self.size, self.nconns)
-            if peer < self.rank:
-                raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")
-            sock.settimeout(None)
-            self._add_conn(peer, index, sock)
-        except (OSError, handshake.HandshakeError, TransportError) as e:
-            log.warning("rank %d: dropped connection from %s: %s", self.rank, addr, e)
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def _add_conn(self, peer: int, index: int, sock: socket.socket) -> None:
-        p = self.peers[peer]
-        conn = _Conn(peer, index, sock)
-        with self._mesh_cond:
-            if p.conns[index] is not None:
-                raise handshake.HandshakeError(f"duplicate connection {index} from rank {peer}")
-            p.conns[index] = conn
-            self._mesh_cond.notify_all()
-        self._spawn(self._recv_loop, p, conn, name=f"linerate-recv-{peer}.{index}")
-        self._spawn(self._send_loop, p, conn, name=f"linerate-send-{peer}.{index}")
-
-    def _spawn(self, fn, *args, name: str) -> None:
-        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
+    def _discard_links(self) -> None:
+        """Set-up failed: close what was built (peers learn the cause from the report)."""
+        if self._tcp is not None:
+            self._tcp.abort()
+        for p in self.peers.values():
+            if p.link is not None:
+                p.link.begin_close()
+                p.link.close(time.monotonic())
 
     # ------------------------------------------------------------------ posting
     def isend(self, peer: int, buf: memoryview, channel: int, tag: int, opcode: int = 0,
@@ -321,29 +191,15 @@ class Context:
         req.call = call
         req.priority = priority
         p = self._peer(peer)
-        chunk = self.options.chunk_bytes
-        req.chunks_left = max(1, -(-req.total // chunk))
         with self._lock:
             err = self._refusal(channel) or p.failure
             if err is None:
                 req.msgno = slot if slot is not None else self.matcher.next_send(peer, channel, tag)
+        if err is None and not p.link.isend(req):
+            err = p.failure or TransportError(f"rank {self.rank}: the link to rank {peer} is "
+                                              f"down or closing")
         if err is not None:
             req._finish(_wrap(err))
-            return req
-        with p.cond:
-            q = p.send_queue
-            if not q or priority >= getattr(q[-1], "priority", priority):
-                q.append(req)
-            else:  # behind the last message at least as urgent (control frames stay first)
-                i = len(q) - 1
-                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
-                    i -= 1
-                q.insert(i, req)
-            if len(p.sending) >= p.prune_at:
-                p.sending = {r for r in p.sending if not r.is_completed()}
-                p.prune_at = max(256, 2 * len(p.sending))
-            p.sending.add(req)
-            p.cond.notify()
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
@@ -469,166 +325,27 @@ class Context:
             raise ValueError(f"invalid peer rank {peer} for rank {self.rank} in a group of "
                              f"{self.size}") from None
 
-    # ------------------------------------------------------------------ threads
-    def _send_loop(self, p: _Peer, conn: _Conn) -> None:
-        sock = conn.sock
-        credit = self.options.credit_bytes
-        if credit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
-            # The credit window: at most this much not-yet-sent data waits in the kernel's
-            # (FIFO) buffer, so a more urgent message queued here overtakes the rest.
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT,
-                                max(16 << 10, credit // self.nconns))
-            except (OSError, AttributeError) as e:  # not a TCP socket (RDMA stream)
-                log.debug("rank %d: no credit window on connection %d to rank %d: %s",
-                          self.rank, conn.index, p.rank, e)
-        chunk = self.options.chunk_bytes
-        pack = framing.HEADER.pack
-        checksum = self.options.checksum
-        try:
-            while True:
-                with p.cond:
-                    while not p.send_queue:
-                        if self._closing or conn.closed:
-                            raise _Closing
-                        p.cond.wait()
-                    req = p.send_queue[0]
-                    if isinstance(req, tuple):  # a control frame (kind, payload[, tag])
-                        p.send_queue.popleft()
-                        kind, payload, ctag = req if len(req) == 3 else (*req, 0)
-                        req = None
-                    else:
-                        off = req.next_off
-                        n = min(chunk, req.total - off)
-                        buf = req.buf  # once, here: a failure elsewhere may clear it
-                        req.next_off = off + n
-                        if req.next_off >= req.total:
-                            p.send_queue.popleft()
-                        if p.send_queue:
-                            p.cond.notify()  # more chunks: another connection takes the next
-                if req is None:
-                    sock.sendall(pack(kind, 0, 0, len(payload), ctag, 0, len(payload), 0, 0) + payload)
-                    continue
-                if req.error is not None or buf is None:
-                    continue  # failed while queued: drop the rest
-                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off,
-                           req.call)
-                if n:
-                    data = buf[off:off + n]
-                    sent = sock.sendmsg((hdr, data))
-                    if sent < framing.HEADER_SIZE:
-                        sock.sendall(hdr[sent:])
-                        sock.sendall(data)
-                    elif sent < framing.HEADER_SIZE + n:
-                        sock.sendall(data[sent - framing.HEADER_SIZE:])
-                    if checksum:
-                        sock.sendall(_CRC.pack(zlib.crc32(data)))
-                else:
-                    sock.sendall(hdr)
-                conn.sent_bytes += n
-                with self._lock:
-                    req.chunks_left -= 1
-                    done = req.chunks_left == 0
-                if done:
-                    req._finish()
-        except _Closing:
-            try:
-                sock.sendall(framing.pack_header(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0))
-            except OSError:
-                pass
-        except OSError as e:
-            if not self._closing:
-                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: sending to rank {p.rank} "
-                                                f"failed ({e}); did rank {p.rank} exit or crash?"))
+    @property
+    def staged_messages(self) -> int:
+        """Messages that arrived before their receive (each copied once)."""
+        return self.matcher.staged_messages
 
-    def _recv_loop(self, p: _Peer, conn: _Conn) -> None:
-        sock = conn.sock
-        hbuf = bytearray(framing.HEADER_SIZE)
-        hview = memoryview(hbuf)
-        max_chunk = max(self.options.chunk_bytes, 1 << 24)  # peers may run another chunk size
-        unpack = framing.unpack_header
-        checksum = self.options.checksum
-        cbuf = bytearray(_CRC.size)
-        try:
-            while True:
-                if not _recv_into(sock, hview, framing.HEADER_SIZE):
-                    raise _PeerEOF
-                kind, opcode, channel, length, tag, msgno, total, off, call = unpack(hbuf, max_chunk)
-                if kind == KIND_DATA:
-                    with self._lock:
-                        target, mismatch = self.matcher.incoming(p.rank, opcode, channel, tag,
-                                                                 msgno, total, call)
-                        buf = None if target is None else target.buf
-                        dest = buf[off:off + length] if buf is not None and length else None
-                    if mismatch is not None:
-                        self._on_mismatch(mismatch[0], MismatchError(self._describe(mismatch[1])))
-                    if buf is None:  # mismatched or failed receive: drain and drop
-                        target = None
-                        dest = self._discard(length)
-                    if length and not _recv_into(sock, dest, length):
-                        raise _PeerEOF
-                    if checksum and length:
-                        if not _recv_into(sock, memoryview(cbuf), _CRC.size):
-                            raise _PeerEOF
-                        if _CRC.unpack(cbuf)[0] != zlib.crc32(dest):
-                            raise framing.FrameError(
-                                f"checksum mismatch in bytes [{off}, {off + length}) of a "
-                                f"{total}-byte message (tag {tag}): the data was corrupted on the "
-                                f"way (LINERATE_CHECKSUM)")
-                    conn.recv_bytes += length
-                    if target is not None:
-                        self._chunk_arrived(p, target, channel, tag, msgno, length)
-                elif kind == KIND_ERROR:
-                    text = bytearray(length)
-                    if length and not _recv_into(sock, memoryview(text), length):
-                        raise _PeerEOF
-                    msg = bytes(text).decode("utf-8", "replace")
-                    self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
-                                     only_collective=True)
-                elif kind == KIND_QUERY:  # answered at once, whatever this rank is doing
-                    with p.cond:
-                        if p.failure is None:
-                            p.send_queue.appendleft((KIND_PROGRESS, b"", self.progress))
-                            p.cond.notify()
-                elif kind == KIND_PROGRESS:
-                    with self._mesh_cond:
-                        self._answers[p.rank] = tag
-                        self._mesh_cond.notify_all()
-                else:  # CLOSE
-                    conn.closed = True
-                    with self._lock:
-                        p.closes_seen += 1
-                        all_closed = p.closes_seen == self.nconns
-                    if all_closed:
-                        self._fail_peer(p, PeerFailure(p.rank, f"rank {p.rank} closed its process group "
-                                                       f"while rank {self.rank} still expects data from it"),
-                                        break_group=False)
-                    with p.cond:
-                        p.cond.notify_all()
-                    return
-        except _PeerEOF:
-            if not self._closing:
-                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: connection {conn.index} to "
-                                                f"rank {p.rank} ({conn.remote}) closed unexpectedly: "
-                                                f"rank {p.rank} exited or crashed"))
-        except framing.FrameError as e:
-            self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: protocol error from rank "
-                                            f"{p.rank}: {e}"))
-        except OSError as e:
-            if not self._closing:
-                self._fail_peer(p, PeerFailure(p.rank, f"rank {self.rank}: connection to rank {p.rank} "
-                                                f"failed: {e}; rank {p.rank} exited, crashed or its "
-                                                f"link is down"))
-
-    def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
-        if req is not None:
-            req._finish(err)
-        if req is None or req.channel == CHANNEL_COLLECTIVE:
-            self.report_error(str(err))
-
-    def _chunk_arrived(self, p: _Peer, target, channel, tag, msgno, length) -> None:
+    # ------------------------------------------------------------------ the links' sink
+    def claim(self, link, opcode, channel, tag, msgno, total, digest, off, length):
         with self._lock:
-            done = self.matcher.arrived(p.rank, target, channel, tag, msgno, length)
+            target, bad = self.matcher.incoming(link.peer, opcode, channel, tag, msgno, total,
+                                                digest)
+            buf = None if target is None else target.buf
+            dest = None if buf is None else buf[off:off + length]
+        if bad is not None:
+            self._on_mismatch(bad[0], MismatchError(self._describe(bad[1])))
+        if dest is None:
+            return None, None
+        return target, dest
+
+    def filled(self, link, target, channel, tag, msgno, length) -> None:
+        with self._lock:
+            done = self.matcher.arrived(link.peer, target, channel, tag, msgno, length)
         if done is None:
             return
         if isinstance(done, tuple):
@@ -636,11 +353,34 @@ class Context:
         else:
             done._finish()
 
-    def _discard(self, n: int) -> memoryview:
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = memoryview(bytearray(max(n, 1 << 16)))
-        return buf[:n]
+    def control(self, link, kind: int, payload: bytes, value: int) -> None:
+        p = self.peers[link.peer]
+        if kind == KIND_ERROR:
+            msg = payload.decode("utf-8", "replace")
+            self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
+                             only_collective=True)
+        elif kind == KIND_QUERY:  # answered at once, whatever this rank is doing
+            if p.failure is None:
+                link.send_control(KIND_PROGRESS, b"", self.progress)
+        elif kind == KIND_PROGRESS:
+            with self._mesh_cond:
+                self._answers[p.rank] = value
+                self._mesh_cond.notify_all()
+
+    def link_failed(self, link, error: BaseException) -> None:
+        self._fail_peer(self.peers[link.peer], error)
+
+    def link_closed(self, link) -> None:
+        p = self.peers[link.peer]
+        self._fail_peer(p, PeerFailure(p.rank, f"rank {p.rank} closed its process group while "
+                                               f"rank {self.rank} still expects data from it"),
+                        break_group=False)
+
+    def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
+        if req is not None:
+            req._finish(err)
+        if req is None or req.channel == CHANNEL_COLLECTIVE:
+            self.report_error(str(err))
 
     # ------------------------------------------------------------------ failures
     def _fail_peer(self, p: _Peer, err: BaseException, break_group: bool = True) -> None:
@@ -658,17 +398,12 @@ class Context:
                 p.failure = err
             failed = self.matcher.take_peer(
                 p.rank, all(q.failure is not None for q in self.peers.values()))
-        with p.cond:
-            failed.extend(r for r in p.send_queue if isinstance(r, Request))
-            if break_group or closing:
-                # Mid-send when the connection died: its sender thread may be gone. A peer that
-                # closed in order still reads what is under way: those sends end by themselves.
-                failed.extend(r for r in p.sending if not r.is_completed())
-                p.sending = set()
-            p.send_queue.clear()
-            p.cond.notify_all()
-        # Requests taken out of the maps above must be finished whatever happens: a waiter
-        # of one that is dropped here waits forever (abort() left collectives hanging so).
+        if p.link is not None:
+            # Mid-send when the stream died: its sender may be gone. A peer that closed in
+            # order still reads what is under way: those sends end by themselves.
+            failed += p.link.cancel(None, underway=break_group or closing)
+        # Requests taken out above must be finished whatever happens: a waiter of one that
+        # is dropped here waits forever (abort() left collectives hanging so).
         if failed and not closing:
             log.error("%s", err)
         for r in failed:
@@ -681,15 +416,11 @@ class Context:
                 # up, for the cause ("rank 1 closed its process group ...").
                 payload = str(err).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
                 for q in self.peers.values():
-                    if q is not p:
-                        with q.cond:
-                            if q.failure is None:
-                                q.send_queue.appendleft((KIND_ERROR, payload))
-                                q.cond.notify()
+                    if q is not p and q.failure is None and q.link is not None:
+                        q.link.send_control(KIND_ERROR, payload)
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
         """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
-        failed = []
         with self._lock:
             if only_collective:
                 self._coll_broken = self._coll_broken or err
@@ -698,16 +429,10 @@ class Context:
             failed = self.matcher.take_channel(CHANNEL_COLLECTIVE if only_collective else None)
         # Sends too: an algorithm waiting on a send must see this reason, not whatever ends
         # that send later (e.g. the peer closing once it failed for the same reason).
+        match = _is_collective if only_collective else _any
         for p in self.peers.values():
-            with p.cond:
-                hit = [r for r in p.send_queue if isinstance(r, Request)
-                       and (not only_collective or r.channel == CHANNEL_COLLECTIVE)]
-                if hit:
-                    gone = set(map(id, hit))
-                    p.send_queue = collections.deque(r for r in p.send_queue if id(r) not in gone)
-                failed += hit
-                failed += [r for r in p.sending if not r.is_completed()
-                           and (not only_collective or r.channel == CHANNEL_COLLECTIVE)]
+            if p.link is not None:
+                failed += p.link.cancel(match, underway=True)
         for r in failed:
             r._finish(_wrap(err))
         for fn in list(self.on_failure):
@@ -726,10 +451,8 @@ class Context:
         payload = message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
         self._set_broken(TransportError(message), only_collective=True)
         for p in self.peers.values():
-            with p.cond:
-                if p.failure is None:
-                    p.send_queue.appendleft((KIND_ERROR, payload))
-                    p.cond.notify()
+            if p.failure is None and p.link is not None:
+                p.link.send_control(KIND_ERROR, payload)
 
     def peer_progress(self, timeout: float = 1.0) -> dict[int, int | None]:
         """Ask every peer for its ``progress`` and wait up to ``timeout`` seconds for the
@@ -740,11 +463,8 @@ class Context:
             for r in self.peers:
                 self._answers.pop(r, None)
         for p in self.peers.values():
-            with p.cond:
-                if p.failure is None and None not in p.conns:
-                    p.send_queue.appendleft((KIND_QUERY, b"", 0))
-                    p.cond.notify()
-                    asked.append(p.rank)
+            if p.failure is None and p.link is not None and p.link.send_control(KIND_QUERY):
+                asked.append(p.rank)
         deadline = time.monotonic() + timeout
         with self._mesh_cond:
             while not all(r in self._answers for r in asked):
@@ -755,19 +475,38 @@ class Context:
             return {r: self._answers.get(r) for r in self.peers}
 
     # ------------------------------------------------------------------ statistics, teardown
-    def connection_stats(self) -> list[dict]:
-        """Bytes moved per connection (for metrics and benchmarks)."""
-        out = []
+    def stats(self) -> dict:
+        """A plain snapshot (numbers and strings only) of this rank's links: per peer, its
+        failure (text or None) and each link's ``Link.stats()`` (kind, state, bytes and
+        messages sent and received, queued bytes, retransmits, per-stream counts); plus the
+        matcher's staged messages."""
+        peers = []
         for p in self.peers.values():
-            for c in p.conns:
-                if c is not None:
-                    out.append({"peer": p.rank, "connection": c.index, "local": c.local,
-                                "remote": c.remote, "sent_bytes": c.sent_bytes,
-                                "received_bytes": c.recv_bytes})
+            links = [p.link.stats()] if p.link is not None else []
+            peers.append({"peer": p.rank, "global_peer": self._global(p.rank),
+                          "failure": None if p.failure is None else str(p.failure),
+                          "links": links})
+        return {"rank": self.rank, "global_rank": self._global(self.rank), "size": self.size,
+                "transport": self.transport, "closing": self._closing,
+                "staged_messages": self.matcher.staged_messages,
+                "staged_bytes": self.matcher.staged_bytes, "peers": peers}
+
+    def _global(self, rank: int) -> int:
+        return self.global_ranks[rank] if self.global_ranks else rank
+
+    def connection_stats(self, snapshot: dict | None = None) -> list[dict]:
+        """Bytes moved per connection (for metrics and benchmarks), from ``stats()``."""
+        out = []
+        for peer in (snapshot or self.stats())["peers"]:
+            for link in peer["links"]:
+                for c in link["connections"]:
+                    out.append({"peer": peer["peer"], "connection": c["index"], "local": c["local"],
+                                "remote": c["remote"], "sent_bytes": c["sent_bytes"],
+                                "received_bytes": c["received_bytes"]})
         return out
 
     def close(self, timeout: float = 10.0, reason: str = "shut down") -> None:
-        """Flush queued sends, tell peers (CLOSE frames), close every connection; then fail
+        """Flush queued sends, tell peers (CLOSE frames), close every link; then fail
         whatever is still pending with "the process group was <reason>".
 
         Queued sends get up to ``timeout`` seconds, but only while they move: a peer whose
@@ -778,54 +517,23 @@ class Context:
         stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
         self._closing = True
-        for p in self.peers.values():
-            with p.cond:
-                p.cond.notify_all()
-        me = threading.current_thread()
+        links = [p.link for p in self.peers.values() if p.link is not None]
+        for link in links:
+            link.begin_close()
         # Senders of drained peers send CLOSE and end; a stalled peer's senders are stuck in
-        # the kernel until the sockets are shut down below.
+        # the kernel until its streams are shut down below.
         join_until = min(deadline, time.monotonic() + _STALL_S)
-        for t in self._threads:
-            if (t.name.startswith("linerate-send") and t is not me
-                    and _thread_peer(t.name) not in stalled):
-                t.join(max(0.0, join_until - time.monotonic()))
-        metrics.retire(self)  # final byte counts, before the sockets go
+        for p in self.peers.values():
+            if p.link is not None and p.rank not in stalled:
+                p.link.wait_sent(join_until)
+        metrics.retire(self)  # final byte counts, before the streams go
         if self.shm is not None:
             self.shm.close()
-        for p in self.peers.values():
-            for c in p.conns:
-                if c is not None:
-                    try:
-                        c.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    c.sock.close()
-        for ls in getattr(self, "_listeners", []):
-            try:
-                ls.close()
-            except OSError:
-                pass
-        # The sockets are shut down, so the receivers end now: wait for them. A receiver's
-        # frame may hold the last reference to a tensor (a memoryview of a receive buffer),
-        # and a daemon thread that frees a tensor during interpreter finalization aborts the
-        # process (torch releases the GIL in the tensor's dealloc; taking it back then calls
-        # pthread_exit through noexcept C++ frames: "terminate called without an active
-        # exception").
-        for t in self._threads:
-            if t.name.startswith("linerate-recv") and t is not me:
-                t.join(max(0.5, deadline - time.monotonic()))
-        join_until = time.monotonic() + 1.0  # senders end on the shut-down sockets
-        for t in self._threads:
-            if t.name.startswith("linerate-send") and t is not me:
-                t.join(max(0.0, join_until - time.monotonic()))
+        for link in links:
+            link.close(deadline)
         self._set_broken(self._close_error)
-        for p in self.peers.values():  # sends still queued or under way will not end: fail them
-            with p.cond:
-                queued = [r for r in p.send_queue if isinstance(r, Request)]
-                queued += [r for r in p.sending if not r.is_completed()]
-                p.send_queue.clear()
-                p.sending = set()
-            for r in queued:
+        for link in links:  # sends still queued or under way will not end: fail them
+            for r in link.cancel(None, underway=True):
                 r._finish(_wrap(self._close_error))
 
     def _drain(self, deadline: float) -> set:
@@ -838,14 +546,11 @@ class Context:
             now = time.monotonic()
             waiting = False
             for p in self.peers.values():
-                if p.rank in given_up:
+                if p.rank in given_up or p.link is None or p.failure is not None:
                     continue
-                with p.cond:
-                    if not p.send_queue or p.failure is not None:
-                        continue
-                    queued = len(p.send_queue)
-                    mark = (queued, getattr(p.send_queue[0], "next_off", 0),
-                            sum(c.sent_bytes for c in p.conns if c is not None))
+                mark = p.link.send_mark()
+                if mark is None:
+                    continue
                 last, since = marks.get(p.rank, (None, now))
                 if mark != last:
                     marks[p.rank] = (mark, now)
@@ -853,7 +558,7 @@ class Context:
                 if now >= deadline or now - since > _STALL_S:
                     if now < deadline:
                         log.warning("rank %d: %d queued sends to rank %d did not move for %.0fs; "
-                                    "closing without them", self.rank, queued, p.rank, _STALL_S)
+                                    "closing without them", self.rank, mark[0], p.rank, _STALL_S)
                     given_up.add(p.rank)
                     continue
                 waiting = True
@@ -863,77 +568,29 @@ class Context:
 
     def unacknowledged(self, min_seconds: float = 1.0) -> dict[int, float]:
         """Peers to which data has been outstanding without any acknowledgement for at least
-        ``min_seconds``: {rank: seconds}, from the kernel's TCP_INFO (for error messages: a
-        host or link that is down answers nothing, while a slow peer still acknowledges)."""
+        ``min_seconds``: {rank: seconds} (for error messages: a host or link that is down
+        answers nothing, while a slow peer still acknowledges)."""
         out = {}
         for p in self.peers.values():
-            for c in p.conns:
-                if c is None:
-                    continue
-                try:
-                    raw = c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
-                except OSError:
-                    continue
-                if len(raw) < 60:
-                    continue
-                unacked = int.from_bytes(raw[24:28], "little")
-                silent = int.from_bytes(raw[56:60], "little") / 1000.0  # tcpi_last_ack_recv
-                if unacked and silent >= min_seconds:
-                    out[p.rank] = max(out.get(p.rank, 0.0), silent)
+            if p.link is not None:
+                silent = p.link.unacknowledged_s()
+                if silent >= min_seconds:
+                    out[p.rank] = silent
         return out
 
 
-class _Closing(Exception):
-    pass
+def _is_collective(req: Request) -> bool:
+    return req.channel == CHANNEL_COLLECTIVE
 
 
-class _PeerEOF(Exception):
-    pass
-
-
-_CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
+def _any(req: Request) -> bool:
+    return True
 
 
 def _wrap(err: BaseException) -> BaseException:
     if isinstance(err, TransportError):
         return type(err)(*err.args) if not isinstance(err, PeerFailure) else PeerFailure(err.peer, str(err))
     return TransportError(str(err))
-
-
-def _recv_into(sock: socket.socket, view: memoryview, n: int) -> bool:
-    """Fill view[:n]; False on end of stream. MSG_WAITALL lets the kernel fill the whole
-    chunk in one call: one system call and one GIL hand-off per chunk instead of dozens."""
-    got = sock.recv_into(view, n, socket.MSG_WAITALL)
-    while got < n:
-        if got == 0:
-            return False
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            return False
-        got += k
-    return True
-
-
-def _tune(sock: socket.socket, link_timeout: float = LINK_TIMEOUT_DEFAULT) -> None:
-    """No Nagle; and a connection whose peer acknowledges nothing for ``link_timeout``
-    seconds fails (ETIMEDOUT), which fails the peer with an error naming it.
-
-    A host that loses its link or power sends no RST: without this a connection with data
-    in flight retries for ~15 minutes (tcp_retries2) and an idle one is never found dead.
-    TCP_USER_TIMEOUT bounds the first; keepalive probes (the first after a third of the
-    timeout of silence) make the second case the first. A slow peer still acknowledges, and
-    an outage shorter than the timeout is ridden out by TCP's retransmissions."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if link_timeout > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
-        idle = int(min(max(1, link_timeout // 3), 32767))
-        intvl = int(min(max(1, link_timeout // 6), 32767))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT,
-                        int(min(127, max(1, -(-(link_timeout - idle) // intvl) + 1))))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                        int(min(link_timeout * 1000, 2**31 - 1)))
 
 
 def link_timeout_from_env(env=None) -> float:
@@ -945,11 +602,3 @@ def link_timeout_from_env(env=None) -> float:
     if not (text or "").strip():
         return LINK_TIMEOUT_DEFAULT
     return settings.parse("LINERATE_LINK_TIMEOUT", text)
-
-
-def _thread_peer(name: str) -> int | None:
-    """The peer rank in a transport thread's name (linerate-send-<peer>.<connection>)."""
-    try:
-        return int(name.rsplit("-", 1)[1].split(".", 1)[0])
-    except (IndexError, ValueError):
-        return None

@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from linerate import settings
 
+from .link import tcp_info  # noqa: F401 - part of this module's interface
 from .options import MetricsOptions, parse_env
 
 log = logging.getLogger("linerate.metrics")
@@ -56,10 +57,6 @@ SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 _SIZE_BOUNDS = ((4 << 10, "4KiB"), (64 << 10, "64KiB"), (1 << 20, "1MiB"), (16 << 20, "16MiB"),
                 (256 << 20, "256MiB"))
 
-_TIOCOUTQ = 0x5411           # bytes in a socket's send queue not yet acknowledged
-_TCPI_TOTAL_RETRANS = 100    # offsets in struct tcp_info (linux/tcp.h)
-_TCPI_SEGS_OUT = 136
-_TCPI_BYTES_SENT = 200
 
 _lock = threading.Lock()
 _enabled = False
@@ -142,14 +139,18 @@ def retire(ctx) -> None:
         if ctx not in _contexts:
             return
         _contexts.discard(ctx)
-        for peer, conn, sent, received in _conn_counts(ctx):
-            key = (peer, conn_interface(conn), str(conn.index))
+    snap = ctx.stats()
+    with _lock:
+        for peer, key, sent, received in _conn_counts(snap):
             acc = _retired.setdefault(key, [0, 0])
             acc[0] += sent
             acc[1] += received
-            info = tcp_info(conn.sock)
-            if info:
-                _retired_retrans[peer] = _retired_retrans.get(peer, 0) + info["total_retrans"]
+        for p in snap["peers"]:
+            for link in p["links"]:
+                if link["retransmits"]:
+                    peer = p["global_peer"]
+                    _retired_retrans[peer] = _retired_retrans.get(peer, 0) + link["retransmits"]
+
 
 
 def set_info(**labels: str) -> None:
@@ -157,17 +158,15 @@ def set_info(**labels: str) -> None:
         _info.update({k: str(v) for k, v in labels.items()})
 
 
-def _global(ctx, peer: int) -> int:
-    ranks = getattr(ctx, "global_ranks", None)
-    return ranks[peer] if ranks else peer
-
-
-def _conn_counts(ctx):
-    """(global peer rank, connection, sent bytes, received bytes) for each connection."""
-    for p in list(ctx.peers.values()):
-        for c in p.conns:
-            if c is not None:
-                yield _global(ctx, p.rank), c, c.sent_bytes, c.recv_bytes
+def _conn_counts(snap: dict):
+    """(global peer rank, (peer, interface, connection), sent bytes, received bytes) for each
+    connection of a Context's stats() snapshot."""
+    for p in snap["peers"]:
+        peer = p["global_peer"]
+        for link in p["links"]:
+            for c in link["connections"]:
+                yield (peer, (peer, conn_interface(c), str(c["index"])), c["sent_bytes"],
+                       c["received_bytes"])
 
 
 def _byte_totals() -> dict[tuple, list]:
@@ -176,8 +175,8 @@ def _byte_totals() -> dict[tuple, list]:
         out = {k: list(v) for k, v in _retired.items()}
         live = list(_contexts)
     for ctx in live:
-        for peer, conn, sent, received in _conn_counts(ctx):
-            acc = out.setdefault((peer, conn_interface(conn), str(conn.index)), [0, 0])
+        for peer, key, sent, received in _conn_counts(ctx.stats()):
+            acc = out.setdefault(key, [0, 0])
             acc[0] += sent
             acc[1] += received
     return out
@@ -193,11 +192,10 @@ def interface_of(address: str) -> str:
     return name
 
 
-def conn_interface(conn) -> str:
-    """A connection's ``interface`` label: the interface of its local address, or for an RDMA
-    stream its device:port (``mlx5_0:1``)."""
-    port = getattr(conn.sock, "interface", None)
-    return port if isinstance(port, str) else interface_of(conn.local)
+def conn_interface(conn: dict) -> str:
+    """A connection's ``interface`` label (``conn``: one of a link's stats "connections"):
+    the interface of its local address, or for an RDMA stream its device:port (``mlx5_0:1``)."""
+    return conn["device"] or interface_of(conn["local"])
 
 
 def _address_map() -> dict[str, str]:
@@ -276,30 +274,6 @@ def _capacity_or_none(ifname: str) -> float | None:
 _warned: set[str] = set()
 
 
-def tcp_info(sock: socket.socket) -> dict | None:
-    """A few fields of the kernel's TCP_INFO for a connection (None if it is closed)."""
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-    except OSError:
-        return None
-    out = {"total_retrans": struct.unpack_from("<I", raw, _TCPI_TOTAL_RETRANS)[0]}
-    if len(raw) >= _TCPI_SEGS_OUT + 4:
-        out["segs_out"] = struct.unpack_from("<I", raw, _TCPI_SEGS_OUT)[0]
-    if len(raw) >= _TCPI_BYTES_SENT + 8:
-        out["bytes_sent"] = struct.unpack_from("<Q", raw, _TCPI_BYTES_SENT)[0]
-    return out
-
-
-def _kernel_queued(sock: socket.socket) -> int:
-    queued = getattr(sock, "queued_bytes", None)   # an RDMA stream: posted, not completed
-    if queued is not None:
-        return queued()
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
-
-
 def _host() -> str:
     host = _config.host if _config is not None else settings.read("LINERATE_METRICS_HOST")
     return host or socket.gethostname()
@@ -311,8 +285,7 @@ def _rank() -> str:
     with _lock:
         live = list(_contexts)
     for ctx in live:
-        ranks = getattr(ctx, "global_ranks", None)
-        return str(ranks[ctx.rank] if ranks else ctx.rank)
+        return str(ctx.stats()["global_rank"])
     return os.environ.get("RANK", "0")
 
 
@@ -454,21 +427,13 @@ class _Collector:
 
         queued: dict[int, int] = {}
         for ctx in live:
-            for p in list(ctx.peers.values()):
-                peer = _global(ctx, p.rank)
+            for p in ctx.stats()["peers"]:
+                peer = p["global_peer"]
                 n = 0
-                with p.cond:
-                    for item in p.send_queue:
-                        if isinstance(item, tuple):
-                            n += len(item[1])
-                        else:
-                            n += max(0, item.total - item.next_off)
-                for c in p.conns:
-                    if c is not None:
-                        n += _kernel_queued(c.sock)
-                        ti = tcp_info(c.sock)
-                        if ti:
-                            retrans[peer] = retrans.get(peer, 0) + ti["total_retrans"]
+                for link in p["links"]:
+                    n += link["queued_bytes"]
+                    if link["retransmits"] is not None:
+                        retrans[peer] = retrans.get(peer, 0) + link["retransmits"]
                 queued[peer] = queued.get(peer, 0) + n
         r = CounterMetricFamily("linerate_tcp_retransmits", "TCP segments retransmitted (TCP_INFO)",
                                 labels=base + ["peer"])

@@ -1,8 +1,8 @@
-"""RDMA transport: byte streams over reliable-connected queue pairs, behind the Context's
-connection interface (what a TCP socket offers it: sendall, sendmsg, recv_into, shutdown,
-close, getsockname/getpeername, timeouts), so that matching, framing, striping over
-``LINERATE_NSOCKS`` connections per peer, the HMAC handshake and the metrics are the TCP
-path's, unchanged. Like rsocket, one stream is one RC QP:
+"""RDMA links (transport/link.py): byte streams over reliable-connected queue pairs. A stream
+offers what a TCP socket offers a ``link.StreamLink`` (sendall, sendmsg, recv_into,
+shutdown, close, getsockname/getpeername, timeouts), so that framing, striping over
+``LINERATE_NSOCKS`` streams per port and peer, the HMAC handshake and the statistics are the
+TCP link's; ``RdmaLink`` is that link over RDMA streams. Like rsocket, one stream is one RC QP:
 
 - the receiver owns a registered ring of RING_SLOTS slots of SLOT_BYTES; the sender fills
   the next slot with one RDMA WRITE WITH IMMEDIATE (immediate = slot << 24 | length; up to
@@ -49,6 +49,7 @@ import threading
 import time
 
 from . import handshake, metrics, verbs
+from .link import StreamLink
 from .request import TransportError
 from .verbs import RdmaUnavailable, buffer_address
 
@@ -861,24 +862,32 @@ def local_status(opts) -> tuple[bool, str, int]:
     return True, ", ".join(f"{p.name} ({p.kind}, {p.state})" for p in ports), len(ports)
 
 
-def build_mesh(ctx, store, deadline: float, prefix: str) -> None:
-    """Connect ``ctx`` (a transport Context) to every peer over RDMA streams: QPs, Store
-    exchange, RTS, the handshake on each stream, then ``ctx._add_conn`` as for TCP."""
-    opts = ctx.options
-    rank, size = ctx.rank, ctx.size
+class RdmaLink(StreamLink):
+    """A peer's RDMA streams (one RC queue pair each), striped like TCP connections."""
+
+    kind = "rdma"
+
+
+def open_ports(rank: int, opts) -> list:
+    """The ports LINERATE_RDMA_DEVICE selects, opened (a TransportError naming why not)."""
     try:
-        ports = [verbs.open_port(p, opts.rdma_gid_index) for p in verbs.select_ports(opts.rdma_ports)]
+        return [verbs.open_port(p, opts.rdma_gid_index) for p in verbs.select_ports(opts.rdma_ports)]
     except RdmaUnavailable as e:
         raise TransportError(f"rank {rank}: LINERATE_TRANSPORT: cannot use RDMA: {e}") from None
-    ctx._use_rails(len(ports))
-    nconns = ctx.nconns
+
+
+def build_links(store, rank: int, size: int, secret: bytes, opts, ports: list,
+                link_timeout: float, deadline: float, prefix: str) -> dict[int, RdmaLink]:
+    """Connect to every peer over RDMA streams (``opts.nsocks`` per port): QPs, Store
+    exchange, RTS, the handshake on each stream; returns each peer's link (not started)."""
+    nconns = opts.nsocks * len(ports)
     peers = [p for p in range(size) if p != rank]
     streams: dict[tuple, RdmaStream] = {}
     done = False
     try:
         for peer in peers:
             for index in range(nconns):
-                streams[peer, index] = RdmaStream(ports[index // opts.nsocks], ctx.link_timeout)
+                streams[peer, index] = RdmaStream(ports[index // opts.nsocks], link_timeout)
         host = socket.gethostname()
         for peer in peers:
             store.set(f"{prefix}rdma/qp/{rank}/{peer}", json.dumps(
@@ -912,9 +921,9 @@ def build_mesh(ctx, store, deadline: float, prefix: str) -> None:
                 _store_get(store, f"{prefix}rdma/rts/{peer}")
                 s.settimeout(max(1.0, deadline - time.monotonic()))
                 if peer < rank:
-                    handshake.connect_side(s, ctx._secret, rank, peer, index, nconns)
+                    handshake.connect_side(s, secret, rank, peer, index, nconns)
                 else:
-                    src, idx = handshake.accept_side(s, ctx._secret, rank, size, nconns)
+                    src, idx = handshake.accept_side(s, secret, rank, size, nconns)
                     if (src, idx) != (peer, index):
                         raise handshake.HandshakeError(f"the queue pair meant for rank {peer} "
                                                        f"connection {index} says rank {src} connection {idx}")
@@ -935,8 +944,12 @@ def build_mesh(ctx, store, deadline: float, prefix: str) -> None:
                                          f"LINERATE_CONNECT_TIMEOUT ({opts.connect_timeout:.0f}s)"))
         if errors:
             raise errors[0]
-        for (peer, index), s in sorted(streams.items(), key=lambda kv: kv[0]):
-            ctx._add_conn(peer, index, s)
+        rates = [p.info.rate_gbps for p in ports]
+        speed = int(sum(rates) * 1e9) if all(rates) else None
+        links = {peer: RdmaLink(peer, [streams[peer, i] for i in range(nconns)], rank=rank,
+                                chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
+                                credit_bytes=opts.credit_bytes, speed_bps=speed)
+                 for peer in peers}
         done = True
     finally:
         if not done:
@@ -946,6 +959,7 @@ def build_mesh(ctx, store, deadline: float, prefix: str) -> None:
     metrics.set_info(transport="rdma")
     log.debug("rank %d: RDMA mesh of %d ranks x %d queue pairs ready on %s", rank, size, nconns,
               ", ".join(p.name for p in ports))
+    return links
 
 
 def environment_summary() -> dict:
@@ -957,5 +971,5 @@ def environment_summary() -> dict:
     return {"pyverbs": pv.path, "fake": pv.fake, "reason": ""}
 
 
-__all__ = ["RdmaStream", "build_mesh", "local_status", "qp_timeout_exponent",
+__all__ = ["RdmaStream", "RdmaLink", "build_links", "open_ports", "local_status", "qp_timeout_exponent",
            "RING_SLOTS", "SLOT_BYTES", "environment_summary"]

@@ -1,0 +1,275 @@
+"""One conformance suite for every link kind (transport/link.py is the specification).
+
+Each case builds a pair of links between two ranks of this process, through the same set-up
+as a Context (rendezvous on a HashStore, then TcpMesh or rdma.build_links), and drives them
+only through the Link interface, with a recording sink in place of a Context:
+
+    tcp       plain TCP, 2 connections
+    tls       TCP inside TLS (LINERATE_TLS), 2 connections
+    rdma      RDMA streams over the fake pyverbs of tests/fake_pyverbs, 2 queue pairs
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from linerate.transport import TransportOptions, rdma, rendezvous, tcp, tls, verbs
+from linerate.transport.framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_QUERY
+from linerate.transport.link import Link, LinkSink
+from linerate.transport.request import PeerFailure, Request
+
+from _harness import use_transport
+
+KINDS = ["tcp", "tls", "rdma"]
+CHUNK = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from test_tls import _CA, _cert_reason
+    reason = _cert_reason()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("pki")
+    ca = _CA(d, "job-ca")
+    return {"ca": ca.cert, 0: ca.issue("rank0"), 1: ca.issue("rank1")}
+
+
+class Sink(LinkSink):
+    """Records what a link delivers: each message into a buffer of its own."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.bufs: dict = {}       # (channel, tag, msgno) -> bytearray
+        self.got: dict = {}        # key -> bytes received so far
+        self.done: list = []       # keys in completion order
+        self.controls: list = []
+        self.failures: list = []
+        self.closed = 0
+
+    def claim(self, link, opcode, channel, tag, msgno, total, digest, offset, length):
+        key = (channel, tag, msgno)
+        with self.cond:
+            buf = self.bufs.get(key)
+            if buf is None:
+                buf = self.bufs[key] = bytearray(total)
+                self.got[key] = 0
+        return key, memoryview(buf)[offset:offset + length]
+
+    def filled(self, link, key, channel, tag, msgno, length):
+        with self.cond:
+            self.got[key] += length
+            if self.got[key] == len(self.bufs[key]):
+                self.done.append(key)
+                self.cond.notify_all()
+
+    def control(self, link, kind, payload, value):
+        with self.cond:
+            self.controls.append((kind, payload, value))
+            self.cond.notify_all()
+
+    def link_failed(self, link, error):
+        with self.cond:
+            self.failures.append(error)
+            self.cond.notify_all()
+
+    def link_closed(self, link):
+        with self.cond:
+            self.closed += 1
+            self.cond.notify_all()
+
+    def wait(self, pred, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred():
+                left = deadline - time.monotonic()
+                assert left > 0, "timed out"
+                self.cond.wait(left)
+
+
+def _pair(kind, pki=None, nsocks=2):
+    """Links 0->1 and 1->0, built as a Context builds them, and started with Sinks."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    out, errors = [None, None], []
+
+    def build(rank):
+        try:
+            opts = TransportOptions(socket_ifname="lo", connect_timeout=20.0, nsocks=nsocks,
+                                    chunk_bytes=CHUNK, transport="rdma" if kind == "rdma" else "tcp")
+            deadline = time.monotonic() + 20
+            rv = rendezvous.Rendezvous(store, rank, deadline, 20.0, f"linerate/links-{kind}/")
+            secret = rv.agree(rendezvous.agreed_settings(opts, 1))
+            if kind == "rdma":
+                ports = rdma.open_ports(rank, opts)
+                links = rdma.build_links(rv, rank, 2, secret, opts, ports, 5.0, deadline, rv.prefix)
+            else:
+                cfg = None
+                if kind == "tls":
+                    cert, key = pki[rank]
+                    cfg = tls.load(True, str(cert), str(key), str(pki["ca"]))
+                mesh = tcp.TcpMesh(rank, 2, secret, opts, ["127.0.0.1"], cfg, 5.0)
+                rv.publish_addresses(mesh.listen())
+                links = mesh.links(mesh.connect(rv, deadline))
+            out[rank] = links[1 - rank]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    sinks = [Sink(), Sink()]
+    for link, sink in zip(out, sinks):
+        link.start(sink)
+    return out, sinks
+
+
+@pytest.fixture(params=KINDS)
+def kind(request, monkeypatch):
+    if request.param == "rdma":
+        use_transport("rdma-fake", monkeypatch)
+        assert verbs.load().fake
+        yield "rdma"
+        verbs.reset()
+    else:
+        yield request.param
+
+
+@pytest.fixture
+def pair(kind, request):
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    links, sinks = _pair(kind, pki)
+    yield kind, links, sinks
+    for link in links:
+        link.begin_close()
+    for link in links:
+        link.close(time.monotonic() + 2)
+
+
+def _send(link, data, channel=CHANNEL_P2P, tag=0, msgno=0, priority=0):
+    req = Request(True, link.peer, memoryview(data), channel, tag, 1, "test")
+    req.msgno = msgno
+    req.priority = priority
+    assert link.isend(req)
+    return req
+
+
+def _crash(link):
+    """The process behind ``link`` vanishes: its streams end without CLOSE frames."""
+    for st in link._streams:
+        try:
+            st.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def test_link_conformance(pair):
+    """Properties; ordering; zero-length and odd sizes; a large message striped over every
+    stream; buffer ownership; control frames; exact statistics."""
+    kind, (a, b), (sa, sb) = pair
+    assert isinstance(a, Link) and a.kind == ("rdma" if kind == "rdma" else "tcp")
+    assert (a.peer, b.peer) == (1, 0) and a.nstreams == 2
+    assert a.speed_bps is None or a.speed_bps > 0
+    # ordering and sizes: one key per message; both sides see each message intact
+    sizes = [0, 1, 3, 4097, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 8 << 20]
+    payloads = [os.urandom(n) for n in sizes]
+    reqs = [_send(a, bytearray(p), tag=5, msgno=i) for i, p in enumerate(payloads)]
+    for r in reqs:
+        r.wait(20)
+        assert r.buf is None  # finished: the link keeps no reference to the buffer
+    sb.wait(lambda: len(sb.done) == len(sizes))
+    for i, p in enumerate(payloads):
+        assert bytes(sb.bufs[(CHANNEL_P2P, 5, i)]) == p, sizes[i]
+    # the large message went over both streams
+    st = a.stats()
+    per_conn = [c["sent_bytes"] for c in st["connections"]]
+    assert len(per_conn) == 2 and min(per_conn) > 0, per_conn
+    # buffer ownership: once a send is finished its buffer may be reused at once
+    buf = bytearray(os.urandom(3 << 20))
+    orig = bytes(buf)
+    r = _send(b, buf, channel=CHANNEL_COLLECTIVE, tag=9)
+    r.wait(20)
+    buf[:] = bytes(len(buf))
+    sa.wait(lambda: (CHANNEL_COLLECTIVE, 9, 0) in sa.done)
+    assert bytes(sa.bufs[(CHANNEL_COLLECTIVE, 9, 0)]) == orig
+    # small messages, many at once, each intact (they may complete in any order: the
+    # streams are independent; the message number says which is which)
+    small = [os.urandom(100 + i) for i in range(20)]
+    for r in [_send(b, bytearray(p), tag=7, msgno=i) for i, p in enumerate(small)]:
+        r.wait(20)
+    sa.wait(lambda: sum(1 for k in sa.done if k[1] == 7) == 20)
+    assert [bytes(sa.bufs[(CHANNEL_P2P, 7, i)]) for i in range(20)] == small
+    # control frames carry their payload and value
+    assert a.send_control(KIND_ERROR, "rank 0: boom ✓".encode(), 0)
+    assert a.send_control(KIND_QUERY, b"", 0)
+    sb.wait(lambda: len(sb.controls) == 2)  # over any stream: in any order
+    assert sorted(sb.controls) == [(KIND_ERROR, "rank 0: boom ✓".encode(), 0), (KIND_QUERY, b"", 0)]
+    # statistics: payload bytes and messages, exactly, both ways
+    sent_a = sum(sizes)
+    sent_b = len(orig) + sum(100 + i for i in range(20))
+    sa_st, sb_st = a.stats(), b.stats()
+    assert (sa_st["bytes_sent"], sa_st["bytes_received"]) == (sent_a, sent_b)
+    assert (sb_st["bytes_sent"], sb_st["bytes_received"]) == (sent_b, sent_a)
+    assert (sa_st["messages_sent"], sa_st["messages_received"]) == (len(sizes), 21)
+    assert (sb_st["messages_sent"], sb_st["messages_received"]) == (21, len(sizes))
+    assert sa_st["state"] == "up" and sa_st["peer"] == 1 and sa_st["kind"] == a.kind
+    assert sum(c["received_bytes"] for c in sb_st["connections"]) == sent_a
+    assert not sa.failures and not sb.failures
+
+
+def test_link_peer_death_and_close(kind, request):
+    """Ordering on one stream. A peer that vanishes: an error naming it, and the link
+    refuses new sends. A link
+    closed with sends pending: every send is finished by the link or handed back by cancel,
+    and the peer learns that the link ended."""
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    (a, b), (sa, sb) = _pair(kind, pki, nsocks=1)
+    try:
+        # one stream: messages arrive in the order they were queued, whatever their sizes
+        sizes = [1, 5 * CHUNK, 0, 3, CHUNK + 1, 10]
+        for i, n in enumerate(sizes):
+            _send(a, bytearray(n), tag=1, msgno=i)
+        sb.wait(lambda: len(sb.done) == len(sizes))
+        assert [k[2] for k in sb.done] == list(range(len(sizes)))
+        _crash(b)
+        sa.wait(lambda: sa.failures)
+        err = sa.failures[0]
+        assert isinstance(err, PeerFailure) and err.peer == 1 and "rank 1" in str(err), err
+        assert a.stats()["state"] == "failed"
+        req = Request(True, 1, memoryview(bytearray(4)), CHANNEL_P2P, 2, 1, "after")
+        assert a.isend(req) is False and not req.is_completed()
+    finally:
+        for link in (a, b):
+            link.begin_close()
+            link.close(time.monotonic() + 1)
+    # close while pending
+    (a, b), (sa, sb) = _pair(kind, pki)
+    try:
+        reqs = [_send(a, bytearray(1 << 20), tag=3, msgno=i) for i in range(16)]
+        a.begin_close()
+        a.close(time.monotonic() + 0.2)
+        handed_back = a.cancel(None, underway=True)
+        for r in handed_back:
+            r._finish(RuntimeError("closed"))
+        for r in reqs:  # finished by the link, or by us above: none is left hanging
+            try:
+                r.wait(5)
+            except RuntimeError:  # one of ours (a TimeoutError is not)
+                pass
+        assert a.isend(Request(True, 1, memoryview(bytearray(1)), CHANNEL_P2P, 4, 1, "x")) is False
+        sb.wait(lambda: sb.closed or sb.failures)
+        if sb.failures:
+            assert all("rank 0" in str(e) for e in sb.failures), sb.failures
+        assert a.stats()["state"] == "closed"
+    finally:
+        b.begin_close()
+        b.close(time.monotonic() + 1)

@@ -1,0 +1,586 @@
+"""The link interface: how a transport Context moves bytes to and from one peer.
+
+This docstring is the specification every link kind implements (``tcp``: transport/tcp.py,
+``rdma``: transport/rdma.py; shared memory between the ranks of one host is set up beside the
+links by transport/shm.py). tests/test_links.py runs one conformance suite against each kind.
+
+A link joins this rank to one ``peer``; a Context holds one per peer. It knows messages,
+never what they mean: a message is a buffer plus the header fields ``opcode``, ``channel``,
+``tag``, ``msgno`` and ``digest`` (``Request.call``), carried opaquely; matching them to
+receives is the Context's (transport/matching.py).
+
+Properties
+    ``kind``        "tcp", "rdma", ...: what carries the bytes.
+    ``peer``        the peer's rank in the group.
+    ``speed_bps``   the line rate in bits per second, or None when unknown.
+    ``nstreams``    how many connections (queue pairs) the link stripes over.
+
+Verbs (all non-blocking; none waits for the peer)
+    ``start(sink)``
+        Begin delivering what arrives to ``sink`` (a ``LinkSink``); called once.
+    ``isend(req) -> bool``
+        Queue the message of ``req`` (a ``request.Request``: ``buf``, ``total``, header
+        fields, ``priority``). Returns False (the request untouched) when the link is down
+        (failed or closed by either side): nothing was queued. Otherwise the link finishes
+        the request with ``req._finish()`` once every byte was handed to the wire, or with an
+        error if it cannot be; lower ``priority`` goes first, chunk by chunk.
+    ``send_control(kind, payload=b"", value=0) -> bool``
+        An urgent control frame (``framing.KIND_ERROR`` with UTF-8 text of at most
+        ``framing.MAX_ERROR_BYTES``, ``KIND_QUERY``, ``KIND_PROGRESS`` with ``value``): ahead
+        of every queued message. False when the link is down.
+    ``cancel(match=None, underway=True) -> list[Request]``
+        Take the queued sends (``match(req)`` true, or all) out of the queue, and with
+        ``underway`` also the sends whose chunks are on the wire but not all sent: the link
+        no longer finishes them; the caller does. Without ``match``, queued control frames
+        go too.
+    ``send_mark()``
+        A value that changes while queued sends move, None when nothing is queued (for
+        close's stall detection).
+    ``unacknowledged_s()``
+        Seconds the peer has acknowledged nothing while data is outstanding (0.0 when
+        unknown or nothing is outstanding).
+    ``stats()``
+        A plain snapshot (a dict of numbers and strings, no live objects): ``kind``,
+        ``peer``, ``state`` ("up", "failed", "closed"), ``speed_bps``, ``bytes_sent``,
+        ``bytes_received`` (payload bytes, exactly), ``messages_sent``,
+        ``messages_received``, ``queued_bytes`` (not yet handed to the wire, the kernel's
+        or NIC's queue included), ``retransmits`` (or None), and ``connections``: one dict
+        per stream (``index``, ``local``, ``remote``, ``device`` (an RDMA port or None),
+        ``sent_bytes``, ``received_bytes``).
+    ``begin_close()``, ``wait_sent(until)``, ``close(deadline)``
+        Closing, in three steps so that a Context closes all its links at once:
+        ``begin_close`` lets each stream's sender send what is queued, then a CLOSE frame,
+        and end; ``wait_sent`` waits (until the monotonic time ``until``) for those senders;
+        ``close`` shuts the streams down, waits for the receivers (a receiver may hold the
+        last reference to a receive buffer), and releases everything. What is still queued
+        after ``close`` is the caller's to ``cancel``.
+
+Buffer ownership
+    From ``isend`` until the request is finished the link owns ``req.buf``: the caller must
+    not write it (the bytes may leave at any time, from several streams at once). Once
+    finished (successfully or not) the link holds no reference to it and the caller may reuse
+    it at once. On the receive side the link writes only into buffers that ``sink.claim``
+    returns, only the range it was given, and only until it calls ``sink.filled`` for it.
+
+Delivery (``LinkSink``, called from the link's own threads; none may block for long)
+    ``claim(link, opcode, channel, tag, msgno, total, digest, offset, length)``
+        A chunk of ``length`` bytes at ``offset`` of a ``total``-byte message arrives:
+        returns (token, memoryview of exactly ``length`` bytes to fill) or (None, None) to
+        drop the bytes. May raise ``framing.FrameError`` (the peer broke the protocol).
+    ``filled(link, token, channel, tag, msgno, length)``
+        Those bytes are in.
+    ``control(link, kind, payload, value)``
+        A control frame arrived (ERROR text, QUERY, PROGRESS).
+    ``link_failed(link, error)``
+        The link is down: its peer crashed or its connection broke (``error`` is a
+        ``request.PeerFailure`` naming the peer), or the peer broke the protocol. Called once
+        per stream that breaks (the first call's error is the cause); not while the link
+        closes, except for a protocol violation.
+    ``link_closed(link)``
+        The peer closed its end in order (a CLOSE frame on every stream).
+
+Failure
+    After ``link_failed``/``link_closed`` the link accepts no sends; what it had queued stays
+    queued until the caller cancels it. Frames of one stream arrive in order; the chunks of
+    one message may come over several streams, in any order.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import fcntl
+import logging
+import socket
+import struct
+import threading
+import time
+import zlib
+
+from . import framing
+from .framing import KIND_CLOSE, KIND_DATA, KIND_ERROR
+from .request import PeerFailure, Request
+
+log = logging.getLogger("linerate.transport")
+
+_CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
+_TIOCOUTQ = 0x5411          # bytes in a socket's send queue not yet acknowledged
+_TCPI_TOTAL_RETRANS = 100   # offsets in struct tcp_info (linux/tcp.h)
+_TCPI_SEGS_OUT = 136
+_TCPI_BYTES_SENT = 200
+
+
+class LinkSink(abc.ABC):
+    """What a link delivers to (the Context). See the module docstring."""
+
+    @abc.abstractmethod
+    def claim(self, link, opcode, channel, tag, msgno, total, digest, offset, length): ...
+
+    @abc.abstractmethod
+    def filled(self, link, token, channel, tag, msgno, length) -> None: ...
+
+    @abc.abstractmethod
+    def control(self, link, kind: int, payload: bytes, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def link_failed(self, link, error: BaseException) -> None: ...
+
+    @abc.abstractmethod
+    def link_closed(self, link) -> None: ...
+
+
+class Link(abc.ABC):
+    """One peer's link. See the module docstring for the contract."""
+
+    kind: str = "?"
+    peer: int = -1
+    speed_bps: int | None = None
+
+    @property
+    @abc.abstractmethod
+    def nstreams(self) -> int: ...
+
+    @abc.abstractmethod
+    def start(self, sink: LinkSink) -> None: ...
+
+    @abc.abstractmethod
+    def isend(self, req: Request) -> bool: ...
+
+    @abc.abstractmethod
+    def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool: ...
+
+    @abc.abstractmethod
+    def cancel(self, match=None, underway: bool = True) -> list: ...
+
+    @abc.abstractmethod
+    def send_mark(self): ...
+
+    @abc.abstractmethod
+    def unacknowledged_s(self) -> float: ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict: ...
+
+    @abc.abstractmethod
+    def begin_close(self) -> None: ...
+
+    @abc.abstractmethod
+    def wait_sent(self, until: float) -> None: ...
+
+    @abc.abstractmethod
+    def close(self, deadline: float) -> None: ...
+
+
+# ----------------------------------------------------------------------------- streams
+class _Stream:
+    """One connection of a StreamLink: a socket, or anything that offers what the link calls
+    on one (sendall, sendmsg, recv_into with MSG_WAITALL, shutdown, close, getsockname,
+    getpeername, setsockopt)."""
+
+    __slots__ = ("index", "sock", "sent_bytes", "recv_bytes", "recv_msgs", "local", "remote",
+                 "closed", "device")
+
+    def __init__(self, index: int, sock):
+        self.index = index
+        self.sock = sock
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.recv_msgs = 0
+        self.closed = False
+        port = getattr(sock, "interface", None)   # an RDMA stream: its device:port
+        self.device = port if isinstance(port, str) else None
+        try:
+            self.local = sock.getsockname()[0]
+            self.remote = sock.getpeername()[0]
+        except OSError:
+            self.local = self.remote = "?"
+
+
+class _Closing(Exception):
+    pass
+
+
+class _PeerEOF(Exception):
+    pass
+
+
+class StreamLink(Link):
+    """A link over ``len(socks)`` byte streams to one peer, all used at once.
+
+    Each message is cut into ``chunk_bytes`` chunks; every stream has a sender thread that
+    takes the next chunk of the most urgent queued message, so the chunks of one message go
+    out on all streams (and all rails) at once, and a slow stream simply takes fewer. Each
+    stream also has a receiver thread that reads a frame header (transport/framing.py), asks
+    the sink where the payload goes and reads it straight there (``recv_into`` a memoryview of
+    the receive buffer: no copy, no Python bytes object). ``checksum``: a CRC-32 follows every
+    chunk's payload and is checked on receipt. ``credit_bytes``: the most not-yet-sent bytes
+    the kernel may hold per link (TCP_NOTSENT_LOWAT), so urgent messages overtake."""
+
+    def __init__(self, peer: int, socks: list, *, rank: int, chunk_bytes: int,
+                 checksum: bool = False, credit_bytes: int = 0, speed_bps: int | None = None):
+        self.peer = peer
+        self.rank = rank
+        self.speed_bps = speed_bps
+        self._chunk = chunk_bytes
+        self._checksum = checksum
+        self._credit = credit_bytes
+        self._streams = [_Stream(i, s) for i, s in enumerate(socks)]
+        self._cond = threading.Condition(threading.Lock())  # guards the queue and counters
+        self._queue: collections.deque = collections.deque()
+        #: Sends not known to be finished (guarded by _cond): a send whose last chunk a sender
+        #: has taken has left the queue; if that thread dies with its stream, the failure must
+        #: still reach the send (finished ones are pruned now and then).
+        self._sending: set = set()
+        self._prune_at = 256
+        self._closing = False
+        self._down: str | None = None   # "failed" or "closed"
+        self._closes_seen = 0
+        self._messages_sent = 0
+        self._sink: LinkSink | None = None
+        self._threads: list[threading.Thread] = []
+        self._scratch = threading.local()
+
+    # ------------------------------------------------------------------ Link
+    @property
+    def nstreams(self) -> int:
+        return len(self._streams)
+
+    def start(self, sink: LinkSink) -> None:
+        self._sink = sink
+        for st in self._streams:
+            for fn, what in ((self._recv_loop, "recv"), (self._send_loop, "send")):
+                t = threading.Thread(target=fn, args=(st,), daemon=True,
+                                     name=f"linerate-{what}-{self.peer}.{st.index}")
+                t.start()
+                self._threads.append(t)
+
+    def isend(self, req: Request) -> bool:
+        req.chunks_left = max(1, -(-req.total // self._chunk))
+        priority = req.priority
+        with self._cond:
+            if self._down is not None or self._closing:
+                return False
+            q = self._queue
+            if not q or priority >= getattr(q[-1], "priority", priority):
+                q.append(req)
+            else:  # behind the last message at least as urgent (control frames stay first)
+                i = len(q) - 1
+                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
+                    i -= 1
+                q.insert(i, req)
+            if len(self._sending) >= self._prune_at:
+                self._sending = {r for r in self._sending if not r.is_completed()}
+                self._prune_at = max(256, 2 * len(self._sending))
+            self._sending.add(req)
+            self._cond.notify()
+        return True
+
+    def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool:
+        with self._cond:
+            if self._down is not None:
+                return False
+            self._queue.appendleft((kind, payload, value))
+            self._cond.notify()
+        return True
+
+    def cancel(self, match=None, underway: bool = True) -> list:
+        with self._cond:
+            if match is None:
+                out = [r for r in self._queue if isinstance(r, Request)]
+                self._queue.clear()
+            else:
+                out = [r for r in self._queue if isinstance(r, Request) and match(r)]
+                if out:
+                    gone = set(map(id, out))
+                    self._queue = collections.deque(r for r in self._queue if id(r) not in gone)
+            if underway:
+                queued = set(map(id, out))
+                out += [r for r in self._sending if not r.is_completed() and id(r) not in queued
+                        and (match is None or match(r))]
+                if match is None:
+                    self._sending = set()
+            self._cond.notify_all()
+        return out
+
+    def send_mark(self):
+        with self._cond:
+            if not self._queue:
+                return None
+            return (len(self._queue), getattr(self._queue[0], "next_off", 0),
+                    sum(st.sent_bytes for st in self._streams))
+
+    def unacknowledged_s(self) -> float:
+        worst = 0.0
+        for st in self._streams:
+            try:
+                raw = st.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+            except (OSError, AttributeError, TypeError):
+                continue
+            if not isinstance(raw, (bytes, bytearray)) or len(raw) < 60:
+                continue
+            unacked = int.from_bytes(raw[24:28], "little")
+            silent = int.from_bytes(raw[56:60], "little") / 1000.0  # tcpi_last_ack_recv
+            if unacked:
+                worst = max(worst, silent)
+        return worst
+
+    def stats(self) -> dict:
+        conns, retrans, kq = [], None, 0
+        for st in self._streams:
+            conns.append({"index": st.index, "local": st.local, "remote": st.remote,
+                          "device": st.device, "sent_bytes": st.sent_bytes,
+                          "received_bytes": st.recv_bytes})
+            info = tcp_info(st.sock)
+            if info is not None:
+                retrans = (retrans or 0) + info["total_retrans"]
+            kq += kernel_queued(st.sock)
+        with self._cond:
+            queued = 0
+            for item in self._queue:
+                queued += len(item[1]) if isinstance(item, tuple) else max(0, item.total - item.next_off)
+            state = self._down or ("closed" if self._closing else "up")
+            sent_msgs = self._messages_sent
+        return {"kind": self.kind, "peer": self.peer, "state": state, "speed_bps": self.speed_bps,
+                "bytes_sent": sum(c["sent_bytes"] for c in conns),
+                "bytes_received": sum(c["received_bytes"] for c in conns),
+                "messages_sent": sent_msgs,
+                "messages_received": sum(st.recv_msgs for st in self._streams),
+                "queued_bytes": queued + kq, "retransmits": retrans, "connections": conns}
+
+    def begin_close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def wait_sent(self, until: float) -> None:
+        self._join("linerate-send", until)
+
+    def close(self, deadline: float) -> None:
+        self.begin_close()
+        for st in self._streams:
+            try:
+                st.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                st.sock.close()
+            except OSError:
+                pass
+        # The streams are shut down, so the receivers end now: wait for them. A receiver's
+        # frame may hold the last reference to a tensor (a memoryview of a receive buffer),
+        # and a daemon thread that frees a tensor during interpreter finalization aborts the
+        # process (torch releases the GIL in the tensor's dealloc; taking it back then calls
+        # pthread_exit through noexcept C++ frames: "terminate called without an active
+        # exception").
+        self._join("linerate-recv", max(time.monotonic() + 0.5, deadline))
+        self._join("linerate-send", time.monotonic() + 1.0)  # senders end on the shut streams
+
+    def _join(self, prefix: str, until: float) -> None:
+        me = threading.current_thread()
+        for t in self._threads:
+            if t.name.startswith(prefix) and t is not me:
+                t.join(max(0.0, until - time.monotonic()))
+
+    # ------------------------------------------------------------------ threads
+    def _send_loop(self, st: _Stream) -> None:
+        sock = st.sock
+        credit = self._credit
+        if credit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            # The credit window: at most this much not-yet-sent data waits in the kernel's
+            # (FIFO) buffer, so a more urgent message queued here overtakes the rest.
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT,
+                                max(16 << 10, credit // len(self._streams)))
+            except (OSError, AttributeError) as e:  # not a TCP socket (RDMA stream)
+                log.debug("rank %d: no credit window on connection %d to rank %d: %s",
+                          self.rank, st.index, self.peer, e)
+        chunk = self._chunk
+        pack = framing.HEADER.pack
+        checksum = self._checksum
+        cond = self._cond
+        try:
+            while True:
+                with cond:
+                    q = self._queue
+                    while not q:
+                        if self._closing or st.closed:
+                            raise _Closing
+                        cond.wait()
+                        q = self._queue
+                    req = q[0]
+                    if isinstance(req, tuple):  # a control frame (kind, payload, value)
+                        q.popleft()
+                        kind, payload, ctag = req
+                        req = None
+                    else:
+                        off = req.next_off
+                        n = min(chunk, req.total - off)
+                        buf = req.buf  # once, here: a failure elsewhere may clear it
+                        req.next_off = off + n
+                        if req.next_off >= req.total:
+                            q.popleft()
+                        if q:
+                            cond.notify()  # more chunks: another stream takes the next
+                if req is None:
+                    sock.sendall(pack(kind, 0, 0, len(payload), ctag, 0, len(payload), 0, 0) + payload)
+                    continue
+                if req.error is not None or buf is None:
+                    continue  # failed while queued: drop the rest
+                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off,
+                           req.call)
+                if n:
+                    data = buf[off:off + n]
+                    sent = sock.sendmsg((hdr, data))
+                    if sent < framing.HEADER_SIZE:
+                        sock.sendall(hdr[sent:])
+                        sock.sendall(data)
+                    elif sent < framing.HEADER_SIZE + n:
+                        sock.sendall(data[sent - framing.HEADER_SIZE:])
+                    if checksum:
+                        sock.sendall(_CRC.pack(zlib.crc32(data)))
+                else:
+                    sock.sendall(hdr)
+                st.sent_bytes += n
+                with cond:
+                    req.chunks_left -= 1
+                    done = req.chunks_left == 0
+                    if done:
+                        self._messages_sent += 1
+                if done:
+                    req._finish()
+        except _Closing:
+            try:
+                sock.sendall(framing.pack_header(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0))
+            except OSError:
+                pass
+        except OSError as e:
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: sending to rank {self.peer} "
+                                              f"failed ({e}); did rank {self.peer} exit or crash?"))
+
+    def _recv_loop(self, st: _Stream) -> None:
+        sock = st.sock
+        sink = self._sink
+        hbuf = bytearray(framing.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        max_chunk = max(self._chunk, 1 << 24)  # peers may run another chunk size
+        unpack = framing.unpack_header
+        checksum = self._checksum
+        cbuf = bytearray(_CRC.size)
+        try:
+            while True:
+                if not recv_into(sock, hview, framing.HEADER_SIZE):
+                    raise _PeerEOF
+                kind, opcode, channel, length, tag, msgno, total, off, call = unpack(hbuf, max_chunk)
+                if kind == KIND_DATA:
+                    token, dest = sink.claim(self, opcode, channel, tag, msgno, total, call, off,
+                                             length)
+                    if dest is None:  # nowhere to go (mismatched or failed receive): drop
+                        token = None
+                        dest = self._discard(length)
+                    if length and not recv_into(sock, dest, length):
+                        raise _PeerEOF
+                    if checksum and length:
+                        if not recv_into(sock, memoryview(cbuf), _CRC.size):
+                            raise _PeerEOF
+                        if _CRC.unpack(cbuf)[0] != zlib.crc32(dest):
+                            raise framing.FrameError(
+                                f"checksum mismatch in bytes [{off}, {off + length}) of a "
+                                f"{total}-byte message (tag {tag}): the data was corrupted on the "
+                                f"way (LINERATE_CHECKSUM)")
+                    st.recv_bytes += length
+                    if off + length == total:  # exactly one chunk of a message ends it
+                        st.recv_msgs += 1
+                    if token is not None:
+                        sink.filled(self, token, channel, tag, msgno, length)
+                elif kind == KIND_ERROR:
+                    text = bytearray(length)
+                    if length and not recv_into(sock, memoryview(text), length):
+                        raise _PeerEOF
+                    sink.control(self, kind, bytes(text), tag)
+                elif kind == KIND_CLOSE:
+                    st.closed = True
+                    with self._cond:
+                        self._closes_seen += 1
+                        all_closed = self._closes_seen == len(self._streams)
+                        if all_closed and self._down is None:
+                            self._down = "closed"
+                        else:
+                            all_closed = False
+                        self._cond.notify_all()
+                    if all_closed and not self._closing:
+                        sink.link_closed(self)
+                    return
+                else:  # QUERY, PROGRESS
+                    sink.control(self, kind, b"", tag)
+        except _PeerEOF:
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection {st.index} to "
+                                              f"rank {self.peer} ({st.remote}) closed unexpectedly: "
+                                              f"rank {self.peer} exited or crashed"))
+        except framing.FrameError as e:
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: protocol error from rank "
+                                              f"{self.peer}: {e}"), even_closing=True)
+        except OSError as e:
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection to rank {self.peer} "
+                                              f"failed: {e}; rank {self.peer} exited, crashed or its "
+                                              f"link is down"))
+
+    def _fail(self, err: BaseException, even_closing: bool = False) -> None:
+        with self._cond:
+            if self._closing and not even_closing:
+                return
+            if self._down is None:
+                self._down = "failed"
+            self._cond.notify_all()
+        self._sink.link_failed(self, err)
+
+    def _discard(self, n: int) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = memoryview(bytearray(max(n, 1 << 16)))
+        return buf[:n]
+
+
+# ----------------------------------------------------------------------------- helpers
+def recv_into(sock, view: memoryview, n: int) -> bool:
+    """Fill view[:n]; False on end of stream. MSG_WAITALL lets the kernel fill the whole
+    chunk in one call: one system call and one GIL hand-off per chunk instead of dozens."""
+    got = sock.recv_into(view, n, socket.MSG_WAITALL)
+    while got < n:
+        if got == 0:
+            return False
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            return False
+        got += k
+    return True
+
+
+def tcp_info(sock) -> dict | None:
+    """A few fields of the kernel's TCP_INFO for a connection (None if it is closed or not
+    a TCP socket)."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except (OSError, AttributeError, TypeError):
+        return None
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) < _TCPI_TOTAL_RETRANS + 4:
+        return None
+    out = {"total_retrans": struct.unpack_from("<I", raw, _TCPI_TOTAL_RETRANS)[0]}
+    if len(raw) >= _TCPI_SEGS_OUT + 4:
+        out["segs_out"] = struct.unpack_from("<I", raw, _TCPI_SEGS_OUT)[0]
+    if len(raw) >= _TCPI_BYTES_SENT + 8:
+        out["bytes_sent"] = struct.unpack_from("<Q", raw, _TCPI_BYTES_SENT)[0]
+    return out
+
+
+def kernel_queued(sock) -> int:
+    """Bytes handed to a stream and not yet acknowledged (the kernel's send queue; an RDMA
+    stream's posted, uncompleted writes)."""
+    queued = getattr(sock, "queued_bytes", None)
+    if queued is not None:
+        return queued()
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+__all__ = ["Link", "LinkSink", "StreamLink", "recv_into", "tcp_info", "kernel_queued"]
