@@ -19,8 +19,9 @@ barrier         shm                               dissemination                 
 fusion agree    shm                               two_level (1)                         direct
 =============== ================================= ===================================== =========
 
-(1) the fused calls are agreed on over TCP without carrying the head call's data (which the
-direct agreement folds in rank order over all ranks); the fused all_reduce then runs two-level.
+(1) two_level.agree: the host's ranks agree on their segment, then each rank with its column
+groups over TCP; on even layouts a small head call is reduced along (the small two-level
+all_reduce in the same two rounds).
 
 "several hosts, co-located ranks share" needs at least one host with two or more ranks of the
 group, every such host's segment proved (``Layout.shared``), at most MAX_COLUMNS ranks per
@@ -46,7 +47,7 @@ from . import halving
 TWO_LEVEL_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 #: Most ranks of one host for two-level algorithms (collectives/two_level.py: one slot tag
 #: per column).
-MAX_COLUMNS = 254
+MAX_COLUMNS = 126
 #: What choose() may return.
 NAMES = ("shm", "two_level", "direct", "ring", "hd", "chain", "dissemination")
 

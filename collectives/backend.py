@@ -351,8 +351,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             fr = self._flight
             fr.started(head.seq)
             how = self._choose(comm, "agree", 0)
-            k, head_done = (shm_algos if how == "shm" else fusion).agree(
-                comm, offered, len(offered), 0 if how == "two_level" else self._options.small_bytes)
+            if how == "two_level":
+                k, head_done = two_level.agree(comm, offered, len(offered),
+                                               self._options.small_bytes, self._plan,
+                                               self._two_level_engine())
+            else:
+                k, head_done = (shm_algos if how == "shm" else fusion).agree(
+                    comm, offered, len(offered), self._options.small_bytes)
             taken = offered[:k]
             for e in taken[1:]:
                 fr.started(e.seq)
@@ -360,7 +365,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                 self._options.allreduce_algo)
             if head_done:
                 nbytes += taken[0].nbytes
-                comm.algorithm = "direct" if k == 1 else comm.algorithm
+                comm.algorithm = ("two_level" if how == "two_level" else "direct") if k == 1 \
+                    else comm.algorithm
             for e in taken:
                 e.stage.finish()
             seconds = time.perf_counter() - t0

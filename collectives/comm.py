@@ -9,13 +9,16 @@ import torch
 
 from linerate.transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
 
+from .mismatch import OpNames
+
 # Opcodes travel in every frame so that a rank in a different collective is named, not mixed in.
 OPCODES = {
     "all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5, "scatter": 6,
     "reduce_scatter": 7, "all_to_all": 8, "barrier": 9, "all_reduce_coalesced": 10,
     "all_gather_coalesced": 11, "reduce_scatter_coalesced": 12, "neighbor_allreduce": 13,
 }
-OPNAMES = {v: k for k, v in OPCODES.items()}
+# Their names, and the words for mismatches the transport reports (collectives/mismatch.py).
+OPNAMES = OpNames({v: k for k, v in OPCODES.items()})
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -94,6 +97,9 @@ class Comm:
         self._desc = f"{op} #{seq}"
         self._block = 0
         self.scratch = scratch or Scratch()
+        #: This op's SubComm views, by (group ranks, tag): one per subset, so that its blocks
+        #: keep counting across the algorithm runs of the op (sub()).
+        self._subs: dict = {}
         #: The algorithm that ran (set by the algorithm; the metrics label).
         self.algorithm = "direct"
         self.call = 0
@@ -148,8 +154,9 @@ class Comm:
     def sub(self, ranks, tag: int) -> "SubComm":
         """This op's view restricted to the group ranks ``ranks`` (this rank among them), as
         ``SubComm``: sub-rank i is ``ranks[i]``. ``tag`` (1..255) keeps its slots apart from the
-        op's and from other subsets' of the same op; every member must pass the same."""
-        return SubComm(self, ranks, tag)
+        op's and from other subsets' of the same op; every member must pass the same. The same
+        ranks and tag give the same view for the whole op (its blocks keep counting)."""
+        return SubComm.of(self, ranks, tag)
 
     @staticmethod
     def slot(base: int, phase: int = 0, step: int = 0, piece: int = 0) -> int:
@@ -170,7 +177,7 @@ class Comm:
         except TimeoutError:
             hint = ""
             if req.peer is not None:
-                other = [f"{name} #{seq}" for seq, name in self.ctx.staged_collectives(req.peer)
+                other = [f"{name} #{seq}" for seq, name in OPNAMES.staged_ops(self.ctx, req.peer)
                          if seq != self.seq]
                 if other:
                     hint = (f"; rank {req.peer} has sent data of {', '.join(other)} instead: the "
@@ -225,6 +232,18 @@ class SubComm:
     op's, naming group ranks. ``shm`` is the shared-memory engine of exactly these ranks, or
     None (never the parent's)."""
 
+    @staticmethod
+    def of(parent, ranks, tag: int) -> "SubComm":
+        """The op's view of ``ranks`` (of ``parent``) with ``tag``, made once per op."""
+        root = parent.root if isinstance(parent, SubComm) else parent
+        ranks = tuple(int(q) for q in ranks)
+        key = (tuple(parent.ranks[q] for q in ranks) if isinstance(parent, SubComm) and
+               all(0 <= q < parent.size for q in ranks) else ranks, tag)
+        view = root._subs.get(key)
+        if view is None:
+            view = root._subs[key] = SubComm(parent, ranks, tag)
+        return view
+
     def __init__(self, parent, ranks, tag: int):
         ranks = tuple(int(q) for q in ranks)
         if not 1 <= tag <= MAX_VIEW_TAG:
@@ -260,7 +279,7 @@ class SubComm:
         return Comm.slot(base, phase, step, piece)
 
     def sub(self, ranks, tag: int) -> "SubComm":
-        return SubComm(self, ranks, tag)
+        return SubComm.of(self, ranks, tag)
 
     def isend(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.root.isend(self.ranks[peer], t, slot)

@@ -34,7 +34,6 @@ import time
 
 import torch
 
-from linerate.transport import CHANNEL_COLLECTIVE
 
 from .reduce_ops import finish_avg, reduce_into
 
@@ -90,17 +89,19 @@ def plan(queue, cap_bytes: int) -> tuple[int, bool]:
     return n, total >= cap_bytes or n >= MAX_ENTRIES
 
 
-def agree(comm, entries: list[Entry], offered: int, carry_bytes: int) -> tuple[int, bool]:
+def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
+          avg_size: int | None = None) -> tuple[int, bool]:
     """(the number of entries every rank fuses: the least offered, whether the head entry is
     already reduced). Raises ValueError naming the calls when the ranks' calls differ.
 
     A head entry of at most ``carry_bytes`` travels with the agreement and is folded here in
     rank order (as collectives.direct does): a lone small all_reduce, the common synchronous
-    case, costs one round as it would without fusion."""
+    case, costs one round as it would without fusion. ``comm`` may be a SubComm (the two-level
+    agreement among a column's owners); an AVG head is divided by ``avg_size`` (default: the
+    comm's size; 0: not divided)."""
     head = entries[0]
     if comm.size == 1:
         return offered, False
-    ctx = comm.ctx
     carry = head.nbytes <= carry_bytes  # the same on every rank for the same call
     size = _AGREE.size + (head.nbytes if carry else 0)
     out = bytearray(size)
@@ -109,29 +110,29 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int) -> tuple[i
         out[_AGREE.size:] = memoryview(head.buf.reshape(-1).view(torch.uint8).numpy())
     reqs = {}
     sends = []
+    base = comm.block()
+    mine = torch.frombuffer(out, dtype=torch.uint8)
     for peer in range(comm.size):
         if peer == comm.rank:
             continue
         buf = bytearray(size)
-        reqs[peer] = (buf, ctx.irecv(peer, memoryview(buf), CHANNEL_COLLECTIVE, comm.seq,
-                                     comm.opcode, comm._req_desc, 0, comm.call))
-        sends.append(ctx.isend(peer, memoryview(out), CHANNEL_COLLECTIVE, comm.seq, comm.opcode,
-                               comm._req_desc, 0, comm.call))
+        reqs[peer] = (buf, comm.irecv(peer, torch.frombuffer(buf, dtype=torch.uint8), base))
+        sends.append(comm.isend(peer, mine, base))
     counts = []
     for peer, (buf, req) in reqs.items():
         comm.wait(req)
         c, digest = _AGREE.unpack_from(buf, 0)
         if c < 1:
-            raise ValueError(f"rank {comm.rank}: fused all_reduce #{comm.seq}: rank {peer} offered "
-                             f"{c} calls")
+            raise ValueError(f"rank {who(comm, comm.rank)}: fused all_reduce #{comm.seq}: rank "
+                             f"{who(comm, peer)} offered {c} calls")
         # A peer that offered no more calls than this rank sent the digest of its first c:
         # compare as it arrives, so that this rank names its own calls before any peer's
         # report of the mismatch reaches it.
         if c <= offered and digest != entries[c - 1].chain:
             raise ValueError(
-                f"rank {comm.rank}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) "
-                f"differ from rank {peer}'s: the ranks passed other dtypes, sizes or reduce ops, "
-                f"or called other operations in between; rank {comm.rank} called "
+                f"rank {who(comm, comm.rank)}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} "
+                f"(fused) differ from rank {who(comm, peer)}'s: the ranks passed other dtypes, sizes "
+                f"or reduce ops, or called other operations in between; rank {who(comm, comm.rank)} called "
                 f"{summary(entries[:c])}")
         counts.append(c)
     comm.wait_all(sends)
@@ -148,8 +149,15 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int) -> tuple[i
         flat.copy_(parts[0])
         for part in parts[1:]:
             reduce_into(flat, part, head.op)
-        finish_avg(flat, head.op, comm.size)
+        if avg_size != 0:
+            finish_avg(flat, head.op, comm.size if avg_size is None else avg_size)
     return k, True
+
+
+def who(comm, r: int) -> int:
+    """Group rank of (sub-)rank r of ``comm`` (for messages)."""
+    ranks = getattr(comm, "ranks", None)
+    return ranks[r] if ranks is not None else r
 
 
 def summary(entries: list[Entry]) -> str:

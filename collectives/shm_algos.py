@@ -718,11 +718,13 @@ def barrier(comm: Comm) -> None:
     E.wait(E.tick)
 
 
-def agree(comm: Comm, entries: list, offered: int, carry_bytes: int) -> tuple[int, bool]:
+def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
+          avg_size: int | None = None) -> tuple[int, bool]:
     """collectives.fusion.agree on the segment: (the number of entries every rank fuses, the
     least offered; whether the head entry is already reduced). Each rank publishes its count
     and the running digest of its calls; a head entry of at most ``carry_bytes`` goes along and
-    is folded here in rank order. Raises ValueError naming the calls when they differ."""
+    is folded here in rank order (an AVG head divided by ``avg_size``, default the ranks here;
+    0: not divided). Raises ValueError naming the calls when they differ."""
     from .fusion import summary
     E = _engine(comm)
     P, r = E.P, E.r
@@ -748,17 +750,19 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int) -> tuple[in
         words = E.areas[E.S(b, q)][:16].view(torch.int64)
         c, digest = int(words[0]), int(words[1])
         if c < 1:
-            raise ValueError(f"rank {r}: fused all_reduce #{comm.seq}: rank {q} offered {c} calls")
+            raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} offered "
+                             f"{c} calls")
         if c <= offered and digest != _signed(entries[c - 1].chain):
             raise ValueError(
-                f"rank {r}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) differ "
-                f"from rank {q}'s: the ranks passed other dtypes, sizes or reduce ops, or called "
-                f"other operations in between; rank {r} called {summary(entries[:c])}")
+                f"rank {E.me}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) differ "
+                f"from rank {E.gr[q]}'s: the ranks passed other dtypes, sizes or reduce ops, or "
+                f"called other operations in between; rank {E.me} called {summary(entries[:c])}")
         counts.append(c)
     k = min([offered] + counts)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
         _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
-        finish_avg(flat, head.op, P)
+        if avg_size != 0:
+            finish_avg(flat, head.op, P if avg_size is None else avg_size)
     E.publish(areas)
     return k, carry

@@ -44,15 +44,16 @@ import time
 import torch
 
 from . import chain, direct, ring, shm_algos
+from .algorithms import MAX_COLUMNS
 from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
 
 #: SubComm tag of a host's ranks (local phases: shared memory, no slots used); the inter-host
-#: groups take 1..254 (column + 1).
+#: groups take 1..MAX_COLUMNS (contiguous columns: first column + 1) and RS_TAG + column
+#: (reduce_scatter / all_gather columns): a tag always names the same ranks within an op.
 LOCAL_TAG = MAX_VIEW_TAG
-#: Most ranks on one host for two-level algorithms (one tag per column).
-MAX_COLUMNS = MAX_VIEW_TAG - 1
+RS_TAG = 128
 #: all_reduce: chunk size of the pipeline between the local and the inter-host phases.
-PIPE_BYTES = 8 << 20
+PIPE_BYTES = 16 << 20
 #: Most chunks of one all_reduce.
 MAX_CHUNKS = 16
 
@@ -148,6 +149,25 @@ def _ar(sub, x: torch.Tensor, op, small_bytes: int) -> None:
         ring.all_reduce(sub, x, op)
 
 
+def _chunks(n: int, es: int) -> list[tuple[int, int]]:
+    """(offset, length) of the pipeline's chunks of n elements: PIPE_BYTES each (at most
+    MAX_CHUNKS), the first and the last a quarter of that: only the local reduce-scatter of the
+    first and the local all-gather of the last are not overlapped by an inter-host phase."""
+    per = max(1, PIPE_BYTES // es, -(-n // MAX_CHUNKS))
+    if n <= 2 * per:
+        sizes = [min(per, n - o) for o in range(0, n, per)]
+    else:
+        edge = per // 4
+        mid = n - 2 * edge
+        k = -(-mid // per)
+        sizes = [edge] + [mid // k + (1 if i < mid % k else 0) for i in range(k)] + [edge]
+    out, o = [], 0
+    for ln in sizes:
+        out.append((o, ln))
+        o += ln
+    return out
+
+
 def _wait_futures(comm, futures) -> None:
     """Wait for the helper thread's work of this op (also after a failure here: it must not
     touch the tensors once the op returned)."""
@@ -176,8 +196,7 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
         for k, (_, _, sub) in enumerate(subs):
             direct.all_reduce(sub, flat if k == 0 else host_sum.clone(), op)
         return
-    per = max(1, min(n, max(PIPE_BYTES // es, -(-n // MAX_CHUNKS))))
-    chunks = [(o, min(per, n - o)) for o in range(0, n, per)]
+    chunks = _chunks(n, es)
     mine = []   # per chunk: this rank's slices of it
     for s in (sub for _, _, sub in subs):
         s.scratch = plan.scratch
@@ -254,7 +273,7 @@ def reduce_scatter(comm, segs: list[torch.Tensor], out: torch.Tensor, op, plan: 
         for p in col:
             parts.append(stage[off:off + m] if p is not None else stage[:0])
             off += m if p is not None else 0
-        sub = comm.sub(plan.rs_members(i), i + 1)
+        sub = comm.sub(plan.rs_members(i), RS_TAG + i)
         if len(col) * m * out.element_size() <= small_bytes:
             _direct_rs(sub, parts, op)
         else:
@@ -281,7 +300,7 @@ def all_gather(comm, segs: list[torch.Tensor], plan: Plan, engine, small_bytes: 
     for i in plan.cols:
         col = [hosts[g][i] if i < plan.n[g] else None for g in range(H)]
         parts = [segs[p] if p is not None else empty for p in col]
-        sub = comm.sub(plan.rs_members(i), i + 1)
+        sub = comm.sub(plan.rs_members(i), RS_TAG + i)
         if sum(x.numel() for x in parts) * empty.element_size() <= small_bytes:
             direct.all_gather(sub, parts)
         else:
@@ -339,3 +358,26 @@ def reduce(comm, flat: torch.Tensor, op, root: int, plan: Plan, engine, small_by
             shm_algos.gather_v(loc, segs, plan.local.index(root))
         if comm.rank == root:
             flat[lo:hi].copy_(part)
+
+
+# ---------------------------------------------------------------------------- fusion
+def agree(comm, entries: list, offered: int, carry_bytes: int, plan: Plan,
+          engine) -> tuple[int, bool]:
+    """collectives.fusion.agree in two levels: the host's ranks agree on the segment
+    (shm_algos.agree: the least count, the calls' digests compared), then each rank with its
+    column groups over TCP (fusion.agree: the least count over hosts, digests compared; each
+    group has one rank per host, so every pair of ranks is compared through a host). On even
+    layouts the head entry of up to ``carry_bytes`` travels along: summed over the host on
+    the segment, then over hosts in host order: the small two-level all_reduce, in the same
+    two rounds. (Uneven layouts, where a rank may be in several column groups, carry nothing.)"""
+    comm.algorithm = "two_level"
+    even = len(set(plan.n)) == 1
+    carry = carry_bytes if even else -1  # the same on every rank
+    loc = _local(comm, plan, engine)
+    k, done = offered, False
+    if loc is not None:
+        k, done = shm_algos.agree(loc, entries, offered, carry, avg_size=0)
+    from .fusion import agree as agree_tcp
+    for c0, _, members in plan.runs:
+        k, done = agree_tcp(comm.sub(members, c0 + 1), entries, k, carry, avg_size=comm.size)
+    return k, done
