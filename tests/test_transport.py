@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from linerate.transport import (CHANNEL_COLLECTIVE, CHANNEL_P2P, Context, MismatchError, PeerFailure,
                        TransportError, TransportOptions, parse_size)
+from linerate.collectives.mismatch import OpNames
 from linerate.transport import rendezvous
 from linerate.transport import framing, handshake
 from linerate.transport.fakepeer import FakePeer as _FakePeer
 
 from _harness import CURRENT_TRANSPORT, REPO
 
-OPNAMES = {1: "allreduce", 2: "broadcast"}
+OPNAMES = OpNames({1: "allreduce", 2: "broadcast"})  # the mismatch wording (collectives)
 # Loopback only, so that the tests need no network and no MASTER_ADDR.
 BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0)
 
@@ -70,7 +71,7 @@ def make_mesh(size: int, store=None, **kw) -> list[Context]:
 
     def build(r):
         try:
-            ctxs[r] = Context(store, r, size, opts, opnames=OPNAMES)
+            ctxs[r] = Context(store, r, size, opts, describe=OPNAMES)
         except BaseException as e:  # reported below
             errors.append(e)
 
@@ -115,7 +116,7 @@ def FakePeer(**kw) -> _FakePeer:
     """Rank 1 of a 2-rank group played by the test: rank 0 is a real Context, and the test
     writes raw frames on rank 1's single connection (linerate.transport.fakepeer, which the
     fuzzer uses too), over a HashStore."""
-    return _FakePeer(store=_hash_store(), opnames=OPNAMES, **{**BASE_OPTS, **kw})
+    return _FakePeer(store=_hash_store(), describe=OPNAMES, **{**BASE_OPTS, **kw})
 
 
 # --------------------------------------------------------------------------- 1. mesh set-up
@@ -389,7 +390,7 @@ MISMATCHES = {"size": (200, 1, 0), "opcode": (100, 2, 0)}
 @pytest.mark.timeout(60)
 def test_collective_of_another_op_is_not_mixed_in(transport):
     """A message of op #1 never fills a receive of op #0 (it waits, staged, for op #1), and
-    staged_collectives() names it for the timeout report."""
+    staged() and the wording (collectives/mismatch.py) name it for the timeout report."""
     with mesh(2, nsocks=2) as (c0, c1):
         c0.isend(1, memoryview(bytes(100)), CHANNEL_COLLECTIVE, 1, opcode=1).wait(10)
         assert _wait_until(lambda: _received_from(c1, 0) == 100, 10)
@@ -397,7 +398,8 @@ def test_collective_of_another_op_is_not_mixed_in(transport):
         r = c1.irecv(0, memoryview(out), CHANNEL_COLLECTIVE, 0, opcode=1)
         with pytest.raises(TimeoutError):
             r.wait(0.5)
-        assert c1.staged_collectives(0) == [(1, "allreduce")]
+        assert c1.staged(0) == [(CHANNEL_COLLECTIVE, 1, 1)]
+        assert OPNAMES.staged_ops(c1, 0) == [(1, "allreduce")]
 
 
 def _post_mismatch(c0, c1, kind, recv_first):
@@ -516,7 +518,7 @@ def test_peer_killed_fails_pending_receive_quickly(transport):
     ctx = None
     try:
         ctx = Context(store, 0, 3, _opts(nsocks=2, connect_timeout=60, link_timeout=link_timeout),
-                      opnames=OPNAMES)
+                      describe=OPNAMES)
         store.get("ready/1")
         store.get("ready/2")
         dead = ctx.irecv(2, memoryview(bytearray(16)), CHANNEL_P2P, 5)

@@ -20,7 +20,8 @@ side (a per-key message number travels with every message), whatever stream carr
   pending collective of the group, and the others learn why (ERROR frames).
 
 The Context speaks no collective vocabulary of its own: a mismatch is a set of facts
-(matching.Mismatch) that ``describe_mismatch``, given by the user of the Context, words.
+(matching.Mismatch) that ``describe``, given by the user of the Context, words (the
+collectives' is collectives/mismatch.py).
 ``stats()`` is a plain snapshot of every link (the metrics exporter reads only that).
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Context(LinkSink):
     """The links of ``rank`` to every other rank of a group of ``size`` ranks."""
 
     def __init__(self, store, rank: int, size: int, options: TransportOptions | None = None,
-                 opnames: dict[int, str] | None = None, label: str = "", scope: str = ""):
+                 describe=None, label: str = "", scope: str = ""):
         self.rank = rank
         #: Every rendezvous key of this group lies under this prefix. ``scope`` names one
         #: incarnation of the job (e.g. torchrun's restart count): a store that outlives a
@@ -72,7 +73,9 @@ class Context(LinkSink):
         self.options = options or TransportOptions.from_env()
         #: Seconds of silence after which a peer's connections fail (LINERATE_LINK_TIMEOUT).
         self.link_timeout = self.options.link_timeout
-        self.opnames = opnames or {}
+        #: Words a mismatch: ``describe(mismatch, rank) -> str`` (matching.Mismatch: the
+        #: facts); the user of the Context knows what its opcodes and digests mean.
+        self.describe = describe
         self.label = label
         self._closing = False
         #: An opaque number the user of this Context keeps (the collectives: the sequence
@@ -182,8 +185,9 @@ class Context(LinkSink):
 
         ``slot`` names the message within its (channel, tag): the receive with the same slot
         gets it, whatever order either side posts in. Without a slot, messages on one
-        (peer, channel, tag) match in posting order. ``call``: a digest of the collective
-        call's arguments; a receive whose digest differs fails with a MismatchError.
+        (peer, channel, tag) match in posting order. ``call``: an opaque 64-bit digest (the
+        collectives': of the call's arguments); on CHANNEL_COLLECTIVE a receive whose digest
+        differs fails with a MismatchError.
         ``priority``: lower goes first. The connections to a peer take their next chunk from
         the most urgent queued message, so a message overtakes less urgent ones already
         queued, chunk by chunk (equal priorities: posting order)."""
@@ -242,45 +246,30 @@ class Context(LinkSink):
         return req
 
     def begin_call(self, tag: int, call: int, desc: str) -> None:
-        """A collective starts: messages of op ``tag`` whose call digest differs from ``call``
-        (already here, or arriving while it runs, whoever they are for) are a mismatch,
-        reported to every rank. It catches ranks that receive nothing the others send (a
-        different root)."""
+        """A call on CHANNEL_COLLECTIVE starts: messages of ``tag`` whose digest differs from
+        ``call`` (already here, or arriving while it runs, whoever they are for) are a
+        mismatch, reported to every rank (``desc`` is handed to ``describe``). It catches
+        ranks that receive nothing the others send (e.g. a different root)."""
         with self._lock:
             bad = self.matcher.begin_call(tag, call, desc)
         if bad is not None:
-            self.report_error(self._describe(bad))
+            self.report_error(str(self._mismatch(bad)))
 
     def end_call(self, tag: int) -> None:
         with self._lock:
             self.matcher.end_call(tag)
 
-    def _describe(self, m: Mismatch) -> str:
-        """The words for a mismatch's facts (what users read in the MismatchError)."""
-        where = self._where()
-        if m.reason == "call":
-            theirs = self._opname(m.their_opcode)
-            if not m.my_desc.startswith(theirs + " "):
-                return (f"rank {self.rank}: rank {m.peer} is in {theirs} #{m.their_tag} while rank "
-                        f"{self.rank} called {m.my_desc}: the ranks called different "
-                        f"collectives{where}")
-            return (f"rank {self.rank}: rank {m.peer} called {theirs} #{m.their_tag} with other "
-                    f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
-                    f"{m.my_desc}{where}")
-        if m.reason == "op":
-            return (f"rank {m.peer} is in {self._opname(m.their_opcode)} (op #{m.their_tag}, "
-                    f"{m.their_total} bytes) while rank {self.rank} is in "
-                    f"{self._opname(m.my_opcode)} (op #{m.my_tag}, {m.my_total} bytes): the ranks "
-                    f"called different collectives{where}")
-        if m.reason == "digest":
-            return (f"rank {m.peer} called {self._opname(m.their_opcode)} #{m.their_tag} with other "
-                    f"arguments (dtype, size, reduce op or root) than rank {self.rank}, which called "
-                    f"{m.my_desc}{where}")
-        coll = m.channel == CHANNEL_COLLECTIVE
-        what = self._opname(m.my_opcode) if coll else f"recv (tag {m.my_tag})"
-        return (f"rank {m.peer} sent {m.their_total} bytes but rank {self.rank} expects "
-                f"{m.my_total} bytes in {what}{' op #' + str(m.my_tag) if coll else ''}: the ranks "
-                f"passed tensors of different sizes or dtypes{where}")
+    def _mismatch(self, m: Mismatch) -> MismatchError:
+        """The error for a mismatch's facts, in the words of ``describe`` (else neutral ones)."""
+        if self.describe is not None:
+            text = self.describe(m, self.rank)
+        else:
+            text = (f"rank {self.rank}: a message from rank {m.peer} (channel {m.channel}, tag "
+                    f"{m.their_tag}, opcode {m.their_opcode}, digest {m.their_digest:#x}, "
+                    f"{m.their_total} bytes) does not match what rank {self.rank} expects (tag "
+                    f"{m.my_tag}, opcode {m.my_opcode}, digest {m.my_digest:#x}, {m.my_total} "
+                    f"bytes): {m.reason} differs")
+        return MismatchError(text + self._where(), facts=m)
 
     def _refusal(self, channel: int):
         """Why a new transfer on ``channel`` cannot start (None if it can)."""
@@ -296,24 +285,19 @@ class Context(LinkSink):
             with self._lock:
                 self.matcher.forget(staged)
             if isinstance(err, Mismatch):
-                self._on_mismatch(req, MismatchError(self._describe(err)))
+                self._on_mismatch(req, self._mismatch(err))
             else:
                 req._finish(_wrap(self.peers[req.peer].failure or err))
             return
         self.matcher.deliver(staged, req)  # numpy copies without holding the GIL
         req._finish()
 
-    def staged_collectives(self, peer: int) -> list[tuple[int, str]]:
-        """(op sequence number, op name) of collective messages from ``peer`` that arrived and
-        wait for a receive: after a timeout they show which op the peer is in."""
+    def staged(self, peer: int) -> list[tuple[int, int, int]]:
+        """(channel, tag, opcode) of each message from ``peer`` that arrived (or is arriving)
+        and waits for its receive: after a timeout they show where the peer is."""
         self._peer(peer)
         with self._lock:
-            seen = {(tag, self._opname(op)) for ch, tag, op in self.matcher.staged_for(peer)
-                    if ch == CHANNEL_COLLECTIVE}
-        return sorted(seen)
-
-    def _opname(self, opcode: int) -> str:
-        return self.opnames.get(opcode, f"op {opcode}")
+            return sorted(self.matcher.staged_for(peer))
 
     def _where(self) -> str:
         return f" (group {self.label})" if self.label else ""
@@ -338,7 +322,7 @@ class Context(LinkSink):
             buf = None if target is None else target.buf
             dest = None if buf is None else buf[off:off + length]
         if bad is not None:
-            self._on_mismatch(bad[0], MismatchError(self._describe(bad[1])))
+            self._on_mismatch(bad[0], self._mismatch(bad[1]))
         if dest is None:
             return None, None
         return target, dest

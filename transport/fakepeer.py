@@ -49,9 +49,10 @@ class DictStore:
 class FakePeer:
     """Rank 1 of a 2-rank group played by the caller on ``self.sock``; rank 0 is the real
     Context ``self.ctx``. ``store``: the rendezvous store (default: a :class:`DictStore`);
-    ``opnames``: the Context's op names; anything else: rank 0's TransportOptions fields."""
+    ``describe``: the Context's mismatch wording; anything else: rank 0's TransportOptions
+    fields."""
 
-    def __init__(self, store=None, opnames=None, **options):
+    def __init__(self, store=None, describe=None, **options):
         opts = TransportOptions(**{**DEFAULT_OPTIONS, **options})
         opts.validate()
         store = DictStore() if store is None else store
@@ -61,7 +62,7 @@ class FakePeer:
 
         def build():
             try:
-                self.ctx = Context(store, 0, 2, opts, opnames=opnames)
+                self.ctx = Context(store, 0, 2, opts, describe=describe)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 err.append(e)
 

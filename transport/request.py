@@ -19,7 +19,12 @@ class PeerFailure(TransportError):
 
 
 class MismatchError(TransportError):
-    """Two ranks disagree about what they are doing (op, size, sequence)."""
+    """Two ranks disagree about what they are doing (op, size, sequence). ``facts``: the
+    transport's record of the difference (matching.Mismatch), where it found one."""
+
+    def __init__(self, message: str, facts=None):
+        super().__init__(message)
+        self.facts = facts
 
 
 class Request:
