@@ -67,7 +67,8 @@ class _Stage:
         # Elements that share memory (expand(), as_strided with stride 0) cannot each receive
         # a result: refused here, on the caller's thread before anything is sent, so that the
         # group stays usable (copying back after the op failed and broke the group).
-        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+        # (A contiguous tensor has none: the check is skipped for the common case.)
+        if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
             raise ValueError(f"{self._who}: the output tensor {str(t.dtype).replace('torch.', '')}"
                              f"{list(t.shape)} has elements that share memory (strides "
                              f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns "
