@@ -205,6 +205,15 @@ def test_striping_uses_every_connection(transport):
         # at least two of the three connections, and every byte accounted for.
         assert sum(n > 0 for n in carried) >= 2, f"bytes per connection: {carried}"
         assert sum(carried) == TEN_MB
+        # the stats snapshot: plain data, the same counts per link as per connection
+        snap = c0.stats()
+        json.dumps(snap)  # numbers and strings only
+        (peer,) = snap["peers"]
+        (link,) = peer["links"]
+        assert (peer["peer"], peer["failure"], link["state"], link["messages_sent"]) == (1, None, "up", 2)
+        assert link["kind"] == c0.transport and link["bytes_sent"] == TEN_MB + 1
+        assert link["bytes_sent"] == sum(c["sent_bytes"] for c in c0.connection_stats())
+        assert c1.stats()["peers"][0]["links"][0]["messages_received"] == 2
 
 
 # --------------------------------------------------------------------------- 3. ordering

@@ -199,9 +199,9 @@ class Context(LinkSink):
             err = self._refusal(channel) or p.failure
             if err is None:
                 req.msgno = slot if slot is not None else self.matcher.next_send(peer, channel, tag)
-        if err is None and not p.link.isend(req):
-            err = p.failure or TransportError(f"rank {self.rank}: the link to rank {peer} is "
-                                              f"down or closing")
+        if err is None and not p.link.isend(req):  # the link went down or closes
+            err = p.failure or (self._close_error if self._closing else TransportError(
+                f"rank {self.rank}: the link to rank {peer} is down"))
         if err is not None:
             req._finish(_wrap(err))
         return req
