@@ -47,7 +47,7 @@ from . import halving
 TWO_LEVEL_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 #: Most ranks of one host for two-level algorithms (collectives/two_level.py: one slot tag
 #: per column).
-MAX_COLUMNS = 126
+MAX_COLUMNS = 63
 #: What choose() may return.
 NAMES = ("shm", "two_level", "direct", "ring", "hd", "chain", "dissemination")
 

@@ -48,10 +48,11 @@ from .algorithms import MAX_COLUMNS
 from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
 
 #: SubComm tag of a host's ranks (local phases: shared memory, no slots used); the inter-host
-#: groups take 1..MAX_COLUMNS (contiguous columns: first column + 1) and RS_TAG + column
-#: (reduce_scatter / all_gather columns): a tag always names the same ranks within an op.
+#: groups take 1 + first column (contiguous columns; + MAX_COLUMNS for the all_reduce
+#: pipeline's odd chunks, which run beside the even ones) and RS_TAG + column (reduce_scatter /
+#: all_gather columns): a tag always names the same ranks within an op.
 LOCAL_TAG = MAX_VIEW_TAG
-RS_TAG = 128
+RS_TAG = 2 * MAX_COLUMNS + 1
 #: all_reduce: chunk size of the pipeline between the local and the inter-host phases.
 PIPE_BYTES = 16 << 20
 #: Most chunks of one all_reduce.
@@ -73,8 +74,11 @@ class Plan:
         if self.L > MAX_COLUMNS:
             raise ValueError(f"rank {rank}: two-level collectives take at most {MAX_COLUMNS} ranks "
                              f"per host, the group has {self.L}")
-        self.scratch = Scratch()  # the inter-host phases' (they run on a helper thread)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: The inter-host phases' scratch and helper threads: all_reduce's even chunks on
+        #: the first, odd chunks on the second (each in chunk order: the slots of a column
+        #: group are taken in the same order on every rank).
+        self.scratch = (Scratch(), Scratch())
+        self._pools: list = []
         self._lock = threading.Lock()
         # all_reduce / broadcast / reduce: contiguous columns, grouped by their owners
         self.runs = self._runs(self.h, self.j)
@@ -118,18 +122,18 @@ class Plan:
         return tuple(h[i % len(h)] for h in self.hosts)
 
     # ------------------------------------------------------------------ helper thread
-    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    def pools(self) -> list:
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=f"linerate-2level-{self.rank}")
-            return self._pool
+            if not self._pools:
+                self._pools = [concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"linerate-2level-{self.rank}-{i}") for i in range(2)]
+            return self._pools
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-                self._pool = None
+            for pool in self._pools:
+                pool.shutdown(wait=False)
+            self._pools = []
 
 
 def _local(comm, plan: Plan, engine):
@@ -198,16 +202,21 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
         return
     chunks = _chunks(n, es)
     mine = []   # per chunk: this rank's slices of it
-    for s in (sub for _, _, sub in subs):
-        s.scratch = plan.scratch
+    # Chunk k's inter-host phase runs on helper thread k % 2 with the column groups of that
+    # parity: the end of one chunk's rings overlaps the start of the next one's.
+    both = (subs, [(c0, c1, comm.sub(members, c0 + 1 + MAX_COLUMNS))
+                   for c0, c1, members in plan.runs])
+    for p in (0, 1):
+        for _, _, s in both[p]:
+            s.scratch = plan.scratch[p]
 
     def inter(k: int) -> None:
         o, ln = chunks[k]
         b = plan.bounds(ln)
-        for c0, c1, sub in subs:
+        for c0, c1, sub in both[k % 2]:
             _ar(sub, flat[o + b[c0]:o + b[c1]], op, small_bytes)
 
-    pool = plan.pool()
+    pools = plan.pools()
     futures = []
     try:
         for k, (o, ln) in enumerate(chunks):
@@ -218,7 +227,7 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
                 lo, hi = sl[plan.j]
                 shm_algos.reduce_scatter_v(loc, [x[a:b] for a, b in sl], [b - a for a, b in sl],
                                            x[lo:hi], op)
-            futures.append(pool.submit(inter, k))
+            futures.append(pools[k % 2].submit(inter, k))
         for k, (o, ln) in enumerate(chunks):
             left = comm.deadline - time.monotonic()
             try:
@@ -234,7 +243,8 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
         _wait_futures(comm, futures)
         raise
     finally:
-        plan.scratch.trim(comm.ctx.options.keep_bytes)
+        for sc in plan.scratch:
+            sc.trim(comm.ctx.options.keep_bytes)
 
 
 # ---------------------------------------------------------------------------- reduce_scatter
