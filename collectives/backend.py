@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics, shm
 
-from . import (algorithms, chain, direct, flight, fusion, halving, ring, shm_algos, stats, timeline,
-               two_level)
+from . import (algorithms, chain, direct, doubling, flight, fusion, halving, ring, shm_algos, stats,
+               timeline, two_level)
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
 from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
@@ -475,7 +475,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             getattr(two_level, op)(comm, t, *args, self._plan, self._two_level_engine(),
                                    self._options.small_bytes)
         else:
-            mod = {"shm": shm_algos, "direct": direct, "chain": chain}[name]
+            mod = {"shm": shm_algos, "direct": direct, "chain": chain, "tree": doubling}[name]
             getattr(mod, op)(comm, t, *args)
 
     # ------------------------------------------------------------------ all_reduce
@@ -598,7 +598,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             two_level.all_reduce(comm, flat, op, self._plan, self._two_level_engine(),
                                  self._options.small_bytes)
         else:
-            {"shm": shm_algos, "direct": direct, "hd": halving, "ring": ring}[name].all_reduce(
+            {"shm": shm_algos, "direct": direct, "hd": halving, "doubling": doubling,
+             "ring": ring}[name].all_reduce(
                 comm, flat, op)
         finish_avg(flat, op, comm.size)
 

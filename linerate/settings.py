@@ -28,8 +28,8 @@ __all__ = ["Setting", "SETTINGS", "read", "raw", "is_set", "parse", "check", "fi
            "parse_size", "parse_rate", "parse_capacity", "markdown_table",
            "ALLREDUCE_ALGOS", "ROOTED_ALGOS", "TRANSPORTS"]
 
-ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd", "two_level")
-ROOTED_ALGOS = ("auto", "chain", "direct", "two_level")
+ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd", "doubling", "two_level")
+ROOTED_ALGOS = ("auto", "chain", "direct", "tree", "two_level")
 TRANSPORTS = ("tcp", "rdma", "auto")
 
 

@@ -653,6 +653,19 @@ def test_all_reduce_halving_doubling(P):
     _run(P, ("all_reduce",), variant="pipelined", timeout=TIMEOUT, env=HD_ENV)
 
 
+DOUBLING_ENV = {"LINERATE_ALLREDUCE_ALGO": "doubling", "LINERATE_ROOTED_ALGO": "tree",
+                "LINERATE_SHM": "0", "LINERATE_FUSION_BYTES": "0"}
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P", [6])
+def test_doubling_and_tree(P):
+    """LINERATE_ALLREDUCE_ALGO=doubling (recursive doubling; on 6 ranks two pairs fold first)
+    and LINERATE_ROOTED_ALGO=tree (binomial broadcast and reduce) for every size, against
+    Gloo."""
+    _run(P, ("all_reduce", "rooted"), variant="pipelined", timeout=TIMEOUT, env=DOUBLING_ENV)
+
+
 # ----------------------------------------------------------------------------- regressions
 def _ring_all_reduce_fn(rank, P, lr, sizes):
     """Ring all_reduce (> 64 KiB) on P ranks, with segment lengths equal and unequal; a
