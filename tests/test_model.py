@@ -440,8 +440,8 @@ def test_two_level_and_flat_by_hand():
     # 0.3 + 0.45 + 3 x 0.45
     four = model.two_level_allreduce(M, [4, 4], 1e9, MEM, 1e-4, chunks=4)
     assert four["seconds"] == approx(2.1 * MS) and four["chunks"] == 4
-    # linerate's chunks: 8 MiB pieces, at most 16
-    assert [model.two_level_chunks(b) for b in (1, 8 << 20, 64 << 20, 1 << 30)] == [1, 1, 8, 16]
+    # linerate's chunks: 16 MiB pieces, at most 16
+    assert [model.two_level_chunks(b) for b in (1, 16 << 20, 64 << 20, 1 << 30)] == [1, 1, 4, 16]
 
 
 def test_two_level_chunks_are_the_runtimes():

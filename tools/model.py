@@ -430,7 +430,7 @@ def flat_ring_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraH
 #: linerate's two-level all_reduce (collectives/two_level.py) pipelines chunks of this size,
 #: at most this many: the inter-host phase of chunk k runs while the local phases of the
 #: others do (tests/test_model.py checks these against the runtime's).
-TWO_LEVEL_PIPE_BYTES = 8 << 20
+TWO_LEVEL_PIPE_BYTES = 16 << 20
 TWO_LEVEL_MAX_CHUNKS = 16
 
 
