@@ -43,6 +43,8 @@ import time
 
 import torch
 
+from linerate.transport import TransportError
+
 from . import chain, direct, ring, shm_algos
 from .algorithms import MAX_COLUMNS
 from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
@@ -239,7 +241,11 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
             if loc is not None:
                 x = flat[o:o + ln]
                 shm_algos.gather_v(loc, [x[a:b] for a, b in mine[k]])
-    except BaseException:
+    except BaseException as e:
+        if futures and not isinstance(e, TransportError):
+            # the peers (and this rank's helper threads, whose rings wait on them) hear of it
+            # now, not after the helpers' waits ran out
+            comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
         _wait_futures(comm, futures)
         raise
     finally:

@@ -36,7 +36,7 @@ def _subcomm(rank, P, lr):
             y = torch.full((1001,), float(rank))
             halving.all_reduce(trio, y, RedOpType.MAX)
             z = torch.arange(7.0) if rank == 3 else torch.zeros(7)
-            chain.broadcast(trio.sub([1, 2, 0], 1), z, 2)  # root: sub-rank 2 = rank 3
+            chain.broadcast(trio.sub([1, 2, 0], 4), z, 2)  # root: sub-rank 2 = rank 3
             out["trio"] = (y[0].item(), z.tolist())
         w = torch.full((5,), float(rank))
         ring.all_reduce(comm, w, RedOpType.SUM)  # the op's own run, after the subsets'
