@@ -224,7 +224,8 @@ class StreamLink(Link):
         self._checksum = checksum
         self._credit = credit_bytes
         self._streams = [_Stream(i, s) for i, s in enumerate(socks)]
-        self._cond = threading.Condition(threading.Lock())  # guards the queue and counters
+        self._cond = threading.Condition(threading.Lock())  # guards the queue
+        self._done_lock = threading.Lock()  # chunks_left, messages_sent (a plain lock: cheap)
         self._queue: collections.deque = collections.deque()
         #: Sends not known to be finished (guarded by _cond): a send whose last chunk a sender
         #: has taken has left the queue; if that thread dies with its stream, the failure must
@@ -338,7 +339,7 @@ class StreamLink(Link):
             for item in self._queue:
                 queued += len(item[1]) if isinstance(item, tuple) else max(0, item.total - item.next_off)
             state = self._down or ("closed" if self._closing else "up")
-            sent_msgs = self._messages_sent
+        sent_msgs = self._messages_sent
         return {"kind": self.kind, "peer": self.peer, "state": state, "speed_bps": self.speed_bps,
                 "bytes_sent": sum(c["sent_bytes"] for c in conns),
                 "bytes_received": sum(c["received_bytes"] for c in conns),
@@ -440,7 +441,7 @@ class StreamLink(Link):
                 else:
                     sock.sendall(hdr)
                 st.sent_bytes += n
-                with cond:
+                with self._done_lock:
                     req.chunks_left -= 1
                     done = req.chunks_left == 0
                     if done:
