@@ -317,10 +317,14 @@ class Context(LinkSink):
     # ------------------------------------------------------------------ the links' sink
     def claim(self, link, opcode, channel, tag, msgno, total, digest, off, length):
         with self._lock:
-            target, bad = self.matcher.incoming(link.peer, opcode, channel, tag, msgno, total,
-                                                digest)
+            m = self.matcher
+            target, bad = m.incoming(link.peer, opcode, channel, tag, msgno, total, digest)
             buf = None if target is None else target.buf
             dest = None if buf is None else buf[off:off + length]
+            ready = m.take_ready() if m.ready else None
+        if ready:
+            for staged, req in ready:
+                self._deliver_staged(staged, req)
         if bad is not None:
             self._on_mismatch(bad[0], self._mismatch(bad[1]))
         if dest is None:

@@ -116,6 +116,9 @@ class Matcher:
         #: Messages that arrived before their receive (each copied once), and bytes staged now.
         self.staged_messages = 0
         self.staged_bytes = 0
+        #: (Staged, receive) pairs that became deliverable inside ``incoming`` (parked
+        #: any-source receives bound to messages staged out of order); see take_ready().
+        self.ready: list = []
         self._free: dict[int, list] = {}
         self._kept = 0
 
@@ -230,6 +233,16 @@ class Matcher:
                 req.peer = peer
                 req.msgno = msgno
                 p.recv_counters[ck] = msgno + 1
+                # Later messages of this peer may have started first (other streams) and be
+                # staged: they belong to the next parked receives, in order.
+                while waiting and (channel, tag, p.recv_counters[ck]) in p.unexpected:
+                    nxt = waiting.popleft()
+                    nxt.peer = peer
+                    nxt.msgno = p.recv_counters[ck]
+                    p.recv_counters[ck] += 1
+                    st = self._claim(p, nxt, False)
+                    if st is not None:
+                        self.ready.append((st, nxt))
         if req is not None:
             err = self.check(peer, req, opcode, tag, total, digest)
             if err is not None:
@@ -252,6 +265,12 @@ class Matcher:
         p.unexpected[key] = staged
         p.inflight[key] = staged
         return staged, None
+
+    def take_ready(self) -> list:
+        """*Lock held.* The (Staged, receive) pairs ``incoming`` made deliverable (each to
+        :meth:`deliver`, or to fail with its ``error``, outside the lock)."""
+        out, self.ready = self.ready, []
+        return out
 
     def arrived(self, peer: int, target, channel: int, tag: int, msgno: int, length: int):
         """*Lock held.* ``length`` more bytes of ``target`` (from :meth:`incoming`) are in.
