@@ -1,7 +1,10 @@
-"""linerate transport: moves bytes between the ranks of a group over striped TCP connections.
+"""linerate transport: moves bytes between the ranks of a group over links (striped TCP
+connections, or RDMA queue pairs).
 
 It knows nothing of torch.distributed's ProcessGroup nor of any algorithm: a Context is built
-from a key-value store (rendezvous), a rank and a size, and offers isend/irecv on memoryviews.
+from a key-value store (rendezvous.py), a rank and a size, and offers isend/irecv on
+memoryviews; matching.py pairs messages with receives, link.py specifies the links (tcp.py,
+rdma.py), and ``Context.stats()`` is the snapshot its users and the metrics read.
 """
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P
 from .options import TransportOptions, parse_size
