@@ -73,9 +73,9 @@ Delivery (``LinkSink``, called from the link's own threads; none may block for l
         A control frame arrived (ERROR text, QUERY, PROGRESS).
     ``link_failed(link, error)``
         The link is down: its peer crashed or its connection broke (``error`` is a
-        ``request.PeerFailure`` naming the peer), or the peer broke the protocol. Called once
-        per stream that breaks (the first call's error is the cause); not while the link
-        closes, except for a protocol violation.
+        ``request.PeerFailure`` naming the peer), or the peer broke the protocol. May come
+        more than once (from each thread of each stream that breaks; the first call's error
+        is the cause); not while the link closes, except for a protocol violation.
     ``link_closed(link)``
         The peer closed its end in order (a CLOSE frame on every stream).
 
