@@ -49,8 +49,10 @@ RANKS = textwrap.dedent("""
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((1000,), 3.0)), t[:4]
     import linerate
-    print(f"rank {rank}: all_reduce ok, backend {dist.get_backend()}, linerate {linerate.__version__} "
-          f"from {os.path.dirname(linerate.__file__)}", flush=True)
+    # One write per line (print writes the text and the newline apart when unbuffered, and
+    # the two ranks share the pipe: their lines once interleaved).
+    os.write(1, (f"rank {rank}: all_reduce ok, backend {dist.get_backend()}, linerate "
+                 f"{linerate.__version__} from {os.path.dirname(linerate.__file__)}\\n").encode())
     dist.destroy_process_group()
 """)
 
