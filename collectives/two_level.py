@@ -56,7 +56,7 @@ from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
 LOCAL_TAG = MAX_VIEW_TAG
 RS_TAG = 2 * MAX_COLUMNS + 1
 #: all_reduce: chunk size of the pipeline between the local and the inter-host phases.
-PIPE_BYTES = 16 << 20
+PIPE_BYTES = 8 << 20
 #: Most chunks of one all_reduce.
 MAX_CHUNKS = 16
 
