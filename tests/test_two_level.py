@@ -1,7 +1,14 @@
 """Two-level collectives (collectives/two_level.py) and what they stand on.
 
 - ``Comm.sub``: algorithms (ring, direct, chain, halving) run unchanged on subsets of a group
-  within one op, beside the op's own runs, without their messages meeting.
+  within one op, beside the op's own runs, without their messages meeting; in the same launch,
+  two "hosts" on loopback (patched host ids) run two-level, and a size mismatch is named on
+  every rank (small and large all_reduce).
+- The algorithm table (no processes): auto choices, overrides; the two-level columns.
+- netlab 2x2, 2x4, 3x3 and 4+3 (one launch each): every two-level op against Gloo on the same
+  inputs (float32, float64, int32, bfloat16; SUM, AVG, PRODUCT, MIN, MAX; sizes 0, 1, 7, 1001,
+  70,001 with 64 KiB pipeline chunks), a sub-group taking some ranks of a host, random floats
+  bit-identical on every rank.
 """
 from __future__ import annotations
 
@@ -43,18 +50,41 @@ def _subcomm(rank, P, lr):
         out["all"] = w.tolist()
 
     lr._submit("all_reduce", fn, [], _Stage(), 30.0, desc="subcomm").wait()
+    # Two "hosts" of two ranks on loopback (their host ids patched): a group of all four runs
+    # two-level; a rank that passes another size is named on every rank, at once, small
+    # (the fused agreement on the segment) and large (the local reduce-scatter).
+    from datetime import timedelta
+
+    from linerate.transport import shm
+    shm.host_id = lambda: f"fake-host-{rank // 2}"
+    g = dist.new_group(backend="linerate", timeout=timedelta(seconds=30))
+    x = torch.arange(3000.0)
+    dist.all_reduce(x, group=g)
+    out["two_level"] = (g._shape.two_level_auto, x[:3].tolist())
+    out["mismatch"] = []
+    for n in (1000, 3_000_000):
+        y = torch.ones(n + (rank == 3))
+        try:
+            dist.all_reduce(y, group=g)
+            out["mismatch"].append("completed")
+        except Exception as e:  # noqa: BLE001
+            out["mismatch"].append(str(e))
+        g = dist.new_group(backend="linerate", timeout=timedelta(seconds=30))
     return out
 
 
 @pytest.mark.timeout(120)
 def test_subcomm_runs_algorithms_on_subsets():
-    res = run_ranks(_subcomm, 4, timeout=90, env={"LINERATE_SHM": "0"})
+    res = run_ranks(_subcomm, 4, timeout=90)
     for rank, r in enumerate(res):
         pair = (1, 3) if rank in (1, 3) else (0, 2)
         assert r["pair"] == [2 * i + sum(pair) for i in range(10)], r
         assert r["all"] == [6.0] * 5
         if rank:
             assert r["trio"] == (3.0, [float(i) for i in range(7)]), r
+        assert r["two_level"] == (True, [0.0, 4.0, 8.0]), r
+        for n, msg in zip((1000, 3_000_001), r["mismatch"]):
+            assert f"float32[{n}]" in msg and "rank 3" in msg and "rank 2" in msg, (rank, msg)
 
 
 # ----------------------------------------------------------------------------- the table
