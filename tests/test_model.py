@@ -440,14 +440,16 @@ def test_two_level_and_flat_by_hand():
     # 0.3 + 0.45 + 3 x 0.45
     four = model.two_level_allreduce(M, [4, 4], 1e9, MEM, 1e-4, chunks=4)
     assert four["seconds"] == approx(2.1 * MS) and four["chunks"] == 4
-    # linerate's chunks: 16 MiB pieces, at most 16
-    assert [model.two_level_chunks(b) for b in (1, 16 << 20, 64 << 20, 1 << 30)] == [1, 1, 4, 16]
+
 
 
 def test_two_level_chunks_are_the_runtimes():
+    """The model cuts the two-level all_reduce as collectives/two_level.py does: pieces of
+    PIPE_BYTES, at most MAX_CHUNKS."""
     two_level = pytest.importorskip("linerate.collectives.two_level")
-    assert model.TWO_LEVEL_PIPE_BYTES == two_level.PIPE_BYTES
-    assert model.TWO_LEVEL_MAX_CHUNKS == two_level.MAX_CHUNKS
+    pipe, most = two_level.PIPE_BYTES, two_level.MAX_CHUNKS
+    assert [model.two_level_chunks(b) for b in (1, pipe, 4 * pipe, 4 * most * pipe)] == [
+        1, 1, 4, most]
 
 
 def shm_cluster(layout=(4, 4), **kw):

@@ -427,18 +427,27 @@ def flat_ring_allreduce(nbytes: float, layout, nic_bytes_s: float, intra: IntraH
             "rate_bytes_s": rate, "nic_bytes": 2 * (p - 1) / p * nbytes / compression}
 
 
-#: linerate's two-level all_reduce (collectives/two_level.py) pipelines chunks of this size,
-#: at most this many: the inter-host phase of chunk k runs while the local phases of the
-#: others do (tests/test_model.py checks these against the runtime's).
-TWO_LEVEL_PIPE_BYTES = 16 << 20
+#: linerate's two-level all_reduce (collectives/two_level.py) pipelines chunks of PIPE_BYTES,
+#: at most MAX_CHUNKS of them: the inter-host phase of chunk k runs while the local phases of
+#: the others do. Read from the runtime where it imports; these where it does not.
+TWO_LEVEL_PIPE_BYTES = 8 << 20
 TWO_LEVEL_MAX_CHUNKS = 16
+
+
+def _two_level_pipe() -> tuple[int, int]:
+    try:
+        from linerate.collectives import two_level
+        return int(two_level.PIPE_BYTES), int(two_level.MAX_CHUNKS)
+    except Exception:  # noqa: BLE001 - no torch here: the model's copy
+        return TWO_LEVEL_PIPE_BYTES, TWO_LEVEL_MAX_CHUNKS
 
 
 def two_level_chunks(nbytes: float, elem_bytes: int = 4) -> int:
     """Chunks of linerate's two-level all_reduce of ``nbytes``: pieces of max(PIPE_BYTES,
     S / MAX_CHUNKS)."""
+    pipe, most = _two_level_pipe()
     n = max(1, int(nbytes) // elem_bytes)
-    per = max(1, min(n, max(TWO_LEVEL_PIPE_BYTES // elem_bytes, -(-n // TWO_LEVEL_MAX_CHUNKS))))
+    per = max(1, min(n, max(pipe // elem_bytes, -(-n // most))))
     return -(-n // per)
 
 
