@@ -42,6 +42,7 @@ from .reduce_ops import RedOpType, finish_avg
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
 _WANT, _WHO = 4, 5   # the tick a sleeping rank waits for (0: awake); whose (-1: every rank's)
+_PID, _PIDNS = 6, 7  # the rank's process id and pid namespace (a waiter checks it is alive)
 _DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
 # words 40..55: the (seq, digest) of this rank's last _HIST_N ops, so that a rank that checks a
 # peer which already moved on to a later op can still compare this op's call with its own
@@ -57,6 +58,14 @@ _ALIGN = 64
 #: seen after it. Elsewhere a full barrier (an atomic add) goes before each tick and after each
 #: wait. (Only x86 has run this.)
 _WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
+
+
+def _pidns() -> int:
+    """The inode of this process's pid namespace (0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _signed(u: int) -> int:
@@ -144,6 +153,11 @@ class Engine:
         self.cursor = 0
         self.comm: Comm | None = None
         self._checked = True
+        # Liveness without TCP: with lazy connections co-located ranks may never open one
+        # (whose reset used to tell a waiter that a peer died); a waiter checks the pids.
+        self._pidns = _pidns()
+        self.ctrl[self.r, _PIDNS] = self._pidns
+        self.ctrl[self.r, _PID] = os.getpid()
         seg.on_close.append(self._release)
 
     def _release(self) -> None:
@@ -246,6 +260,11 @@ class Engine:
                     peer = comm.ctx.peers.get(self.gr[q])
                     if peer is not None and peer.failure is not None and prog[q] < t:
                         raise TransportError(str(peer.failure))
+                    if prog[q] < t and not self._alive(q, ctrl):
+                        msg = (f"rank {self.me}: {comm._desc}: rank {self.gr[q]} (process "
+                               f"{int(ctrl[q, _PID])} on this host) has exited{comm.ctx._where()}")
+                        comm.ctx.report_error(msg)  # the other ranks hear of it at once
+                        raise TransportError(msg)
                 left = comm.deadline - time.monotonic()
                 if left <= 0:
                     late = [q for q in (who or range(self.P)) if prog[q] < t]
@@ -270,6 +289,24 @@ class Engine:
             self._check(t, who, ctrl)
         if _WEAK_ORDER:
             seg.fence()
+
+    def _alive(self, q: int, ctrl) -> bool:
+        """Whether segment rank q's process still runs (True where that cannot be told: no
+        pid published yet, or another pid namespace)."""
+        pid = int(ctrl[q, _PID])
+        if pid <= 0 or int(ctrl[q, _PIDNS]) != self._pidns or not self._pidns:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # EPERM: it exists
+            return True
+        try:  # killed but not yet reaped by its parent: a zombie
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True
 
     def _closed(self) -> None:
         why = getattr(self.comm.ctx, "_close_error", None)

@@ -20,8 +20,9 @@ are empty).
   Local reduce-scatter in shared memory (each owner gets its slice reduced over the host, rank
   order), inter-host all-reduce of the slice among the column's owners (pipelined ring; direct
   when small), local all-gather in shared memory. Large tensors are cut into chunks of
-  PIPE_BYTES: the inter-host phase of chunk k runs on a helper thread while the worker does the
-  local phases of the chunks before and after it. Up to ``small_bytes``: a shared-memory
+  PIPE_BYTES: the inter-host phase of chunk k runs on helper thread k mod 2 (two, so that one
+  chunk's rings end while the next one's start) while the worker does the local phases of the
+  chunks before and after it. Up to ``small_bytes``: a shared-memory
   all_reduce of the whole tensor (every rank of a host gets the host's sum), then each rank
   all-reduces it directly with its column's owners (no local all-gather).
 - reduce_scatter / all_gather: column i is local rank i's segment on every host that has one
