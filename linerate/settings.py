@@ -271,6 +271,10 @@ _ALL = [
     _S("LINERATE_TRANSPORT", _word, _one_of(TRANSPORTS), "tcp", "tcp",
        "one of " + ", ".join(TRANSPORTS), "tcp, rdma or auto (every rank must agree)",
        "transport", "transport.transport"),
+    _S("LINERATE_CONNECT", _word, _one_of(("lazy", "eager")), "lazy", "lazy", "lazy or eager",
+       "when TCP links are made: lazy (a peer's link when this rank first sends to it, "
+       "receives from it or reports to it) or eager (to every peer at group creation); every "
+       "rank must agree", "transport", "transport.connect"),
     _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
        "auto, 0 or 1",
        "shared memory between the ranks of one host (one segment per host of a group): auto "

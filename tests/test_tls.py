@@ -178,10 +178,7 @@ except Exception as e:
     sys.stdout.flush()
     os._exit(3)
 ctx = dist.group.WORLD._get_backend(torch.device("cpu"))._ctx
-conns = [c for p in ctx.stats()["peers"] for link in p["links"] for c in link["connections"]]
-info = {"shm": ctx.shm is not None,
-        "streams": sorted({("TlsStream:" + c["tls"]) if c["tls"] else "socket:plain"
-                           for c in conns})}
+info = {"shm": ctx.shm is not None}
 
 def data(r, n, salt):
     rng = np.random.default_rng(1000 * salt + r)
@@ -208,6 +205,10 @@ for q in reqs:
     q.wait()
 ok.append(bool(np.array_equal(got.numpy(), data(src, n, 11))))
 info["ok"] = ok
+# after the traffic: links are made on first use (LINERATE_CONNECT=lazy)
+conns = [c for p in ctx.stats()["peers"] for link in p["links"] for c in link["connections"]]
+info["streams"] = sorted({("TlsStream:" + c["tls"]) if c["tls"] else "socket:plain"
+                          for c in conns})
 print("RESULT " + json.dumps(info), flush=True)
 dist.destroy_process_group()
 """
@@ -251,7 +252,9 @@ def test_foreign_certificate_fails_every_rank_naming_it(tmp_path, pki, how, worl
         per[bad] = tls_env(pki, bad, cert=pki["foreign"])
     else:  # its own certificate and CA are of the other CA: it refuses the others
         per[bad] = tls_env(pki, bad, cert=pki["foreign"], ca=pki["other_ca"])
-    res = run_script(tmp_path, world, 80, per_rank_env=per)
+    # Links made at creation, so that group creation is what fails (lazy links, the default,
+    # fail the first operation that needs the link instead, naming the peer as well).
+    res = run_script(tmp_path, world, 80, env={"LINERATE_CONNECT": "eager"}, per_rank_env=per)
     for r, (code, text) in enumerate(res):
         assert code == 3, f"rank {r} exited {code}:\n{text[-3000:]}"
         seconds, msg = _failure(text)

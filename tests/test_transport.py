@@ -124,18 +124,11 @@ def FakePeer(**kw) -> _FakePeer:
 @pytest.mark.parametrize("nsocks", [1, 3])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_mesh_setup(size, nsocks, transport):
+    """Lazy links (the default, TCP): no connection at creation; once every ordered pair has
+    talked, the full mesh (RDMA links are made at creation)."""
     with mesh(size, nsocks=nsocks) as ctxs:
-        for c in ctxs:
-            stats = c.connection_stats()
-            assert len(stats) == (size - 1) * nsocks
-            assert {(s["peer"], s["connection"]) for s in stats} == {
-                (p, k) for p in range(size) if p != c.rank for k in range(nsocks)}
-            if transport == "tcp":
-                assert all(s["local"] == "127.0.0.1" and s["remote"] == "127.0.0.1" for s in stats)
-            else:  # device:port, and the peer's device:port@host
-                assert all(":" in s["local"] and "@" in s["remote"] for s in stats), stats
-            assert c.transport == ("tcp" if transport == "tcp" or size == 1 else "rdma")
-            assert c.broken is None
+        if transport == "tcp":
+            assert all(c.connection_stats() == [] for c in ctxs)
         # every ordered pair of ranks can talk
         reqs, bufs = [], {}
         for src in range(size):
@@ -149,6 +142,17 @@ def test_mesh_setup(size, nsocks, transport):
             r.wait(20)
         for (src, dst), b in bufs.items():
             assert struct.unpack("<ii", b) == (src, dst)
+        for c in ctxs:
+            stats = c.connection_stats()
+            assert len(stats) == (size - 1) * nsocks
+            assert {(s["peer"], s["connection"]) for s in stats} == {
+                (p, k) for p in range(size) if p != c.rank for k in range(nsocks)}
+            if transport == "tcp":
+                assert all(s["local"] == "127.0.0.1" and s["remote"] == "127.0.0.1" for s in stats)
+            else:  # device:port, and the peer's device:port@host
+                assert all(":" in s["local"] and "@" in s["remote"] for s in stats), stats
+            assert c.transport == ("tcp" if transport == "tcp" or size == 1 else "rdma")
+            assert c.broken is None
         if size == 1:  # no peer to talk to
             with pytest.raises(ValueError, match="invalid peer rank"):
                 ctxs[0].isend(0, memoryview(b"x"), CHANNEL_P2P, 0)
@@ -158,7 +162,7 @@ def test_mesh_setup(size, nsocks, transport):
 def test_mesh_setup_default_interface(monkeypatch):
     """Without LINERATE_SOCKET_IFNAME the listener follows the route to MASTER_ADDR."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    with mesh(2, nsocks=2, socket_ifname="") as ctxs:
+    with mesh(2, nsocks=2, socket_ifname="", connect="eager") as ctxs:
         assert all(c.addresses == ["127.0.0.1"] for c in ctxs)
         assert len(ctxs[0].connection_stats()) == 2
 
@@ -777,12 +781,12 @@ def test_handshake_context_listener_ignores_strangers():
         assert ctxs[0] is not None and ctxs[1] is not None
         for name in ("random", "magic", "version"):
             assert _drained(strangers[name]) == b"", name
-        assert len(ctxs[0].connection_stats()) == 2
         out = bytearray(5)
         r = ctxs[0].irecv(1, memoryview(out), CHANNEL_P2P, 0)
         ctxs[1].isend(0, memoryview(b"hello"), CHANNEL_P2P, 0).wait(10)
         r.wait(10)
         assert bytes(out) == b"hello"
+        assert _wait_until(lambda: len(ctxs[0].connection_stats()) == 2, 5)  # lazy: first use
     finally:
         for s in strangers.values():
             s.close()

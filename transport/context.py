@@ -15,7 +15,11 @@ side (a per-key message number travels with every message), whatever stream carr
 - links (transport/link.py, the interface; transport/tcp.py, transport/rdma.py): one per
   peer, driven only through that interface; the Context is every link's sink: a link asks it
   where an arriving chunk goes (the matcher answers) and tells it of control frames,
-  failures and closes;
+  failures and closes. With LINERATE_CONNECT=lazy (the default; TCP only, RDMA links are
+  made at creation) a peer's link is made when this rank first sends to it, receives from
+  it or sends it a control frame (ERROR, QUERY); until the link is up, sends and control
+  frames for that peer wait in order in ``_Peer.pending`` and go first once it is (who dials:
+  transport/tcp.py). A link that cannot be made fails the peer like a crash would;
 - failure propagation: a peer that dies fails every transfer with it and (fail fast) every
   pending collective of the group, and the others learn why (ERROR frames).
 
@@ -50,12 +54,15 @@ _STALL_S = 2.0
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
-    __slots__ = ("rank", "link", "failure")
+    __slots__ = ("rank", "link", "failure", "pending")
 
     def __init__(self, rank: int):
         self.rank = rank
         self.link = None
         self.failure: BaseException | None = None
+        #: Lazy links: sends (Requests) and control frames ((kind, payload, value)) posted
+        #: before the link was up, in order (guarded by the Context's lock).
+        self.pending: list = []
 
 
 class Context(LinkSink):
@@ -109,6 +116,8 @@ class Context(LinkSink):
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
         self._tcp: tcp.TcpMesh | None = None  # TCP set-up (its listeners), while it runs
+        #: LINERATE_CONNECT=lazy: links are made on first use (self._tcp makes them).
+        self._lazy = False
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -156,12 +165,65 @@ class Context(LinkSink):
         else:
             mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
                                            self.addresses, self._tls, self.link_timeout)
-            rv.publish_addresses(mesh.listen())
+            listening = mesh.listen()
+            if opts.connect == "lazy":
+                # Accept from the moment the addresses are out; connect to nobody yet.
+                self._lazy = True
+                mesh.serve(rv, self._link_made, self._link_failed_to_connect)
+                rv.publish_addresses(listening)
+                mesh.set_addresses(rv.gather_addresses(self.size, self.nrails))
+                return
+            rv.publish_addresses(listening)
             links = mesh.links(mesh.connect(rv, deadline))
         for p, link in links.items():
             self.peers[p].link = link
         for link in links.values():
             link.start(self)
+
+    def _link_made(self, peer: int, link) -> None:
+        """Lazy links: ``peer``'s link is up (from the mesh's thread): start it, hand it what
+        waited, in order, then let posts use it directly."""
+        p = self.peers[peer]
+        link.start(self)
+        down = []
+        with self._lock:
+            ok = p.failure is None and not self._closing
+            if ok:
+                for item in p.pending:
+                    if isinstance(item, Request):
+                        if not link.isend(item):
+                            down.append(item)
+                    else:
+                        link.send_control(*item)
+                p.pending = []
+                p.link = link
+        if not ok:
+            link.begin_close()
+            link.close(time.monotonic() + 1.0)
+            return
+        for r in down:
+            r._finish(_wrap(p.failure or TransportError(
+                f"rank {self.rank}: the link to rank {peer} went down as it was made")))
+
+    def _link_failed_to_connect(self, peer: int, err: BaseException) -> None:
+        """Lazy links: ``peer``'s link cannot be made (``err`` names it): fail it as if it
+        had crashed."""
+        self._fail_peer(self.peers[peer], err)
+
+    def _control_to(self, p: _Peer, kind: int, payload: bytes = b"", value: int = 0) -> bool:
+        """A control frame to ``p``: on its link, or (lazy) queued while the link is made."""
+        with self._lock:
+            if p.failure is not None:
+                return False
+            link = p.link
+            if link is None:
+                if not self._lazy or self._closing:
+                    return False
+                p.pending.append((kind, payload, value))
+        if link is None:
+            self._tcp.want(p.rank)
+            return True
+        return link.send_control(kind, payload, value)
 
     def _use_rails(self, nrails: int) -> None:
         """Another transport's number of rails (RDMA: ports), before any link exists."""
@@ -195,11 +257,25 @@ class Context(LinkSink):
         req.call = call
         req.priority = priority
         p = self._peer(peer)
+        link = None
         with self._lock:
             err = self._refusal(channel) or p.failure
             if err is None:
                 req.msgno = slot if slot is not None else self.matcher.next_send(peer, channel, tag)
-        if err is None and not p.link.isend(req):  # the link went down or closes
+                link = p.link
+                if link is None:
+                    if self._lazy and not self._closing:
+                        p.pending.append(req)  # goes first once the link is up
+                    else:
+                        err = self._close_error if self._closing else TransportError(
+                            f"rank {self.rank}: no link to rank {peer}")
+        if link is None:
+            if err is None:
+                self._tcp.want(peer)
+            else:
+                req._finish(_wrap(err))
+            return req
+        if err is None and not link.isend(req):  # the link went down or closes
             err = p.failure or (self._close_error if self._closing else TransportError(
                 f"rank {self.rank}: the link to rank {peer} is down"))
         if err is not None:
@@ -243,6 +319,8 @@ class Context(LinkSink):
             req._finish(_wrap(err))
         elif staged is not None:
             self._deliver_staged(staged, req)
+        elif self._lazy and peer is not None and self.peers[peer].link is None:
+            self._tcp.want(peer)  # a peer that is gone fails this receive at once
         return req
 
     def begin_call(self, tag: int, call: int, desc: str) -> None:
@@ -386,6 +464,8 @@ class Context(LinkSink):
                 p.failure = err
             failed = self.matcher.take_peer(
                 p.rank, all(q.failure is not None for q in self.peers.values()))
+            failed += [r for r in p.pending if isinstance(r, Request)]
+            p.pending = []
         if p.link is not None:
             # Mid-send when the stream died: its sender may be gone. A peer that closed in
             # order still reads what is under way: those sends end by themselves.
@@ -404,8 +484,8 @@ class Context(LinkSink):
                 # up, for the cause ("rank 1 closed its process group ...").
                 payload = str(err).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
                 for q in self.peers.values():
-                    if q is not p and q.failure is None and q.link is not None:
-                        q.link.send_control(KIND_ERROR, payload)
+                    if q is not p and q.failure is None:
+                        self._control_to(q, KIND_ERROR, payload)
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
         """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
@@ -415,6 +495,13 @@ class Context(LinkSink):
             else:
                 self._broken = self._broken or err
             failed = self.matcher.take_channel(CHANNEL_COLLECTIVE if only_collective else None)
+            for p in self.peers.values():
+                if p.pending:
+                    keep = []
+                    for r in p.pending:
+                        (failed if isinstance(r, Request) and (not only_collective or
+                                  r.channel == CHANNEL_COLLECTIVE) else keep).append(r)
+                    p.pending = keep
         # Sends too: an algorithm waiting on a send must see this reason, not whatever ends
         # that send later (e.g. the peer closing once it failed for the same reason).
         match = _is_collective if only_collective else _any
@@ -439,8 +526,8 @@ class Context(LinkSink):
         payload = message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
         self._set_broken(TransportError(message), only_collective=True)
         for p in self.peers.values():
-            if p.failure is None and p.link is not None:
-                p.link.send_control(KIND_ERROR, payload)
+            if p.failure is None:
+                self._control_to(p, KIND_ERROR, payload)
 
     def peer_progress(self, timeout: float = 1.0) -> dict[int, int | None]:
         """Ask every peer for its ``progress`` and wait up to ``timeout`` seconds for the
@@ -451,7 +538,7 @@ class Context(LinkSink):
             for r in self.peers:
                 self._answers.pop(r, None)
         for p in self.peers.values():
-            if p.failure is None and p.link is not None and p.link.send_control(KIND_QUERY):
+            if p.failure is None and self._control_to(p, KIND_QUERY):
                 asked.append(p.rank)
         deadline = time.monotonic() + timeout
         with self._mesh_cond:
@@ -504,8 +591,14 @@ class Context(LinkSink):
         deadline = time.monotonic() + timeout
         stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
-        self._closing = True
-        links = [p.link for p in self.peers.values() if p.link is not None]
+        with self._lock:  # a lazy link made from now on is closed at once (_link_made)
+            self._closing = True
+            links = [p.link for p in self.peers.values() if p.link is not None]
+            unsent = [r for p in self.peers.values() for r in p.pending if isinstance(r, Request)]
+            for p in self.peers.values():
+                p.pending = []
+        if self._lazy:
+            self._tcp.stop()  # listeners close; no more links
         for link in links:
             link.begin_close()
         # Senders of drained peers send CLOSE and end; a stalled peer's senders are stuck in
@@ -523,6 +616,8 @@ class Context(LinkSink):
         for link in links:  # sends still queued or under way will not end: fail them
             for r in link.cancel(None, underway=True):
                 r._finish(_wrap(self._close_error))
+        for r in unsent:  # lazy: their link was never made
+            r._finish(_wrap(self._close_error))
 
     def _drain(self, deadline: float) -> set:
         """Wait until the sends queued for every peer have left; return the ranks given up
@@ -534,9 +629,13 @@ class Context(LinkSink):
             now = time.monotonic()
             waiting = False
             for p in self.peers.values():
-                if p.rank in given_up or p.link is None or p.failure is not None:
+                if p.rank in given_up or p.failure is not None:
                     continue
-                mark = p.link.send_mark()
+                if p.link is None:  # lazy: sends wait for a link being made
+                    with self._lock:
+                        mark = (len(p.pending), "pending") if p.pending else None
+                else:
+                    mark = p.link.send_mark()
                 if mark is None:
                     continue
                 last, since = marks.get(p.rank, (None, now))

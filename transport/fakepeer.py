@@ -21,8 +21,10 @@ from .options import TransportOptions
 
 __all__ = ["FakePeer", "DictStore", "DEFAULT_OPTIONS"]
 
-#: Rank 0's settings unless told otherwise: loopback, one connection, tcp.
-DEFAULT_OPTIONS = dict(socket_ifname="lo", connect_timeout=30.0, nsocks=1, transport="tcp")
+#: Rank 0's settings unless told otherwise: loopback, one connection, tcp, links made at
+#: creation (the fake rank 1 connects as an eager higher rank does).
+DEFAULT_OPTIONS = dict(socket_ifname="lo", connect_timeout=30.0, nsocks=1, transport="tcp",
+                       connect="eager")
 
 
 class DictStore:

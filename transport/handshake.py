@@ -10,7 +10,9 @@ Acceptor -> connector, CHALLENGE (56 bytes)::
     4s magic | u16 version | u16 status | 16s server nonce | 32s HMAC(secret, "acceptor" + HELLO + server nonce)
 
 Connector -> acceptor, AUTH (32 bytes): HMAC(secret, "connector" + HELLO + server nonce).
-Acceptor -> connector, ACK: b"LNOK".
+Acceptor -> connector, ACK: b"LNOK", or DECLINE: b"LNDU" (an authenticated connection the
+acceptor does not need: with lazy links both ranks of a pair may dial at once, and the lower
+rank keeps its own dial; see transport/tcp.py).
 
 The job secret is 32 random bytes that rank 0 puts in the torch Store; the job id is derived from
 it. Both sides prove knowledge of the secret over fresh nonces, so a stranger, a replay or a
@@ -28,6 +30,7 @@ import time
 MAGIC = b"LNRT"
 VERSION = 2  # 2: frame headers carry the call digest (48 bytes)
 ACK = b"LNOK"
+DECLINE = b"LNDU"
 
 HELLO = struct.Struct("<4sHH16sIIII16s")
 CHALLENGE = struct.Struct("<4sHH16s32s")
@@ -37,6 +40,11 @@ STATUS_OK = 0
 
 class HandshakeError(Exception):
     """The other end is not a member of this job (or spoke a different protocol)."""
+
+
+class Declined(HandshakeError):
+    """The acceptor (a member of this job) does not need this connection: the link of the
+    pair is being made the other way (lazy links, transport/tcp.py)."""
 
 
 def job_id_from_secret(secret: bytes) -> bytes:
@@ -90,13 +98,18 @@ def connect_side(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: in
     if not hmac.compare_digest(server_mac, _mac(secret, b"acceptor", hello, server_nonce)):
         raise HandshakeError(f"the listener at rank {dst_rank}'s address does not hold this job's secret")
     sock.sendall(_mac(secret, b"connector", hello, server_nonce))
-    if recv_exact(sock, len(ACK)) != ACK:
+    answer = recv_exact(sock, len(ACK))
+    if answer == DECLINE:
+        raise Declined(f"rank {dst_rank} makes the link the other way")
+    if answer != ACK:
         raise HandshakeError(f"rank {dst_rank} did not acknowledge the handshake")
 
 
 def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: int,
-                nconns: int) -> tuple[int, int]:
-    """Run the acceptor's half; return (peer rank, connection index) of an authenticated peer."""
+                nconns: int, decide=None) -> tuple[int, int]:
+    """Run the acceptor's half; return (peer rank, connection index) of an authenticated peer.
+    ``decide(peer, index) -> bool``, once the peer is authenticated: False answers DECLINE
+    and raises ``Declined``."""
     hello = recv_exact(sock, HELLO.size)
     magic, version, _flags, job_id, src, dst, conn_index, their_nconns, _nonce = HELLO.unpack(hello)
     if magic != MAGIC:
@@ -119,5 +132,8 @@ def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: in
     auth = recv_exact(sock, AUTH_SIZE)
     if not hmac.compare_digest(auth, _mac(secret, b"connector", hello, server_nonce)):
         raise HandshakeError(f"claimed rank {src} failed authentication (wrong job secret)")
+    if decide is not None and not decide(src, conn_index):
+        sock.sendall(DECLINE)
+        raise Declined(f"rank {src}'s connection {conn_index}: the link is made the other way")
     sock.sendall(ACK)
     return src, conn_index

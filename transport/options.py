@@ -79,6 +79,9 @@ class TransportOptions:
     #: RDMA port) or ``auto`` (RDMA when every rank has an active port, else TCP, logging
     #: why). Every rank must use the same setting. See transport/rdma.py.
     transport: str = "tcp"
+    #: ``lazy``: a peer's TCP link is made when this rank first talks to it (transport/tcp.py
+    #: says who dials); ``eager``: every link at group creation. Every rank must agree.
+    connect: str = "lazy"
     #: Shared memory between the ranks of one host (transport/shm.py): ``auto`` (where every
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.

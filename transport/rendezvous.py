@@ -10,6 +10,7 @@ Every key lies under the group's prefix (``linerate/[<scope>/]``)::
     rdma/avail/<rank>         [usable, why or ports, number of ports, host] (auto and rdma)
     rdma/decision             rank 0's choice for everyone: ["tcp"|"rdma"|"error", why]
     addr/<rank>               [[address, port], ...]: the TCP listeners, one per rail
+    addr/<generation>/count   lazy links: how many ranks published theirs; ``.../all`` once all
     rdma/..., shm/...         what the RDMA links and shared memory exchange (their modules)
 
 ``Rendezvous`` wraps the Store: ``get`` polls until the key is there, and gives up at once when
@@ -87,7 +88,7 @@ class Rendezvous:
     def set(self, key: str, value) -> None:
         self._store.set(key, value)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_delay: float = 0.1) -> bytes:
         delay = 0.002
         while True:
             have = self._check(key)
@@ -101,7 +102,7 @@ class Rendezvous:
                                      f"within {self._timeout:.0f}s (LINERATE_CONNECT_TIMEOUT): "
                                      f"a rank of the group has not got that far; is it running?")
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, max_delay)
 
     def raise_if_failed(self, doing: str) -> None:
         if self.generation is None or not self._check(self._fail_key()):
@@ -141,6 +142,34 @@ class Rendezvous:
         """This rank's TCP listeners, [[address, port], ...] one per rail."""
         self.set(f"{self.prefix}addr/{self._rank}", json.dumps(addresses))
 
+    def gather_addresses(self, size: int, nrails: int) -> dict[int, list]:
+        """Lazy links: wait until every rank of the group published its listeners (one
+        counter: ``addr/count``, and ``addr/all`` set by the last rank), then read them all in
+        one request where the Store can (``multi_get``). Returns rank -> [[host, port], ...]
+        (this rank's own included). At the deadline, the error names the ranks missing.
+        The counter lies under this incarnation's ``generation``."""
+        pre = self.prefix
+        gen = f"{pre}addr/{self.generation}/"
+        n = self._store.add(gen + "count", 1)
+        if n >= size:
+            self.set(gen + "all", b"1")
+        try:
+            self.get(gen + "all", max_delay=0.02)  # the whole group waits on the last rank
+        except PeerSetupFailed:
+            raise
+        except TransportError:
+            missing = [r for r in range(size) if self._check(f"{pre}addr/{r}") is False]
+            raise TransportError(f"rank {self._rank}: ranks {missing} did not publish their "
+                                 f"addresses within {self._timeout:.0f}s "
+                                 f"(LINERATE_CONNECT_TIMEOUT): are they running?") from None
+        keys = [f"{pre}addr/{r}" for r in range(size)]
+        try:
+            raws = self._store.multi_get(keys)
+        except (AttributeError, NotImplementedError, RuntimeError):
+            raws = [store_get(self._store, k) for k in keys]
+        return {r: parse_addresses(raw if isinstance(raw, bytes) else bytes(raw), r, nrails)
+                for r, raw in enumerate(raws)}
+
     def addresses_of(self, peer: int, nrails: int) -> list:
         return parse_addresses(self.get(f"{self.prefix}addr/{peer}"), peer, nrails)
 
@@ -167,6 +196,7 @@ def agreed_settings(options, nrails: int) -> dict:
     return {"LINERATE_CHECKSUM": int(options.checksum),
             "LINERATE_TLS": int(options.tls),
             "LINERATE_NSOCKS": options.nsocks,
+            "LINERATE_CONNECT": getattr(options, "connect", "eager"),
             "LINERATE_SOCKET_IFNAME (number of interfaces)": nrails}
 
 

@@ -2,16 +2,36 @@
 optionally inside TLS (LINERATE_TLS, transport/tls.py).
 
 Set-up (``TcpMesh``): each rank listens on one socket per rail and publishes the addresses
-through the rendezvous; it connects to every lower rank and accepts from every higher one.
-Each connection is tuned (no Nagle; keepalive and TCP_USER_TIMEOUT from LINERATE_LINK_TIMEOUT),
-wrapped in TLS when on, and authenticated by the HMAC handshake (transport/handshake.py),
-which also says which peer and connection index it is. Once every connection of every peer is
-there the listeners close and each peer's connections become one ``TcpLink``.
+through the rendezvous. Each connection is tuned (no Nagle; keepalive and TCP_USER_TIMEOUT
+from LINERATE_LINK_TIMEOUT), wrapped in TLS when on, and authenticated by the HMAC handshake
+(transport/handshake.py), which also says which peer and connection index it is. One thread
+per process accepts on every listener of every group (``_Acceptor``, a selector); each
+accepted connection's handshake runs on a short-lived thread of its own.
+
+``LINERATE_CONNECT=eager`` (``connect``): a rank connects to every lower rank and accepts from
+every higher one; once every connection of every peer is there the listeners close and each
+peer's connections become one ``TcpLink``.
+
+``LINERATE_CONNECT=lazy`` (``serve``/``want``): no connection at creation. The Context calls
+``want(peer)`` when it first needs that peer (a send, a receive, a control frame); the link is
+made on a short-lived thread and handed over with ``on_link(peer, link)``, or its failure with
+``on_fail(peer, error)`` (the error names the peer). Either rank of a pair may dial, and both
+may at once. The rule: a rank accepts an authenticated connection from a peer unless it is
+itself the lower rank of the pair and is dialing that peer (or already holds its link); then
+it answers DECLINE (handshake.Declined). So when both dial, the lower rank's dial wins, the
+higher rank's dialer is declined at its first connection (nothing was sent on it) and waits
+for the lower rank's connections to arrive; a rank that has accepted a peer's first connection
+never dials that peer. All connections of one link are dialed by one rank: no duplicates,
+and messages of a pair travel on one link, in order per (channel, tag) as before. A peer whose
+listener refuses (its process is gone or its group closed) fails at once; a peer that does not
+answer within LINERATE_CONNECT_TIMEOUT fails then. The listeners stay open until every peer's
+link is made (or has failed), or the Context closes.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -57,6 +77,69 @@ def interface_speed_bps(address: str) -> int | None:
     return int(cap * 8) if cap else None
 
 
+class _Acceptor:
+    """One thread per process accepts on every registered listener (of every group)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sel = selectors.DefaultSelector()
+        self._thread: threading.Thread | None = None
+
+    def add(self, ls: socket.socket, on_conn) -> None:
+        """Accept on ``ls`` from now on; ``on_conn(sock, addr)`` gets each connection."""
+        ls.setblocking(False)
+        with self._lock:
+            self._sel.register(ls, selectors.EVENT_READ, on_conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="linerate-accept",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, ls: socket.socket) -> None:
+        """Stop accepting on ``ls`` (before closing it)."""
+        with self._lock:
+            try:
+                self._sel.unregister(ls)
+            except (KeyError, ValueError):
+                pass
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._sel.get_map():
+                    self._thread = None  # add() starts another
+                    return
+            try:
+                events = self._sel.select(0.5)
+            except OSError:  # a listener closed under select
+                time.sleep(0.01)
+                continue
+            for key, _ in events:
+                ls = key.fileobj
+                try:
+                    sock, addr = ls.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as e:
+                    if ls.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
+                        self.remove(ls)  # closed without remove()
+                        continue
+                    # Out of descriptors (a flood) or a reset before accept: keep accepting;
+                    # the set-up's own deadline still bounds the wait.
+                    log.warning("accept failed (%s); retrying", e)
+                    time.sleep(0.1)
+                    continue
+                sock.setblocking(True)
+                try:
+                    key.data(sock, addr)
+                except Exception:  # noqa: BLE001 - never kill the process's acceptor
+                    log.exception("accepting a connection from %s failed", addr)
+                    sock.close()
+
+
+_ACCEPTOR = _Acceptor()
+
+
 class TcpMesh:
     """The TCP connections of ``rank`` to every peer of a group of ``size`` ranks."""
 
@@ -74,6 +157,13 @@ class TcpMesh:
         self._cond = threading.Condition()
         self._stop = False
         self._rv = None
+        #: Lazy links (serve): each peer's state: None, "dial", "accept", "done", "failed".
+        self.lazy = False
+        self._state: dict[int, str | None] = {}
+        self._remote: dict[int, list] = {}
+        self._watched: set = set()
+        self._on_link = self._on_fail = None
+        self._listening = False
 
     def listen(self) -> list:
         """Open one listener per rail; return [[address, port], ...] to publish."""
@@ -93,9 +183,7 @@ class TcpMesh:
         connected sockets (index order) once all are there."""
         self._rv = rv
         opts = self.options
-        for ls in self.listeners:
-            threading.Thread(target=self._accept_loop, args=(ls,), name="linerate-accept",
-                             daemon=True).start()
+        self._accept_on()
         try:
             for peer in range(self.rank):
                 remote = rv.addresses_of(peer, self.nrails)
@@ -127,20 +215,21 @@ class TcpMesh:
         return {p: list(s) for p, s in self._socks.items()}
 
     def links(self, socks: dict[int, list]) -> dict[int, TcpLink]:
+        return {p: self._link(p, ss) for p, ss in socks.items()}
+
+    def _link(self, p: int, ss: list) -> TcpLink:
         opts = self.options
-        out = {}
-        for p, ss in socks.items():
-            speed = interface_speed_bps(self.addresses[0]) if self.nrails == 1 else None
-            out[p] = TcpLink(p, ss, tls_on=self.tls is not None, rank=self.rank,
-                             chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
-                             credit_bytes=opts.credit_bytes, speed_bps=speed)
-        return out
+        speed = interface_speed_bps(self.addresses[0]) if self.nrails == 1 else None
+        return TcpLink(p, ss, tls_on=self.tls is not None, rank=self.rank,
+                       chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
+                       credit_bytes=opts.credit_bytes, speed_bps=speed)
 
     def abort(self) -> None:
         """Set-up failed: stop accepting, close what was connected."""
         with self._cond:
             self._stop = True
             socks = [s for ss in self._socks.values() for s in ss if s is not None]
+            self._cond.notify_all()
         self._close_listeners()
         for s in socks:
             try:
@@ -148,12 +237,170 @@ class TcpMesh:
             except OSError:
                 pass
 
+    def _accept_on(self) -> None:
+        with self._cond:
+            self._listening = True
+        for ls in self.listeners:
+            _ACCEPTOR.add(ls, self._on_conn)
+
+    def _on_conn(self, sock, addr) -> None:
+        threading.Thread(target=self._accept_one, args=(sock, addr),
+                         name="linerate-handshake", daemon=True).start()
+
     def _close_listeners(self) -> None:
+        with self._cond:
+            was, self._listening = self._listening, False
         for ls in self.listeners or []:
+            if was:
+                _ACCEPTOR.remove(ls)
             try:
                 ls.close()
             except OSError:
                 pass
+
+    # ------------------------------------------------------------------ lazy links
+    def serve(self, rv, on_link, on_fail) -> None:
+        """Lazy links: accept from any peer from now on (before the addresses are published);
+        dial a peer on ``want``. ``on_link(peer, link)``/``on_fail(peer, error)`` are called
+        from this mesh's threads, once per peer."""
+        self._rv = rv
+        self.lazy = True
+        self._on_link, self._on_fail = on_link, on_fail
+        self._state = {p: None for p in self._socks}
+        self._accept_on()
+
+    def set_addresses(self, remote: dict[int, list]) -> None:
+        """Every peer's listen addresses (rank -> [[host, port], ...]), before any ``want``."""
+        self._remote = remote
+
+    def want(self, peer: int) -> None:
+        """The Context needs ``peer``'s link: dial it, or wait for its connections to arrive
+        (bounded by LINERATE_CONNECT_TIMEOUT). Cheap when already under way."""
+        with self._cond:
+            if self._stop:
+                return
+            st = self._state[peer]
+            if st is None:
+                self._state[peer] = "dial"
+                target = self._dial
+            elif st == "accept" and peer not in self._watched:
+                self._watched.add(peer)
+                target = self._await_incoming
+            else:
+                return
+        threading.Thread(target=target, args=(peer,), name=f"linerate-dial-{peer}",
+                         daemon=True).start()
+
+    def stop(self) -> None:
+        """The Context closes: no more links (what is under way is closed as it ends)."""
+        self.abort()
+
+    def _decide(self, peer: int, index: int) -> bool:
+        """An authenticated connection from ``peer`` arrived: keep it (True) or decline."""
+        with self._cond:
+            st = self._state[peer]
+            if self._stop or st in ("done", "failed"):
+                return False
+            if st == "dial":
+                return self.rank > peer  # both dial: the lower rank's dial wins
+            self._state[peer] = "accept"
+            return True
+
+    def _lazy_add(self, peer: int, index: int, sock) -> None:
+        with self._cond:
+            socks = self._socks[peer]
+            if socks[index] is not None:
+                raise handshake.HandshakeError(f"duplicate connection {index} from rank {peer}")
+            socks[index] = sock
+            if None in socks or self._state[peer] in ("done", "failed"):
+                return
+            self._state[peer] = "done"
+            self._socks[peer] = [None] * self.nconns
+            self._cond.notify_all()
+        self._made(peer, socks)
+
+    def _made(self, peer: int, socks: list) -> None:
+        link = self._link(peer, socks)
+        self._maybe_close()
+        self._on_link(peer, link)
+
+    def _lazy_failed(self, peer: int, err: BaseException) -> None:
+        from .request import PeerFailure
+        with self._cond:
+            if self._state[peer] in ("done", "failed"):
+                return
+            self._state[peer] = "failed"
+            stopped = self._stop
+            socks = [s for s in self._socks[peer] if s is not None]
+            self._socks[peer] = [None] * self.nconns
+            self._cond.notify_all()
+        for s in socks:
+            _close(s)
+        self._maybe_close()
+        if not stopped:
+            self._on_fail(peer, PeerFailure(peer, str(err)))
+
+    def _maybe_close(self) -> None:
+        """Close the listeners once no peer may still dial (every link made or failed)."""
+        with self._cond:
+            if not all(st in ("done", "failed") for st in self._state.values()):
+                return
+        self._close_listeners()
+
+    def _dial(self, peer: int) -> None:
+        deadline = time.monotonic() + self.options.connect_timeout
+        socks = []
+        try:
+            remote = self._remote[peer]
+            for rail in range(self.nrails):
+                for k in range(self.options.nsocks):
+                    index = rail * self.options.nsocks + k
+                    socks.append(self._connect(peer, remote[rail], self.addresses[rail], index,
+                                               deadline, lazy=True))
+        except handshake.Declined as e:
+            for s in socks:
+                _close(s)
+            if socks:  # a peer that kept a connection of this dial declines no other
+                self._lazy_failed(peer, TransportError(
+                    f"rank {self.rank}: rank {peer} declined connection {len(socks)} of a link "
+                    f"it had accepted: {e}"))
+                return
+            self._await_incoming(peer, deadline)  # the peer's own dial wins: wait for it
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the Context
+            for s in socks:
+                _close(s)
+            self._lazy_failed(peer, e)
+            return
+        with self._cond:
+            ok = self._state[peer] == "dial" and not self._stop
+            if ok:
+                self._state[peer] = "done"
+                self._cond.notify_all()
+        if not ok:
+            for s in socks:
+                _close(s)
+            return
+        self._made(peer, socks)
+
+    def _await_incoming(self, peer: int, deadline: float | None = None) -> None:
+        """Wait for the peer's connections (its dial); fail the peer at the deadline."""
+        if deadline is None:
+            deadline = time.monotonic() + self.options.connect_timeout
+        with self._cond:
+            while self._state[peer] not in ("done", "failed") and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 1.0))
+            else:
+                return
+        refused = self.tls.last_refusal if self.tls is not None else None
+        self._lazy_failed(peer, TransportError(
+            f"rank {self.rank}: the connections from rank {peer} did not arrive within "
+            f"{self.options.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); is rank {peer} "
+            f"alive and its address reachable?"
+            + (f" (LINERATE_TLS: the last TLS handshake refused here: {refused})" if refused else "")))
 
     def _complete(self) -> bool:
         return all(None not in s for s in self._socks.values())
@@ -165,7 +412,8 @@ class TcpMesh:
             self._socks[peer][index] = sock
             self._cond.notify_all()
 
-    def _connect(self, peer: int, remote, local_addr: str, index: int, deadline: float):
+    def _connect(self, peer: int, remote, local_addr: str, index: int, deadline: float,
+                 lazy: bool = False):
         host, port = remote
         delay = 0.01
         while True:
@@ -182,11 +430,24 @@ class TcpMesh:
                 handshake.connect_side(sock, self.secret, self.rank, peer, index, self.nconns)
                 sock.settimeout(None)
                 return sock
+            except handshake.Declined:
+                sock.close()
+                raise
             except (OSError, handshake.HandshakeError) as e:
                 sock.close()
+                refused = isinstance(e, ConnectionRefusedError) or (
+                    isinstance(e, OSError) and e.errno == errno.ECONNREFUSED)
                 retryable = isinstance(e, (ConnectionRefusedError, socket.timeout)) or (
                     isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET,
                                                            errno.EHOSTUNREACH, errno.ENETUNREACH))
+                if lazy and refused:
+                    # Lazy: the peer listened before it published its address and listens
+                    # until it holds every link or closes: a refusal means it is gone.
+                    raise TransportError(
+                        f"rank {self.rank}: cannot connect to rank {peer} at {host}:{port}: "
+                        f"refused: rank {peer} exited, crashed or closed the group") from e
+                if self._stop:
+                    raise TransportError(f"rank {self.rank}: set-up was given up") from e
                 if not retryable or time.monotonic() + delay > deadline:
                     raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
                                          f"{host}:{port} (connection {index}): {e}") from e
@@ -197,47 +458,40 @@ class TcpMesh:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def _accept_loop(self, ls: socket.socket) -> None:
-        while True:
-            with self._cond:
-                if self._stop or self._complete():
-                    return
-            try:
-                ls.settimeout(0.5)
-                sock, addr = ls.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if ls.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
-                    return  # listener closed
-                # Out of descriptors (a flood) or a connection reset before accept: keep
-                # accepting; the mesh's own deadline still bounds the wait.
-                log.warning("rank %d: accept failed (%s); retrying", self.rank, e)
-                time.sleep(0.1)
-                continue
-            threading.Thread(target=self._accept_one, args=(sock, addr),
-                             name="linerate-handshake", daemon=True).start()
-
     def _accept_one(self, sock: socket.socket, addr) -> None:
         try:
             sock.settimeout(min(10.0, self.options.connect_timeout))
             tune(sock, self.link_timeout)
             if self.tls is not None:  # TLS first; linerate's handshake runs inside it
                 sock = self.tls.wrap(sock, True, f"the connection from {tls.peer_label(addr)}")
-            peer, index = handshake.accept_side(sock, self.secret, self.rank, self.size, self.nconns)
-            if peer < self.rank:
+            peer, index = handshake.accept_side(sock, self.secret, self.rank, self.size, self.nconns,
+                                                self._decide if self.lazy else None)
+            if peer < self.rank and not self.lazy:
                 raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")
             sock.settimeout(None)
             with self._cond:
                 if self._stop:
                     raise TransportError("set-up was given up")
-            self._add(peer, index, sock)
+            if self.lazy:
+                self._lazy_add(peer, index, sock)
+            else:
+                self._add(peer, index, sock)
+        except handshake.Declined as e:  # both ranks dialed: this rank's dial is the link
+            log.debug("rank %d: %s", self.rank, e)
+            _close(sock)
         except (OSError, handshake.HandshakeError, TransportError) as e:
             log.warning("rank %d: dropped connection from %s: %s", self.rank, addr, e)
             try:
                 sock.close()
             except OSError:
                 pass
+
+
+def _close(sock) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def tune(sock: socket.socket, link_timeout: float = LINK_TIMEOUT_DEFAULT) -> None:

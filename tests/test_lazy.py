@@ -1,0 +1,216 @@
+"""Lazy links (LINERATE_CONNECT=lazy, the default): a peer's TCP link is made on first use.
+
+A ring all_reduce connects only to its two neighbours; both ranks of a pair using it at once
+make one link (the lower rank's dial wins, transport/tcp.py); a peer that is gone before first
+use fails the operation at once, naming it; a stranger at a lazy group's open listener is
+refused and the group keeps working.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from linerate.transport import CHANNEL_P2P, Context, TransportError, handshake, rendezvous
+from linerate.transport.options import TransportOptions
+
+from _harness import REPO, run_ranks
+
+OPTS = dict(socket_ifname="lo", connect_timeout=20.0, transport="tcp", connect="lazy")
+
+
+def _store():
+    s = dist.HashStore()
+    s.set_timeout(datetime.timedelta(seconds=20))
+    return s
+
+
+def _contexts(size: int, store=None, **kw) -> list[Context]:
+    store = store or _store()
+    opts = TransportOptions(**{**OPTS, **kw})
+    opts.validate()
+    out: list = [None] * size
+    errors: list = []
+
+    def build(r):
+        try:
+            out[r] = Context(store, r, size, opts)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+def _close(ctxs) -> None:
+    for c in ctxs:
+        if c is not None:
+            c.close(timeout=5.0)
+
+
+def _linked(ctx: Context) -> set:
+    return {c["peer"] for c in ctx.connection_stats()}
+
+
+# ----------------------------------------------------------------------------- ring
+def _ring(rank, world_size, lr):
+    x = torch.full((40_000,), float(rank))  # 160 KB: above LINERATE_SMALL_BYTES, ring
+    dist.all_reduce(x, group=lr)
+    ok = bool((x == sum(range(world_size))).all())
+    return ok, sorted({c["peer"] for c in lr.connection_stats()}), threading.active_count()
+
+
+@pytest.mark.timeout(120)
+def test_ring_all_reduce_connects_only_to_neighbours():
+    P = 6
+    res = run_ranks(_ring, P, timeout=90, backend="linerate",
+                    env={"LINERATE_SHM": "0", "LINERATE_ALLREDUCE_ALGO": "ring",
+                         "LINERATE_CONNECT": "lazy",
+                         # fusion's agreement round talks to every peer (collectives/fusion.py)
+                         "LINERATE_FUSION_BYTES": "0"})
+    for r, (ok, peers, _threads) in enumerate(res):
+        assert ok, r
+        assert peers == sorted({(r - 1) % P, (r + 1) % P}), (r, peers)
+
+
+# ----------------------------------------------------------------------------- both at once
+@pytest.mark.timeout(60)
+def test_simultaneous_first_use_makes_one_link():
+    """Both ranks of every pair send first, at once, many messages: one link of nsocks
+    connections per pair, every message in order."""
+    ctxs = _contexts(3, nsocks=2)
+    try:
+        assert all(_linked(c) == set() for c in ctxs)
+        n = 50
+        bufs, reqs = {}, []
+        start = threading.Barrier(3)
+
+        def talk(r):
+            start.wait()
+            for p in range(3):
+                if p != r:
+                    for i in range(n):
+                        b = bufs[r, p, i] = bytearray(8)
+                        reqs.append(ctxs[r].irecv(p, memoryview(b), CHANNEL_P2P, 7))
+                        reqs.append(ctxs[r].isend(p, memoryview(
+                            (p * 1000 + i).to_bytes(8, "little")), CHANNEL_P2P, 7))
+
+        ts = [threading.Thread(target=talk, args=(r,)) for r in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        for q in reqs:
+            q.wait(20)
+        for (r, p, i), b in bufs.items():
+            assert int.from_bytes(b, "little") == r * 1000 + i
+        for c in ctxs:
+            stats = c.connection_stats()
+            assert len(stats) == 2 * 2, stats  # 2 peers x 2 connections, no duplicate
+            assert c.broken is None
+        # every peer's link made: the listeners closed
+        assert all(ls.fileno() == -1 for c in ctxs for ls in c._tcp.listeners)
+    finally:
+        _close(ctxs)
+
+
+# ----------------------------------------------------------------------------- gone peer
+_GONE = textwrap.dedent("""
+    import datetime, os, sys
+    import torch.distributed as dist
+    from linerate.transport import Context
+    from linerate.transport.options import TransportOptions
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False,
+                          timeout=datetime.timedelta(seconds=20))
+    Context(store, 1, 2, TransportOptions(socket_ifname="lo", connect_timeout=20.0,
+                                           transport="tcp", connect="lazy"))
+    os._exit(0)  # gone, without closing anything
+""")
+
+
+@pytest.mark.timeout(60)
+def test_peer_gone_before_first_use_fails_naming_it():
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _GONE, str(store.port)], env=env)
+    ctx = None
+    try:
+        ctx = Context(store, 0, 2, TransportOptions(**OPTS))
+        assert proc.wait(30) == 0
+        t0 = time.monotonic()
+        r = ctx.irecv(1, memoryview(bytearray(4)), CHANNEL_P2P, 0)
+        s = ctx.isend(1, memoryview(b"abcd"), CHANNEL_P2P, 0)
+        for q in (r, s):
+            with pytest.raises(TransportError, match="rank 1"):
+                q.wait(10)
+        assert time.monotonic() - t0 < 5
+        assert ctx.peers[1].failure is not None
+    finally:
+        proc.kill()
+        if ctx is not None:
+            ctx.close(timeout=2.0)
+
+
+# ----------------------------------------------------------------------------- strangers
+@pytest.mark.timeout(60)
+def test_stranger_at_open_listener_is_refused():
+    ctxs = _contexts(2, nsocks=1)
+    try:
+        (host, port), = ctxs[0]._tcp._remote[0]
+        # random bytes, then a wrong secret, at rank 0's listener, open while no link exists
+        s = socket.create_connection((host, port), timeout=5)
+        s.sendall(os.urandom(handshake.HELLO.size))
+        s.settimeout(5)
+        assert s.recv(100) == b""
+        s.close()
+        s = socket.create_connection((host, port), timeout=5)
+        with pytest.raises(handshake.HandshakeError):
+            handshake.connect_side(s, b"y" * 32, 1, 0, 0, 1)
+        s.close()
+        assert _linked(ctxs[0]) == set() and ctxs[0].broken is None
+        out = bytearray(5)
+        r = ctxs[0].irecv(1, memoryview(out), CHANNEL_P2P, 0)
+        ctxs[1].isend(0, memoryview(b"hello"), CHANNEL_P2P, 0).wait(10)
+        r.wait(10)
+        assert bytes(out) == b"hello"
+    finally:
+        _close(ctxs)
+
+
+def test_settings_differ_connect_mode():
+    """eager on one rank, lazy on another: group creation fails naming the setting."""
+    store = _store()
+    errors = []
+
+    def build(r, mode):
+        try:
+            Context(store, r, 2, TransportOptions(**{**OPTS, "connect": mode,
+                                                     "connect_timeout": 5.0}))
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(str(e))
+
+    ts = [threading.Thread(target=build, args=(0, "lazy")),
+          threading.Thread(target=build, args=(1, "eager"))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert any("LINERATE_CONNECT is eager here but lazy on rank 0" in e for e in errors), errors
+
+
+assert rendezvous.agreed_settings(TransportOptions(), 1)["LINERATE_CONNECT"] == "lazy"
