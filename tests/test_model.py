@@ -858,7 +858,9 @@ def test_measure_netlab_ranks_per_host(capsys):
     assert [h["ranks"] for h in m["shm"]["hosts"]] == [2, 2] and m["shm"]["bytes"] == 4 << 20
     assert 0 < c["shm_latency_s"] < 0.1 and 0 < c["inter_latency_s"] < 0.01
     ar = out["predictions"]["allreduce"]
-    assert ar["algorithm"] == "two-level" and set(ar["algorithms"]) == {"flat", "two-level"}
+    # which wins depends on the measured shared memory (slow on a loaded machine): the faster
+    assert set(ar["algorithms"]) == {"flat", "two-level"}
+    assert ar["algorithm"] == min(ar["algorithms"], key=lambda k: ar["algorithms"][k]["step_s"])
     assert {"aer-average", "hierarchical"} <= set(out["predictions"])
 
 
