@@ -61,7 +61,7 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    one = torch.ones(1)
+    one = torch.zeros(1)  # zeros: ops repeated in place stay finite
     dist.barrier()
     threads0 = _threads()
     t0 = time.perf_counter()
@@ -69,7 +69,7 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
     dist.all_reduce(one, group=g)
     setup = time.perf_counter() - t0
     threads = _threads() - threads0
-    x = torch.ones(1024)  # 4 KB of float32
+    x = torch.zeros(1024)  # 4 KB of float32
     for _ in range(5):
         dist.all_reduce(x, group=g)
     dist.barrier()
