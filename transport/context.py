@@ -49,6 +49,8 @@ log = logging.getLogger("linerate.transport")
 _STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
+#: Lazy links: how long report_error waits for the links its reports wait for.
+REPORT_LINK_WAIT_S = 2.0
 
 
 class _Peer:
@@ -197,6 +199,7 @@ class Context(LinkSink):
                         link.send_control(*item)
                 p.pending = []
                 p.link = link
+            self._mesh_cond.notify_all()  # report_error may wait for this link
         if not ok:
             link.begin_close()
             link.close(time.monotonic() + 1.0)
@@ -462,6 +465,7 @@ class Context(LinkSink):
             first = p.failure is None
             if first:
                 p.failure = err
+                self._mesh_cond.notify_all()  # report_error may wait for this peer
             failed = self.matcher.take_peer(
                 p.rank, all(q.failure is not None for q in self.peers.values()))
             failed += [r for r in p.pending if isinstance(r, Request)]
@@ -528,6 +532,26 @@ class Context(LinkSink):
         for p in self.peers.values():
             if p.failure is None:
                 self._control_to(p, KIND_ERROR, payload)
+        self._await_links(REPORT_LINK_WAIT_S)
+
+    def _await_links(self, seconds: float) -> None:
+        """Lazy links: wait (at most ``seconds``) until every peer that a report is queued
+        for has its link (the report then goes out on it) or has failed. The caller's error is
+        handed to its user only after that: a rank that reports and then exits must not take
+        the report with it (the dial under way dies with the process; the peer, say asleep on
+        a shared-memory group that holds no TCP link, would never hear why)."""
+        if not self._lazy:
+            return
+        deadline = time.monotonic() + seconds
+        with self._mesh_cond:
+            while not self._closing:
+                if all(p.link is not None or p.failure is not None or not p.pending
+                       for p in self.peers.values()):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._mesh_cond.wait(left)
 
     def peer_progress(self, timeout: float = 1.0) -> dict[int, int | None]:
         """Ask every peer for its ``progress`` and wait up to ``timeout`` seconds for the
