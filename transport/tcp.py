@@ -449,6 +449,7 @@ class TcpMesh:
                 if self._stop:
                     raise TransportError(f"rank {self.rank}: set-up was given up") from e
                 if not retryable or time.monotonic() + delay > deadline:
+                    self._peer_report_first(peer)
                     raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
                                          f"{host}:{port} (connection {index}): {e}") from e
                 # A peer that gave up (a setting that differs, say) closed its listener: its
@@ -457,6 +458,20 @@ class TcpMesh:
                     self._rv.raise_if_failed(f"while connecting to rank {peer}")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _peer_report_first(self, peer: int) -> None:
+        """A connection that a peer cut (mid-handshake, say) may be that peer giving up: its
+        report through the Store, when it comes within a second, is the cause to name, not
+        this connection's end (a rank that trusts another CA is named by the rank that refused
+        it; the others only see their connections to it cut)."""
+        if self._rv is None:
+            return
+        end = time.monotonic() + 1.0
+        while True:
+            self._rv.raise_if_failed(f"while connecting to rank {peer}")
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.05)
 
     def _accept_one(self, sock: socket.socket, addr) -> None:
         try:
