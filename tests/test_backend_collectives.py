@@ -35,6 +35,9 @@ PIPELINED_ENV = {"LINERATE_ALLREDUCE_ALGO": "ring", "LINERATE_ROOTED_ALGO": "cha
                  "LINERATE_PIECE_BYTES": "4096", "LINERATE_SMALL_BYTES": "0"}
 PIPELINED_DTYPES = [torch.float32, torch.float16, torch.complex128, torch.int8, torch.int64, torch.bool]
 PIPELINED_SIZES = [0, 1, 7, 1001, 20_001]
+#: 16 ranks (the scale issue's parity target) on 2 cores: fewer dtypes and sizes per spawn.
+WIDE_DTYPES = [torch.float32, torch.bfloat16, torch.complex64, torch.int64, torch.bool]
+WIDE_SIZES = [0, 1, 1001]
 
 
 def ops_for(dtype):
@@ -83,11 +86,15 @@ class Ctx:
     def sizes(self, dtype=None):
         if self.variant == "pipelined":
             return PIPELINED_SIZES
+        if self.variant == "wide":  # 16 ranks: small tensors, one ring-sized case
+            return WIDE_SIZES + ([20_001] if dtype == torch.float32 else [])
         if self.P >= 8:  # small tensors only on 8 ranks; one > 64 KiB case for the ring paths
             return SMALL_SIZES + ([20_001] if dtype in (torch.float32, torch.int64) else [])
         return SMALL_SIZES + [BIG] + ([HUGE] if dtype in (torch.float32, torch.int64) else [])
 
     def dtypes(self):
+        if self.variant == "wide":
+            return WIDE_DTYPES
         return PIPELINED_DTYPES if self.variant == "pipelined" else DTYPES
 
 
@@ -629,6 +636,14 @@ TIMEOUT = 150
 @pytest.mark.parametrize("P,families", CASES)
 def test_collectives_match_gloo(P, families):
     _run(P, families, timeout=TIMEOUT)
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_collectives_match_gloo_16_ranks():
+    """Every family on 16 ranks with small tensors (0, 1 and 1001 elements; one 20,001-element
+    float32 case for the ring paths), five dtypes, every op: one spawn."""
+    _run(16, ("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc"), variant="wide",
+         timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
