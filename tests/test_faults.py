@@ -261,6 +261,17 @@ def test_kill_during_all_reduce(tmp_path):
     _check_survivors(tmp_path, codes, 2, r"all_reduce #2\b", T_KILL)
 
 
+@pytest.mark.timeout(150)
+def test_kill_during_all_reduce_8_ranks(tmp_path):
+    """8 ranks (the scale issue's fault target): rank 5 dies inside a 64 MB ring all_reduce;
+    the other seven (its ring neighbours and the ranks that only hear of it) all fail the op
+    naming rank 5 within the group timeout, then destroy their group and exit 0."""
+    codes = _run_loopback("kill_all_reduce", 8, tmp_path,
+                          {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 5,
+                           "FAULT_ELEMS": 16 << 20}, timeout=120)
+    _check_survivors(tmp_path, codes, 5, r"all_reduce #2\b", T_KILL)
+
+
 @pytest.mark.timeout(120)
 def test_kill_during_broadcast(tmp_path):
     # rank 1 is the middle of the chain 0 -> 1 -> 2: its death cuts both other ranks off
