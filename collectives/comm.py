@@ -44,6 +44,27 @@ MAX_VIEW_TAG = 255
 MIN_PIECE_BYTES = 256 * 1024
 
 
+class Fold:
+    """How the log-P algorithms (recursive doubling, halving-doubling) run on P ranks that are
+    not a power of two: with ``p2`` the largest power of two <= P and ``rem = P - p2``, ranks
+    2i and 2i+1 (i < rem) pair up: the even one hands its tensor to the odd one and sits out
+    (``sits_out``), and gets the result back at the end. The p2 others renumber 0..p2-1
+    (``virtual``); ``real(v)`` is a virtual rank's group rank."""
+
+    __slots__ = ("p2", "rem", "sits_out", "folds_in", "virtual")
+
+    def __init__(self, P: int, rank: int):
+        self.p2 = 1 << (P.bit_length() - 1)
+        self.rem = P - self.p2
+        paired = rank < 2 * self.rem
+        self.sits_out = paired and rank % 2 == 0          # partner: rank + 1
+        self.folds_in = paired and rank % 2 == 1          # partner: rank - 1
+        self.virtual = None if self.sits_out else (rank // 2 if paired else rank - self.rem)
+
+    def real(self, v: int) -> int:
+        return 2 * v + 1 if v < self.rem else v + self.rem
+
+
 class OpTimeout(TransportError):
     pass
 

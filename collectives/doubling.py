@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm
+from .comm import Comm, Fold
 from .reduce_ops import reduce_into
 
 _FOLD, _XCHG, _UNFOLD = 0, 1, 2  # message phases (Comm.slot)
@@ -32,29 +32,22 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     P, r = comm.size, comm.rank
     if P == 1:
         return
-    p2 = 1 << (P.bit_length() - 1)
-    rem = P - p2
+    f = Fold(P, r)
     n = flat.numel()
-    if r < 2 * rem and r % 2 == 0:  # folded out: hand the tensor over, get the result back
+    if f.sits_out:  # hand the tensor over, get the result back
         back = comm.irecv(r + 1, flat, comm.slot(base, _UNFOLD))
         comm.wait(comm.isend(r + 1, flat, comm.slot(base, _FOLD)))
         comm.wait(back)
         return
     tmp = comm.scratch.get(0, n, flat.dtype)
-    if r < 2 * rem:
+    if f.folds_in:
         comm.wait(comm.irecv(r - 1, tmp, comm.slot(base, _FOLD)))
         _combine(flat, tmp, op, mine_first=False)  # rank r-1's block comes first
-        v = r // 2
-    else:
-        v = r - rem
-
-    def real(u: int) -> int:  # a virtual rank's group rank
-        return 2 * u + 1 if u < rem else u + rem
-
+    v = f.virtual
     d, step = 1, 0
     acc = comm.scratch.get(1, n, flat.dtype)
-    while d < p2:
-        peer = real(v ^ d)
+    while d < f.p2:
+        peer = f.real(v ^ d)
         q = comm.irecv(peer, tmp, comm.slot(base, _XCHG, step))
         acc.copy_(flat)  # the send reads acc while flat takes the combination
         s = comm.isend(peer, acc, comm.slot(base, _XCHG, step))
@@ -63,7 +56,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         comm.wait(s)
         d <<= 1
         step += 1
-    if r < 2 * rem:
+    if f.folds_in:
         comm.wait(comm.isend(r - 1, flat, comm.slot(base, _UNFOLD)))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm, pieces
+from .comm import Comm, Fold, pieces
 from .reduce_ops import reduce_into
 
 _FOLD, _HALVE, _DOUBLE, _UNFOLD = 0, 1, 2, 3  # message phases (Comm.slot)
@@ -40,8 +40,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     P, r = comm.size, comm.rank
     if P == 1:
         return
-    p2 = 1 << (P.bit_length() - 1)
-    rem = P - p2
+    f = Fold(P, r)
+    p2 = f.p2
     n = flat.numel()
 
     def exchange(peer: int, send: torch.Tensor, recv: torch.Tensor, phase: int, step: int,
@@ -61,25 +61,19 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
 
     # Fold: ranks 2i and 2i+1 (i < rem) become one.
     whole = pieces(flat, comm.piece_elems(flat))  # fold / unfold messages
-    if r < 2 * rem:
-        if r % 2 == 0:
-            comm.wait_all([comm.isend(r + 1, x, comm.slot(base, _FOLD, 0, k))
-                           for k, x in enumerate(whole)])
-            comm.wait_all([comm.irecv(r + 1, x, comm.slot(base, _UNFOLD, 0, k))
-                           for k, x in enumerate(whole)])
-            return
-        mine = whole
+    if f.sits_out:
+        comm.wait_all([comm.isend(r + 1, x, comm.slot(base, _FOLD, 0, k))
+                       for k, x in enumerate(whole)])
+        comm.wait_all([comm.irecv(r + 1, x, comm.slot(base, _UNFOLD, 0, k))
+                       for k, x in enumerate(whole)])
+        return
+    if f.folds_in:
         theirs = pieces(comm.scratch.get(0, n, flat.dtype), comm.piece_elems(flat))
         recvs = [comm.irecv(r - 1, b, comm.slot(base, _FOLD, 0, k)) for k, b in enumerate(theirs)]
-        for x, b, q in zip(mine, theirs, recvs):
+        for x, b, q in zip(whole, theirs, recvs):
             comm.wait(q)
             reduce_into(x, b, op)
-        new = r // 2
-    else:
-        new = r - rem
-
-    def real(v: int) -> int:  # a virtual rank's group rank
-        return 2 * v + 1 if v < rem else v + rem
+    new, real = f.virtual, f.real
 
     bounds = [i * n // p2 for i in range(p2 + 1)]
 
@@ -110,6 +104,6 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         lo, hi = min(lo, other[0]), max(hi, other[1])
         d *= 2
         step += 1
-    if r < 2 * rem:  # unfold: the partner that sat out gets the result
+    if f.folds_in:  # unfold: the partner that sat out gets the result
         comm.wait_all([comm.isend(r - 1, x, comm.slot(base, _UNFOLD, 0, k))
                        for k, x in enumerate(whole)])
