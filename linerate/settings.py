@@ -275,6 +275,15 @@ _ALL = [
        "when TCP links are made: lazy (a peer's link when this rank first sends to it, "
        "receives from it or reports to it) or eager (to every peer at group creation); every "
        "rank must agree", "transport", "transport.connect"),
+    _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "shared", "shared",
+       "shared or threads",
+       "who drives the TCP connections: shared (a process-wide pool of LINERATE_IO_THREADS "
+       "epoll threads for every link of every group) or threads (a sender and a receiver "
+       "thread per connection); TLS links always use threads; ranks may differ",
+       "transport", "transport.io"),
+    _S("LINERATE_IO_THREADS", _int, _int_in(1, 65), 2, "2", "an integer from 1 to 64",
+       "I/O threads of the process-wide pool that drives the TCP connections under "
+       "LINERATE_IO=shared (read when the first link starts)", "transport"),
     _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
        "auto, 0 or 1",
        "shared memory between the ranks of one host (one segment per host of a group): auto "

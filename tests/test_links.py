@@ -4,7 +4,9 @@ Each case builds a pair of links between two ranks of this process, through the 
 as a Context (rendezvous on a HashStore, then TcpMesh or rdma.build_links), and drives them
 only through the Link interface, with a recording sink in place of a Context:
 
-    tcp       plain TCP, 2 connections
+    tcp       plain TCP, 2 connections, driven by the process's I/O loops (LINERATE_IO=shared)
+    threads   plain TCP with a sender and a receiver thread per connection (LINERATE_IO=threads)
+    mixed     rank 0 shared, rank 1 threads: the same bytes on the wire
     tls       TCP inside TLS (LINERATE_TLS), 2 connections
     rdma      RDMA streams over the fake pyverbs of tests/fake_pyverbs, 2 queue pairs
 """
@@ -26,7 +28,7 @@ from linerate.transport.request import PeerFailure, Request
 
 from _harness import use_transport
 
-KINDS = ["tcp", "tls", "rdma"]
+KINDS = ["tcp", "threads", "mixed", "tls", "rdma"]
 CHUNK = 64 << 10
 
 
@@ -102,7 +104,8 @@ def _pair(kind, pki=None, nsocks=2):
     def build(rank):
         try:
             opts = TransportOptions(socket_ifname="lo", connect_timeout=20.0, nsocks=nsocks,
-                                    chunk_bytes=CHUNK, transport="rdma" if kind == "rdma" else "tcp")
+                                    chunk_bytes=CHUNK, transport="rdma" if kind == "rdma" else "tcp",
+                                    io="threads" if kind == "threads" or (kind == "mixed" and rank) else "shared")
             deadline = time.monotonic() + 20
             rv = rendezvous.Rendezvous(store, rank, deadline, 20.0, f"linerate/links-{kind}/")
             secret = rv.agree(rendezvous.agreed_settings(opts, 1))

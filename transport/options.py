@@ -82,6 +82,11 @@ class TransportOptions:
     #: ``lazy``: a peer's TCP link is made when this rank first talks to it (transport/tcp.py
     #: says who dials); ``eager``: every link at group creation. Every rank must agree.
     connect: str = "lazy"
+    #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
+    #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
+    #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection
+    #: (link.StreamLink). TLS links always use threads. Need not be agreed: both interoperate.
+    io: str = "shared"
     #: Shared memory between the ranks of one host (transport/shm.py): ``auto`` (where every
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.

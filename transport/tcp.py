@@ -38,6 +38,7 @@ import time
 
 from . import handshake, tls
 from .link import StreamLink
+from .sharedlink import SharedStreamLink
 from .request import TransportError
 
 log = logging.getLogger("linerate.transport")
@@ -63,6 +64,25 @@ class TcpLink(StreamLink):
         out["tls"] = self.tls
         for c, v in zip(out["connections"], self._tls_versions):
             c["tls"] = v
+        return out
+
+
+class SharedTcpLink(SharedStreamLink):
+    """A peer's plain TCP connections, driven by the process-wide I/O loops
+    (LINERATE_IO=shared; transport/sharedlink.py)."""
+
+    kind = "tcp"
+
+    def __init__(self, peer: int, socks: list, *, tls_on: bool = False, **kw):
+        super().__init__(peer, socks, **kw)
+        self.tls = False
+
+    def stats(self) -> dict:
+        """``Link.stats()``, plus ``tls`` (off) and each connection's TLS version (None)."""
+        out = super().stats()
+        out["tls"] = False
+        for c in out["connections"]:
+            c["tls"] = None
         return out
 
 
@@ -220,9 +240,12 @@ class TcpMesh:
     def _link(self, p: int, ss: list) -> TcpLink:
         opts = self.options
         speed = interface_speed_bps(self.addresses[0]) if self.nrails == 1 else None
-        return TcpLink(p, ss, tls_on=self.tls is not None, rank=self.rank,
-                       chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
-                       credit_bytes=opts.credit_bytes, speed_bps=speed)
+        cls = TcpLink
+        if self.tls is None and getattr(opts, "io", "threads") == "shared":
+            cls = SharedTcpLink  # the process's I/O loops drive it (TLS keeps the threads)
+        return cls(p, ss, tls_on=self.tls is not None, rank=self.rank,
+                   chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
+                   credit_bytes=opts.credit_bytes, speed_bps=speed)
 
     def abort(self) -> None:
         """Set-up failed: stop accepting, close what was connected."""
@@ -531,4 +554,4 @@ def tune(sock: socket.socket, link_timeout: float = LINK_TIMEOUT_DEFAULT) -> Non
                         int(min(link_timeout * 1000, 2**31 - 1)))
 
 
-__all__ = ["TcpLink", "TcpMesh", "tune", "interface_speed_bps", "LINK_TIMEOUT_DEFAULT"]
+__all__ = ["TcpLink", "SharedTcpLink", "TcpMesh", "tune", "interface_speed_bps", "LINK_TIMEOUT_DEFAULT"]
