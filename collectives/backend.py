@@ -157,6 +157,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         # The worker's queue: op tuples, fusion.Entry objects, and None (stop).
         self._queue: collections.deque = collections.deque()
         self._qcond = threading.Condition(threading.Lock())
+        #: While the worker waits on an open fusion run: (bytes, entries) it may still take
+        #: before the run is full, and its reduce op (_put wakes the worker only when needed).
+        self._fuse_wait: tuple | None = None
         self._urgent = False   # someone waits on a queued fusion entry: fuse now
         self._chain = 0        # running digest of the fusable calls (fusion.chain_digest)
         #: Tensor fusion so far: async all_reduce calls queued as entries, fused ops run.
@@ -269,6 +272,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _put(self, item) -> None:
         with self._qcond:
             self._queue.append(item)
+            w = self._fuse_wait
+            if w is not None and type(item) is fusion.Entry and item.opname == w[2]:
+                # The worker waits for its open fusion run to fill or its cycle to end: this
+                # entry only lengthens the run, so it need not wake (each wake-up took the
+                # GIL from the issuing thread). It wakes when the run closes: full (bytes or
+                # entries, as fusion.plan counts them) or another call behind it.
+                left, room = w[0] - item.nbytes, w[1] - 1
+                if left > 0 and room > 0:
+                    self._fuse_wait = (left, room, w[2])
+                    return
             self._qcond.notify()
 
     def _expedite(self) -> None:
@@ -289,12 +302,17 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 head = self._queue[0]
                 if not isinstance(head, fusion.Entry):
                     return self._queue.popleft()
-                n, closed = fusion.plan(self._queue, self._options.fusion_bytes)
+                cap = self._options.fusion_bytes
+                n, closed = fusion.plan(self._queue, cap)
                 left = head.queued + cycle - time.monotonic()
                 if closed or self._urgent or left <= 0:
                     self._urgent = False
                     return list(itertools.islice(self._queue, n))
+                # Open: the run is the whole queue. _put wakes this wait when it closes.
+                self._fuse_wait = (cap - sum(e.nbytes for e in self._queue),
+                                   fusion.MAX_ENTRIES - n, head.opname)
                 self._qcond.wait(left)
+                self._fuse_wait = None
 
     def _run_worker(self) -> None:
         while True:

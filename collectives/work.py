@@ -55,7 +55,11 @@ class Work(dist._Work):
         #: without a deadline of their own (point-to-point); None: until the operation ends.
         self._timeout = timeout
         self._result = result
-        self._event = threading.Event()
+        # Completion: _done, and a lock held until then that waiters acquire and pass on
+        # (a threading.Event costs 1.6 us to make, most of a Work's making: this, 0.1 us).
+        self._done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._exc: BaseException | None = None
         self._src = -1
         # A failed operation must fail the future for C++ consumers too. Python's
@@ -79,7 +83,7 @@ class Work(dist._Work):
     def _complete(self, exc: BaseException | None = None, source_rank: int = -1) -> None:
         self._exc = None if exc is None else as_dist_error(exc, self._desc)
         self._src = source_rank
-        self._event.set()
+        self._set_done()
         if self._claim_future():
             _completer.submit(self._complete_future)
 
@@ -90,10 +94,26 @@ class Work(dist._Work):
         all_reduces)."""
         for w in works:
             w._exc = None if exc is None else as_dist_error(exc, w._desc)
-            w._event.set()
+            w._set_done()
         pending = [w for w in works if w._claim_future()]
         if pending:
             _completer.submit(_complete_futures, pending)
+
+    def _set_done(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._gate.release()
+
+    def _wait_done(self, seconds: float | None) -> bool:
+        """Wait until completed (at most ``seconds``; None: no limit); whether it is."""
+        if self._done:
+            return True
+        if not (self._gate.acquire() if seconds is None else self._gate.acquire(timeout=seconds)):
+            return self._done
+        self._gate.release()  # the next waiter's turn
+        return True
 
     def _claim_future(self) -> bool:
         """After completion: whether this caller must set the future's result (a future has
@@ -109,35 +129,35 @@ class Work(dist._Work):
 
     # -- user side --------------------------------------------------------------------------
     def _waiting(self) -> None:
-        if self._on_wait is not None and not self._event.is_set():
+        if self._on_wait is not None and not self._done:
             self._on_wait()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         self._waiting()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if seconds > 0:
-            if not self._event.wait(seconds):
+            if not self._wait_done(seconds):
                 raise DistBackendError(f"linerate: {self._desc} did not complete within "
                                        f"Work.wait(timeout={seconds:.3f}s)")
         elif self._timeout is not None:
             # No deadline of its own (point-to-point): the group's timeout bounds the wait, as
             # on Gloo. The operation stays posted (see README "Known limits").
-            if not self._event.wait(self._timeout):
+            if not self._wait_done(self._timeout):
                 raise DistBackendError(f"linerate: {self._desc} did not complete within the "
                                        f"process group's timeout ({self._timeout:.1f}s); it "
                                        f"is still posted")
         else:
             # A collective has its own deadline (the group's timeout), so this ends.
-            self._event.wait()
+            self._wait_done(None)
         if self._exc is not None:
             raise self._exc
         return True
 
     def is_completed(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._exc is None
+        return self._done and self._exc is None
 
     def exception(self):
         return self._exc
@@ -152,7 +172,7 @@ class Work(dist._Work):
             fut = self._fut
         # Completed before anyone asked: set the result here (callbacks added later run on
         # the thread that adds them, as with any completed future).
-        if self._event.is_set() and self._claim_future():
+        if self._done and self._claim_future():
             self._complete_future()
         return fut
 
