@@ -25,7 +25,8 @@ from linerate.transport.options import TransportOptions
 
 from _harness import REPO, run_ranks
 
-OPTS = dict(socket_ifname="lo", connect_timeout=20.0, transport="tcp", connect="lazy")
+# shm="0": co-located ranks would link over shared memory; TCP's lazy links are tested here.
+OPTS = dict(socket_ifname="lo", connect_timeout=20.0, transport="tcp", connect="lazy", shm="0")
 
 
 def _store():
@@ -137,7 +138,7 @@ _GONE = textwrap.dedent("""
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False,
                           timeout=datetime.timedelta(seconds=20))
     Context(store, 1, 2, TransportOptions(socket_ifname="lo", connect_timeout=20.0,
-                                           transport="tcp", connect="lazy"))
+                                           transport="tcp", connect="lazy", shm="0"))
     os._exit(0)  # gone, without closing anything
 """)
 

@@ -9,6 +9,7 @@ only through the Link interface, with a recording sink in place of a Context:
     mixed     rank 0 shared, rank 1 threads: the same bytes on the wire
     tls       TCP inside TLS (LINERATE_TLS), 2 connections
     rdma      RDMA streams over the fake pyverbs of tests/fake_pyverbs, 2 queue pairs
+    shm       shared memory (transport/shmlink.py): rings in the host's segment, 1 stream
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-from linerate.transport import TransportOptions, rdma, rendezvous, tcp, tls, verbs
+from linerate.transport import TransportOptions, rdma, rendezvous, shm, shmlink, tcp, tls, verbs
 from linerate.transport.framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_QUERY
 from linerate.transport.link import Link, LinkSink
 from linerate.transport.request import PeerFailure, Request
 
 from _harness import use_transport
 
-KINDS = ["tcp", "threads", "mixed", "tls", "rdma"]
+KINDS = ["tcp", "threads", "mixed", "tls", "rdma", "shm"]
 CHUNK = 64 << 10
 
 
@@ -109,7 +110,10 @@ def _pair(kind, pki=None, nsocks=2):
             deadline = time.monotonic() + 20
             rv = rendezvous.Rendezvous(store, rank, deadline, 20.0, f"linerate/links-{kind}/")
             secret = rv.agree(rendezvous.agreed_settings(opts, 1))
-            if kind == "rdma":
+            if kind == "shm":
+                seg = shm.establish(rv, rank, 2, secret, "1", rv.prefix, rv.generation)
+                links = shmlink.build_links(seg, rank, [1 - rank])
+            elif kind == "rdma":
                 ports = rdma.open_ports(rank, opts)
                 links = rdma.build_links(rv, rank, 2, secret, opts, ports, 5.0, deadline, rv.prefix)
             else:
@@ -168,6 +172,12 @@ def _send(link, data, channel=CHANNEL_P2P, tag=0, msgno=0, priority=0):
 
 def _crash(link):
     """The process behind ``link`` vanishes: its streams end without CLOSE frames."""
+    if link.kind == "shm":  # its pid, as the peer reads it, is a process that has exited
+        import subprocess
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        link._port.pids[link._port.me][0] = gone.pid
+        return
     for st in link._streams:
         try:
             st.sock.shutdown(socket.SHUT_RDWR)
@@ -179,8 +189,8 @@ def test_link_conformance(pair):
     """Properties; ordering; zero-length and odd sizes; a large message striped over every
     stream; buffer ownership; control frames; exact statistics."""
     kind, (a, b), (sa, sb) = pair
-    assert isinstance(a, Link) and a.kind == ("rdma" if kind == "rdma" else "tcp")
-    assert (a.peer, b.peer) == (1, 0) and a.nstreams == 2
+    assert isinstance(a, Link) and a.kind == {"rdma": "rdma", "shm": "shm"}.get(kind, "tcp")
+    assert (a.peer, b.peer) == (1, 0) and a.nstreams == (1 if kind == "shm" else 2)
     assert a.speed_bps is None or a.speed_bps > 0
     # ordering and sizes: one key per message; both sides see each message intact
     sizes = [0, 1, 3, 4097, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 8 << 20]
@@ -195,7 +205,7 @@ def test_link_conformance(pair):
     # the large message went over both streams
     st = a.stats()
     per_conn = [c["sent_bytes"] for c in st["connections"]]
-    assert len(per_conn) == 2 and min(per_conn) > 0, per_conn
+    assert len(per_conn) == a.nstreams and min(per_conn) > 0, per_conn
     # buffer ownership: once a send is finished its buffer may be reused at once
     buf = bytearray(os.urandom(3 << 20))
     orig = bytes(buf)

@@ -39,7 +39,8 @@ from _harness import CURRENT_TRANSPORT, REPO
 
 OPNAMES = OpNames({1: "allreduce", 2: "broadcast"})  # the mismatch wording (collectives)
 # Loopback only, so that the tests need no network and no MASTER_ADDR.
-BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0)
+# Co-located ranks would link over shared memory (tests/test_shm_link.py): TCP is tested here.
+BASE_OPTS = dict(socket_ifname="lo", connect_timeout=30.0, shm="0")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -503,7 +504,7 @@ CHILD = textwrap.dedent("""
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
     ctx = Context(store, rank, size, TransportOptions(nsocks=2, socket_ifname="lo",
                                                       connect_timeout=60, transport=transport,
-                                                      link_timeout=link_timeout))
+                                                      link_timeout=link_timeout, shm="0"))
     store.set(f"ready/{rank}", "1")
     if rank == 1:  # echo one p2p message, then wait for the test's word
         buf = bytearray(8)

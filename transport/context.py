@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 
-from . import framing, metrics, rdma, rendezvous, shm, tcp, tls
+from . import framing, metrics, rdma, rendezvous, shm, shmlink, tcp, tls
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_PROGRESS, KIND_QUERY
 from .interfaces import listen_addresses
 from .link import LinkSink
@@ -134,9 +134,6 @@ class Context(LinkSink):
                                               self.options.connect_timeout, self._prefix)
         try:
             self._build_mesh_on(rv, deadline)
-            # Ranks of one host that can map one segment share memory (transport/shm.py).
-            self.shm = shm.establish(rv, self.rank, self.size, self._secret, self.options.shm,
-                                     self._prefix, rv.generation)
         except BaseException as e:
             if not isinstance(e, rendezvous.PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
@@ -154,17 +151,11 @@ class Context(LinkSink):
             if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
                 opts = dataclasses.replace(opts, transport="tcp")
             self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
-        kinds = rendezvous.choose_links(rv, self.rank, self.size, opts)
-        if len(set(kinds.values())) > 1:
-            raise TransportError(f"rank {self.rank}: links of several kinds in one group "
-                                 f"({sorted(set(kinds.values()))}) are not supported")
-        self.transport = next(iter(kinds.values()))
-        if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
-            ports = rdma.open_ports(self.rank, opts)
-            self._use_rails(len(ports))
-            links = rdma.build_links(rv, self.rank, self.size, self._secret, opts, ports,
-                                     self.link_timeout, deadline, self._prefix)
-        else:
+        # The network kind first (as before shared-memory links existed: a TCP rank listens
+        # and publishes its address before it waits for the others' shared-memory records).
+        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix)
+        mesh = listening = None
+        if agreed == "tcp":
             mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
                                            self.addresses, self._tls, self.link_timeout)
             listening = mesh.listen()
@@ -172,14 +163,56 @@ class Context(LinkSink):
                 # Accept from the moment the addresses are out; connect to nobody yet.
                 self._lazy = True
                 mesh.serve(rv, self._link_made, self._link_failed_to_connect)
-                rv.publish_addresses(listening)
+            rv.publish_addresses(listening)
+        # Ranks of one host that can map one segment share memory (transport/shm.py): the
+        # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
+        # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
+        self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
+                                 self._prefix, rv.generation)
+        local = () if self.shm is None else tuple(r for r in self.shm.ranks if r != self.rank)
+        kinds = rendezvous.choose_links(rv, self.rank, self.size, opts, local, agreed)
+        remote = sorted({k for k in kinds.values() if k != "shm"})
+        if len(remote) > 1:
+            raise TransportError(f"rank {self.rank}: links of several network kinds in one group "
+                                 f"({remote}) are not supported (shared memory beside TCP or "
+                                 f"RDMA is)")
+        self.transport = remote[0] if remote else "shm"
+        links = shmlink.build_links(self.shm, self.rank, local) if local else {}
+        for p, link in links.items():  # at once: they cost no thread nor connection
+            self.peers[p].link = link
+            link.start(self)
+        if not remote:  # every peer is on this host: no TCP at all
+            if mesh is not None:
+                self._lazy = False
+                self._tcp = None
+                mesh.stop()
+            return
+        if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
+            ports = rdma.open_ports(self.rank, opts)
+            self._use_rails(len(ports))
+            net = rdma.build_links(rv, self.rank, self.size, self._secret, opts, ports,
+                                   self.link_timeout, deadline, self._prefix)
+            for p in local:  # made by the collective set-up, never started: dropped
+                extra = net.pop(p, None)
+                if extra is not None:
+                    extra.begin_close()
+                    extra.close(time.monotonic())
+        else:
+            if self._lazy:
+                _tcp_skip(mesh, local)
                 mesh.set_addresses(rv.gather_addresses(self.size, self.nrails))
                 return
-            rv.publish_addresses(listening)
-            links = mesh.links(mesh.connect(rv, deadline))
-        for p, link in links.items():
+            socks = mesh.connect(rv, deadline)
+            for p in local:  # the eager mesh connects every pair: drop the co-located ones
+                for s in socks.pop(p, None) or ():
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+            net = mesh.links(socks)
+        for p, link in net.items():
             self.peers[p].link = link
-        for link in links.values():
+        for link in net.values():
             link.start(self)
 
     def _link_made(self, peer: int, link) -> None:
@@ -688,6 +721,20 @@ class Context(LinkSink):
                 if silent >= min_seconds:
                     out[p.rank] = silent
         return out
+
+
+def _tcp_skip(mesh, peers) -> None:
+    """Lazy TCP: ``peers`` are linked over shared memory; the mesh makes no link to them
+    (declines a dial from one, and closes its listeners once every other peer is linked)."""
+    if not peers:
+        return
+    skip = getattr(mesh, "skip", None)
+    if skip is not None:
+        skip(peers)
+        return
+    with mesh._cond:
+        for p in peers:
+            mesh._state[p] = "done"
 
 
 def _is_collective(req: Request) -> bool:

@@ -71,14 +71,15 @@ class FakePeer:
         t = threading.Thread(target=build, name="fakepeer-build", daemon=True)
         t.start()
         secret = bytes.fromhex(store.get(_STORE_PREFIX + "secret").decode())
-        (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
-        self.sock = socket.create_connection((host, port), timeout=10)
-        handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
-        # The rest of rank 1's rendezvous, as a rank on another host would publish it: no
+        # Rank 1's shared-memory record, as a rank on another host would publish it: no
         # shared memory with rank 0 (transport/shm.py; keys under this group's generation).
+        # Rank 0 reads it before it chooses its links (and publishes its address).
         generation = secret.hex()[:16]
         store.set(f"{_STORE_PREFIX}shm/{generation}/host/1",
                   json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto")}))
+        (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
+        self.sock = socket.create_connection((host, port), timeout=10)
+        handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
         t.join(30)
         if err or self.ctx is None:
             self.sock.close()

@@ -18,9 +18,9 @@ another rank reported a set-up failure (the key it would have set never comes) o
 deadline, naming the key. Nothing read from the Store is evaluated: values are JSON or text,
 checked before use, and a malformed one is an error naming the rank that published it.
 
-``choose_links`` decides the link kind for each peer (today every peer gets the group's kind:
-``tcp`` or ``rdma``); shared memory between the ranks of one host is set up after the links by
-``transport/shm.py`` through the same Rendezvous.
+``choose_links`` decides the link kind for each peer: ``shm`` for the co-located peers that
+proved their host's shared segment (set up first, by ``transport/shm.py`` through the same
+Rendezvous), the group's agreed kind (``tcp`` or ``rdma``) for the others.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class Rendezvous:
         self._store.set(key, value)
 
     def get(self, key: str, max_delay: float = 0.1) -> bytes:
-        delay = 0.002
+        delay = 0.00025  # a peer a moment behind: first checks come quickly
         while True:
             have = self._check(key)
             if have is None:
@@ -301,11 +301,17 @@ def agree_transport(store, rank: int, size: int, opts, prefix: str) -> str:
     return "rdma"
 
 
-def choose_links(rv: Rendezvous, rank: int, size: int, opts) -> dict[int, str]:
-    """The link kind for each peer ("tcp" or "rdma"), the same answer on both ends of every
-    pair. Today the group agrees on one kind (``agree_transport``) and every peer gets it."""
-    kind = agree_transport(rv, rank, size, opts, rv.prefix)
-    return {p: kind for p in range(size) if p != rank}
+def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
+                 agreed: str | None = None) -> dict[int, str]:
+    """The link kind for each peer ("shm", "tcp" or "rdma"), the same answer on both ends of
+    every pair. ``local``: the co-located peers that proved their host's shared segment
+    (transport/shm.py; every rank of a host gets the same list, so the choice is symmetric):
+    they get "shm". The others get the kind the group agrees on (``agree_transport``, which
+    every rank runs, whether or not it has remote peers; ``agreed``: its answer, when the
+    caller already ran it)."""
+    kind = agreed or agree_transport(rv, rank, size, opts, rv.prefix)
+    local = set(local)
+    return {p: "shm" if p in local else kind for p in range(size) if p != rank}
 
 
 __all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "agreed_settings", "check_agreement",

@@ -57,7 +57,7 @@ MODES = ("auto", "0", "1")
 SHM_DIR = "/dev/shm"
 #: Data bytes per rank of the group (the collectives pipeline through it in chunks).
 BYTES_PER_RANK = 4 << 20
-_MAGIC = b"LRSHM\x00\x01\x00"
+_MAGIC = b"LRSHM\x00\x02\x00"
 _HEADER = 4096            # magic, sizes, token; then one bell per rank
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
@@ -117,6 +117,35 @@ def segment_layout(size: int) -> tuple[int, int, int]:
     ctrl = -(-(_BELL_OFF + 64 * size) // _PAGE) * _PAGE
     data = -(-(ctrl + size * ctrl_row_bytes(size)) // _PAGE) * _PAGE
     return ctrl, data, data + size * BYTES_PER_RANK
+
+
+#: Point-to-point area (transport/shmlink.py): a block of ``P2P_RANK_BYTES`` per rank (its
+#: progress bell, pid), then one ring per ordered pair of ranks: a header page (producer's and
+#: consumer's positions) and ``p2p_ring_bytes(size)`` data bytes. Pages of /dev/shm are only
+#: allocated when touched, so rings of pairs that never talk cost nothing.
+P2P_RANK_BYTES = 256
+P2P_RING_HEADER = _PAGE
+P2P_RING_MAX = 2 << 20
+P2P_RING_MIN = 64 << 10
+P2P_AREA_BUDGET = 128 << 20   # rings of every pair together (if all were used at once)
+
+
+def p2p_ring_bytes(size: int) -> int:
+    """Data bytes of one pair's ring: 2 MiB, less for many co-located ranks (at least 64 KiB)
+    so that every pair's ring together stays within 128 MiB."""
+    ring = P2P_RING_MAX
+    while ring > P2P_RING_MIN and size * (size - 1) * ring > P2P_AREA_BUDGET:
+        ring //= 2
+    return ring
+
+
+def p2p_layout(size: int) -> tuple[int, int, int, int]:
+    """(offset of the p2p area, offset of the first ring, bytes per ring slot (header + data),
+    total bytes of the segment) for ``size`` ranks."""
+    base = segment_layout(size)[2]
+    rings = base + -(-(size * P2P_RANK_BYTES) // _PAGE) * _PAGE
+    slot = P2P_RING_HEADER + p2p_ring_bytes(size)
+    return base, rings, slot, rings + size * size * slot
 
 
 def host_id() -> str:
@@ -182,6 +211,8 @@ class Segment:
         ctrl_off, data_off, total = segment_layout(size)
         self._buf = buf
         raw = buf.numpy()
+        #: The whole mapping (uint8), for the point-to-point rings (transport/shmlink.py).
+        self.raw = raw
         row = ctrl_row_bytes(size)
         #: int64 control words, one row per rank: ``ctrl[rank, i]``.
         self.ctrl = raw[ctrl_off:ctrl_off + size * row].view(np.int64).reshape(size, row // 8)
@@ -232,14 +263,14 @@ class Segment:
         for fn in self.on_close:
             fn()
         self.on_close = []
-        self.ctrl = self.data = self.bells = None
+        self.ctrl = self.data = self.bells = self.raw = None
         self._buf = None
 
 
 # ----------------------------------------------------------------------------- set-up
 def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
     """Create and map a fresh segment; (name, path, token, mapping). Not yet unlinked."""
-    nbytes = segment_layout(size)[2]
+    nbytes = p2p_layout(size)[3]
     for _ in range(8):
         name = "linerate-" + secrets.token_hex(16)
         path = os.path.join(SHM_DIR, name)
@@ -269,7 +300,7 @@ def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
 
 def _attach(name: str, size: int, secret: bytes, mac: str) -> torch.Tensor:
     """Open and map the segment announced by the host's lowest rank; ShmRefused says why not."""
-    nbytes = segment_layout(size)[2]
+    nbytes = p2p_layout(size)[3]
     if not (name.startswith("linerate-") and all(c in "0123456789abcdef" for c in name[9:])
             and len(name) == 41):
         raise ShmRefused(f"malformed segment name {name[:60]!r}")
@@ -327,10 +358,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     base = f"{prefix}shm/{generation}/"
     me = {"host": host_id(), "mode": mode}
     store.set(f"{base}host/{rank}", json.dumps(me))
-    peers = []
-    for r in range(size):
-        raw = me if r == rank else _loads(store.get(f"{base}host/{r}"), r)
-        peers.append(raw)
+    peers = [me if r == rank else _loads(raw, r)
+             for r, raw in enumerate(_gather(store, f"{base}host/", range(size), "all"))]
     modes = {str(p.get("mode")) for p in peers}
     if len(modes) > 1:
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
@@ -393,8 +422,8 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 store.set(f"{base}seg/{creator}", json.dumps({
                     "error": f"rank {creator}: cannot create a segment in {SHM_DIR}: {e}"}))
             results = {creator: "ok" if buf is not None else "no segment"}
-            for r in mine[1:]:
-                results[r] = store.get(f"{base}ok/{r}").decode(errors="replace")
+            for r, raw in zip(mine[1:], _gather(store, f"{base}ok/", mine[1:], f"of{creator}", own=False)):
+                results[r] = bytes(raw).decode(errors="replace")
             if path is not None:
                 _unlink(path)  # every rank has mapped it (or given up): the name goes now
                 path = None
@@ -411,11 +440,30 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 except ShmRefused as e:
                     why = str(e)
             store.set(f"{base}ok/{rank}", why)
+            if store.add(f"{base}ok/of{creator}/count", 1) >= n - 1:
+                store.set(f"{base}ok/of{creator}/all", b"1")
             name = str(seg.get("name", "?"))
     finally:
         if path is not None:
             _unlink(path)
     return buf, name
+
+
+def _gather(store, key: str, ranks, tally: str, own: bool = True) -> list:
+    """The records ``key<r>`` of ``ranks``, once all are there: with ``own`` this rank counts
+    itself in ``key<tally>/count`` first (else the writers count themselves); whoever makes
+    the count complete sets ``key<tally>/all``; then one ``multi_get`` where the store has it.
+    A few round trips per rank instead of one polled ``get`` per rank (at 32 ranks those kept
+    the store busy for most of the set-up: 36 gets and 47 checks per rank)."""
+    ranks = list(ranks)
+    if own and store.add(f"{key}{tally}/count", 1) >= len(ranks):
+        store.set(f"{key}{tally}/all", b"1")
+    store.get(f"{key}{tally}/all", max_delay=0.02)
+    keys = [f"{key}{r}" for r in ranks]
+    try:
+        return list(store.multi_get(keys))
+    except (AttributeError, NotImplementedError, RuntimeError):  # a Store without multi_get
+        return [store.get(k) for k in keys]
 
 
 def _loads(raw, peer: int):

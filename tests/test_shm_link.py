@@ -1,0 +1,330 @@
+"""Point-to-point messages between ranks of one host over shared memory (transport/shmlink.py).
+
+- send/recv, isend/irecv, batch_isend_irecv byte-exact over "shm" links: dtypes, 0 and odd
+  sizes, messages larger than a pair's ring, any-source receives, tags; and no TCP socket is
+  opened for them (the group of one host makes no TCP mesh at all);
+- a forced flat algorithm (LINERATE_ALLREDUCE_ALGO=ring) runs over the links and matches Gloo;
+- a co-located peer SIGKILLed while a receive waits for it: the error names it, fast;
+- nothing is left in /dev/shm after a normal exit, destroy_process_group or a SIGKILL;
+- a rank blocked in a receive for ~1 s uses little CPU (the progress thread sleeps on a futex);
+- LINERATE_SHM=0: the same traffic goes over TCP links.
+The mixed group (shm to the co-located peer, TCP to the other host) is in tests/test_two_level.py
+(test_mixed_links_p2p_and_all_reduce, on netlab).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import RankError, run_ranks
+
+
+def _sockets() -> set:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def _kinds(lr) -> list:
+    return sorted({link["kind"] for p in lr._ctx.stats()["peers"] for link in p["links"]})
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.bool]
+SIZES = [0, 1, 3, 4097, 65_537, (3 << 20) // 4 + 5, 5_000_001]  # the last > a 2 MiB ring
+
+
+def _data(dtype, n, src, dst, salt=0):
+    g = torch.Generator().manual_seed(1000 * src + 10 * dst + n + salt)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    lo, hi = (0, 255) if dtype == torch.uint8 else (-100, 100)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _p2p(rank, P, lr):
+    before = _sockets()
+    bad = []
+    # blocking send/recv in a ring, every dtype and size, each on its own tag
+    right, left = (rank + 1) % P, (rank - 1) % P
+    tag = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            tag += 1
+            out = _data(dtype, n, rank, right)
+            got = torch.empty(n, dtype=dtype)
+            if rank % 2 == 0:
+                dist.send(out, right, group=lr, tag=tag)
+                dist.recv(got, left, group=lr, tag=tag)
+            else:
+                dist.recv(got, left, group=lr, tag=tag)
+                dist.send(out, right, group=lr, tag=tag)
+            if not torch.equal(got, _data(dtype, n, left, rank)):
+                bad.append(("ring", str(dtype), n))
+    # isend/irecv to and from every peer at once, two tags posted in reverse order
+    reqs, want = [], []
+    for q in range(P):
+        if q == rank:
+            continue
+        for t in (7, 8):
+            got = torch.empty(1 << 20 if t == 7 else 33, dtype=torch.float64)
+            reqs.append(dist.irecv(got, q, group=lr, tag=t))
+            want.append((got, _data(torch.float64, got.numel(), q, rank, salt=t)))
+    for q in range(P):
+        if q != rank:
+            for t in (8, 7):
+                n = 1 << 20 if t == 7 else 33
+                reqs.append(dist.isend(_data(torch.float64, n, rank, q, salt=t), q, group=lr, tag=t))
+    for r in reqs:
+        r.wait()
+    bad += [("isend", i) for i, (g, w) in enumerate(want) if not torch.equal(g, w)]
+    # batch_isend_irecv: everyone to everyone, one message per pair
+    ops, want = [], []
+    for q in range(P):
+        if q != rank:
+            ops.append(dist.P2POp(dist.isend, _data(torch.int32, 10_007, rank, q, salt=99), q, group=lr))
+            got = torch.empty(10_007, dtype=torch.int32)
+            ops.append(dist.P2POp(dist.irecv, got, q, group=lr))
+            want.append((got, _data(torch.int32, 10_007, q, rank, salt=99)))
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    bad += [("batch", i) for i, (g, w) in enumerate(want) if not torch.equal(g, w)]
+    # any source: rank 0 receives one message from each other rank, whoever comes first
+    if rank == 0:
+        seen = {}
+        for _ in range(P - 1):
+            got = torch.empty(3 << 20, dtype=torch.uint8)
+            src = dist.recv(got, group=lr, tag=42)
+            seen[src] = torch.equal(got, _data(torch.uint8, 3 << 20, src, 0, salt=42))
+        if sorted(seen) != list(range(1, P)) or not all(seen.values()):
+            bad.append(("anysource", seen))
+    else:
+        dist.send(_data(torch.uint8, 3 << 20, rank, 0, salt=42), 0, group=lr, tag=42)
+    dist.barrier(group=lr)
+    st = lr._ctx.stats()
+    sent = sum(link["bytes_sent"] for p in st["peers"] for link in p["links"])
+    return {"bad": bad, "kinds": _kinds(lr), "new_sockets": len(_sockets() - before),
+            "tcp_mesh": lr._ctx._tcp is not None, "sent": sent,
+            "conns": lr._ctx.connection_stats()}
+
+
+@pytest.mark.timeout(300)
+def test_p2p_over_shared_memory_is_exact_and_opens_no_socket():
+    res = run_ranks(_p2p, 3, timeout=240)
+    for r, out in enumerate(res):
+        assert not out["bad"], (r, out["bad"])
+        assert out["kinds"] == ["shm"], out["kinds"]
+        assert not out["tcp_mesh"] and out["new_sockets"] == 0, out
+        assert out["sent"] > 100 << 20, out["sent"]
+        assert out["conns"] and all(c["local"] == "shm" for c in out["conns"]), out["conns"]
+
+
+@pytest.mark.timeout(300)
+def test_p2p_over_tcp_with_shm_off():
+    res = run_ranks(_p2p, 2, timeout=240, env={"LINERATE_SHM": "0"})
+    for out in res:
+        assert not out["bad"], out["bad"]
+        assert out["kinds"] == ["tcp"] and out["tcp_mesh"], out
+
+
+def _flat_ring(rank, P, lr):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1_000_003, generator=g, dtype=torch.float64)
+    y = x.clone()
+    dist.all_reduce(x, group=lr)
+    dist.all_reduce(y)  # the default group: Gloo
+    return torch.allclose(x, y, rtol=1e-12, atol=1e-12), _kinds(lr), lr._ctx._tcp is not None
+
+
+@pytest.mark.timeout(240)
+def test_forced_ring_all_reduce_over_shm_links_matches_gloo():
+    res = run_ranks(_flat_ring, 3, timeout=180, env={"LINERATE_ALLREDUCE_ALGO": "ring"})
+    for ok, kinds, tcp in res:
+        assert ok and kinds == ["shm"] and not tcp, res
+
+
+def _killed_in_recv(rank, P, lr, out):
+    name = lr._ctx.shm.name
+    with open(os.path.join(out, "name"), "w") as f:
+        f.write(name)
+    x = torch.ones(1000)
+    dist.all_reduce(x, group=lr)
+    if rank == 1:
+        time.sleep(0.3)
+        with open(os.path.join(out, "killed"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    got = torch.empty(1000)
+    try:
+        dist.recv(got, 1, group=lr, tag=5)
+    except Exception as e:  # noqa: BLE001 - what it raises is the subject
+        with open(os.path.join(out, f"error-{rank}"), "w") as f:
+            json.dump({"at": time.time(), "error": str(e)}, f)
+        raise
+    return "completed"
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_fails_waiting_recv_naming_it_fast(tmp_path):
+    with pytest.raises(RankError, match="rank 1"):
+        run_ranks(_killed_in_recv, 2, str(tmp_path), timeout=60, error_grace=20)
+    killed = float((tmp_path / "killed").read_text())
+    rep = json.loads((tmp_path / "error-0").read_text())
+    delay = rep["at"] - killed
+    print(f"rank 0 noticed after {delay:.3f}s: {rep['error'][:300]}")
+    assert re.search(r"\brank 1\b", rep["error"]), rep
+    assert 0 <= delay < 0.5, f"noticed {delay:.3f}s after the kill"
+    name = (tmp_path / "name").read_text()  # the group's only segment
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _lifecycle(rank, P, lr):
+    names = [lr._ctx.shm.name]
+    t = torch.arange(100_000, dtype=torch.float32)
+    for _ in range(20):
+        g = dist.new_group(backend="linerate")
+        names.append(g._ctx.shm.name)
+        if rank == 0:
+            dist.send(t, 1, group=g)
+        else:
+            got = torch.empty_like(t)
+            dist.recv(got, 0, group=g)
+            assert torch.equal(got, t)
+        dist.destroy_process_group(g)
+        del g
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        mapped = sum(1 for line in f if "/linerate-" in line)
+    return names, mapped, [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+
+
+@pytest.mark.timeout(180)
+def test_nothing_left_in_dev_shm_after_groups_and_exit():
+    res = run_ranks(_lifecycle, 2, timeout=150)
+    for names, mapped, present in res:
+        assert not present, present
+        assert mapped <= 2, mapped  # the default group's segment (and at most one more)
+    for n in res[0][0]:
+        assert not os.path.exists(f"/dev/shm/{n}")
+
+
+def _idle_recv(rank, P, lr):
+    x = torch.ones(10)
+    dist.all_reduce(x, group=lr)  # both up
+    if rank == 1:
+        time.sleep(1.0)
+        dist.send(torch.arange(1000.0), 0, group=lr)
+        return None
+    got = torch.empty(1000)
+    c0, t0 = time.process_time(), time.monotonic()
+    dist.recv(got, 1, group=lr)
+    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+    threads = [t.name for t in threading.enumerate()]
+    return cpu, wall, torch.equal(got, torch.arange(1000.0)), threads
+
+
+@pytest.mark.timeout(120)
+def test_blocked_recv_burns_no_cpu():
+    res = run_ranks(_idle_recv, 2, timeout=90)
+    cpu, wall, ok, threads = res[0]
+    print(f"waited {wall:.2f}s using {cpu:.3f}s of CPU; threads: {threads}")
+    assert ok and wall > 0.8
+    assert cpu < 0.1 * wall, f"{cpu:.3f}s of CPU in a {wall:.2f}s wait"
+    assert sum(1 for t in threads if t.startswith("linerate-shm")) == 1, threads
+
+
+# ----------------------------------------------------------------------------- mixed groups
+MIXED_SCRIPT = r'''
+import json, os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+lw = int(os.environ["LOCAL_WORLD_SIZE"])
+fails = []
+# every pair, both ways, at once: 0, odd and ring-exceeding sizes
+reqs, want = [], []
+for q in range(P):
+    if q == rank:
+        continue
+    for n in (0, 3, 70_001, 3_000_001):
+        got = torch.empty(n, dtype=torch.float64)
+        reqs.append(dist.irecv(got, q, tag=n))
+        want.append((q, n, got, torch.arange(n, dtype=torch.float64) * (q + 1) + n))
+for q in range(P):
+    if q != rank:
+        for n in (3_000_001, 70_001, 3, 0):
+            reqs.append(dist.isend(torch.arange(n, dtype=torch.float64) * (rank + 1) + n, q, tag=n))
+for r in reqs:
+    r.wait()
+for q, n, got, w in want:
+    if not torch.equal(got, w):
+        fails.append(f"rank {rank}: message of {n} from rank {q} differs")
+for n in (7, 70_001, 1_000_003):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    a, b = x.clone(), x.clone()
+    dist.all_reduce(a)
+    dist.all_reduce(b, group=gloo)
+    if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
+        fails.append(f"rank {rank}: all_reduce of {n} differs from Gloo")
+kinds = {p["peer"]: [l["kind"] for l in p["links"]] for p in pg._ctx.stats()["peers"]}
+print("MX", rank, json.dumps({"fails": fails, "kinds": kinds, "lw": lw}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.netlab
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("algo", ["auto", "ring"])
+def test_mixed_links_p2p_and_all_reduce(algo, lab_name, tmp_path):
+    """netlab 2 hosts x 2 ranks: the co-located peer over shared memory, the others over
+    TCP, in one group; p2p every way byte-exact; all_reduce (the group's choice, and a flat
+    ring over both kinds of link) equals Gloo's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "mixed_ranks.py"
+    script.write_text(MIXED_SCRIPT)
+    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
+    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--ranks-per-host", "2,2",
+                               "--name", lab_name], cwd=root, capture_output=True, text=True,
+                        timeout=60)
+    assert up.returncode == 0, up.stdout + up.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if algo != "auto":
+        env["LINERATE_ALLREDUCE_ALGO"] = algo
+    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
+                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
+    out = {}
+    for line in res.stdout.splitlines():
+        words = line.split(None, 4)
+        if len(words) == 5 and words[2] == "MX":
+            out[int(words[3])] = json.loads(words[4])
+    assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
+    for rank, o in out.items():
+        assert not o["fails"], o["fails"]
+        host = rank // 2
+        want = {str(q): ["shm"] if q // 2 == host else ["tcp"] for q in range(4) if q != rank}
+        # lazy TCP: a remote peer's link exists once used (every pair was used above)
+        assert o["kinds"] == want, (rank, o["kinds"])

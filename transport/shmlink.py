@@ -1,0 +1,636 @@
+"""Shared memory as a link (kind ``shm``): point-to-point messages between ranks of one host.
+
+Ranks of one host that proved their host's segment at rendezvous (transport/shm.py: same host,
+a 0600 segment with a random name, opened only after its creator's HMAC of the job secret
+checked out, unlinked once every rank mapped it) talk through it instead of loopback TCP. The
+segment's point-to-point area (``shm.p2p_layout``) holds:
+
+- per segment rank a block: its *progress bell* (an int32 futex word, apart from the bells the
+  collectives use, so that neither steals the other's wake-ups), its pid and pid namespace;
+- per ordered pair (i -> j) a ring: a header page (``head``: bytes the producer i wrote,
+  ``tail``: bytes the consumer j took, each in its own cache line; flags: the producer gave up,
+  the consumer gave up) and ``shm.p2p_ring_bytes`` data bytes (2 MiB for up to 12 local ranks).
+
+A ring carries the frames of transport/framing.py (the 48-byte header: opcode, channel, tag,
+msgno, total, offset, digest, carried opaquely; then the payload), each padded to 8 bytes,
+wrapping around the ring's end. A message is cut into chunks of at most a quarter of the ring,
+so that the producer writes the next chunk while the consumer copies the last one out.
+
+The producer is whoever holds the link's send lock: the thread that calls ``isend`` writes what
+fits at once (no hand-off for a small message), the progress thread the rest. The consumer is
+only the progress thread: it reads a header, asks the sink where the bytes go (``claim``) and
+copies them from the ring straight into that buffer. Each side rings the other's progress bell
+(FUTEX_WAKE_OP: an atomic add, a full barrier, and a wake) after publishing its position.
+
+ONE progress thread per process serves every shm link of every group: it sleeps on the
+progress bells of all its groups at once (``futex_waitv``, Linux 5.16+; before that, on one
+bell with a short timeout), so a rank waiting for a message burns no CPU. Every 50 ms it also
+checks that the peers of its links are alive (kill(pid, 0), zombies count as dead, same pid
+namespace only): a co-located rank that dies fails its links with a ``PeerFailure`` naming it
+within ~0.05-0.1 s. An orderly close writes a CLOSE frame (the peer gets ``link_closed``);
+a close that leaves data behind raises the ring's "gone" flag (the peer gets ``link_failed``).
+
+Memory order: positions are published after the bytes they cover; x86's stores are not
+reordered with stores nor loads with loads; elsewhere a fence (an atomic add) goes between.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import logging
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+
+from . import shm
+from .framing import HEADER, HEADER_SIZE, KIND_CLOSE, KIND_DATA, KIND_ERROR, FrameError, unpack_header
+from .link import Link, LinkSink
+from .request import PeerFailure, Request
+
+log = logging.getLogger("linerate.transport")
+
+#: Seconds between liveness checks of the peers (and the longest futex sleep).
+POLL_S = 0.05
+_HDR = HEADER_SIZE
+_CHUNK_MAX = 512 << 10
+_MIN_PART = 4096            # a chunk cut short to fit the ring's free space: at least this
+# ring header (int64 words): head, tail, the producer gave up, the consumer gave up
+_HEAD, _TAIL, _WGONE, _RGONE = 0, 8, 16, 24
+# per-rank block: bell (int32 at byte 0), pid and pid namespace (int64 at 64, 72)
+_PID_OFF = 64
+_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
+_SYS_FUTEX_WAITV = 449      # the same number on every architecture (added in Linux 5.16)
+_FUTEX_32 = 2
+_CLOCK_MONOTONIC = 1
+
+
+def _pad(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    try:  # killed but not yet reaped by its parent: a zombie
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Waitv(ctypes.Structure):
+    _fields_ = [("val", ctypes.c_uint64), ("uaddr", ctypes.c_uint64), ("flags", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32)]
+
+
+# ----------------------------------------------------------------------------- a group's area
+class _Port:
+    """One group's point-to-point area as this rank sees it: its bell, every rank's pid, and
+    the links of the group that run over it."""
+
+    def __init__(self, seg: shm.Segment, rank: int):
+        self.seg = seg
+        self.rank = rank                    # this rank's group rank
+        self.me = seg.rank                  # and segment rank
+        n = seg.size
+        base, rings, slot, _total = shm.p2p_layout(n)
+        self.raw = seg.raw                  # keeps the mapping while a link uses it
+        self.ring_bytes = shm.p2p_ring_bytes(n)
+        self._rings, self._slot = rings, slot
+        ptr = seg._buf.data_ptr()
+        blk = shm.P2P_RANK_BYTES
+        self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
+        self.bell_addr = ptr + base + blk * self.me
+        self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
+        self.pids = [self.raw[base + blk * q + _PID_OFF: base + blk * q + _PID_OFF + 16].view(np.int64)
+                     for q in range(n)]
+        self._pidns = _pidns()
+        self.pids[self.me][1] = self._pidns
+        self.pids[self.me][0] = os.getpid()
+        self._lib = shm._futex_lib() if shm._SYS_FUTEX is not None else None
+        self.links: dict[int, ShmLink] = {}
+        self.lock = threading.Lock()
+
+    def ring_pair(self, src: int, dst: int):
+        """(header words, data view) of the ring from segment rank src to dst."""
+        off = self._rings + (src * self.seg.size + dst) * self._slot
+        words = self.raw[off:off + 256].view(np.int64)
+        data = memoryview(self.raw[off + shm.P2P_RING_HEADER:off + shm.P2P_RING_HEADER + self.ring_bytes])
+        return words, data
+
+    def ring(self, q: int) -> None:
+        """Bump segment rank q's progress bell and wake its progress thread."""
+        if self._lib is not None:
+            addr = self._bell_addr[q]
+            self._lib.syscall(shm._SYS_FUTEX, addr, shm._FUTEX_WAKE_OP, 0x7FFFFFFF,
+                              ctypes.c_void_p(0), addr, shm._OP_ADD_ONE)
+
+    def alive(self, q: int) -> bool:
+        pid, ns = int(self.pids[q][0]), int(self.pids[q][1])
+        if pid <= 0 or ns != self._pidns or not ns:
+            return True
+        return _alive(pid)
+
+    def add(self, link: "ShmLink") -> None:
+        with self.lock:
+            first = not self.links
+            self.links[link.peer] = link
+        if first:
+            _ENGINE.add(self)
+        self.ring(self.me)
+
+    def drop(self, link: "ShmLink") -> None:
+        with self.lock:
+            if self.links.get(link.peer) is link:
+                del self.links[link.peer]
+            last = not self.links
+        if last:
+            _ENGINE.remove(self)
+            self.ring(self.me)
+
+    def check_peers(self) -> None:
+        for link in list(self.links.values()):
+            if link._down is None and not self.alive(link._q):
+                link._peer_died()
+
+
+# ----------------------------------------------------------------------------- the thread
+class _Engine:
+    """The progress thread of this process: serves every port's links (see the module
+    docstring). It runs while some port has links, and ends when none has."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ports: list[_Port] = []
+        self._thread: threading.Thread | None = None
+        self._waitv = True
+        self._waitv_key = None
+        self._waitv_arr = None
+
+    def add(self, port: _Port) -> None:
+        with self._lock:
+            if port not in self._ports:
+                self._ports.append(port)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="linerate-shm-progress",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, port: _Port) -> None:
+        with self._lock:
+            if port in self._ports:
+                self._ports.remove(port)
+
+    def threads(self) -> int:
+        return 0 if self._thread is None else 1
+
+    def _run(self) -> None:
+        last_check = 0.0
+        while True:
+            with self._lock:
+                ports = list(self._ports)
+                if not ports:
+                    self._thread = None
+                    return
+            seen = [int(p.bell[0]) for p in ports]
+            busy = False
+            for port in ports:
+                for link in list(port.links.values()):
+                    try:
+                        busy |= link._progress()
+                    except Exception:  # noqa: BLE001 - never lose the thread
+                        log.exception("rank %d: shared-memory link to rank %d", port.rank, link.peer)
+            now = time.monotonic()
+            if now - last_check >= POLL_S:
+                last_check = now
+                for port in ports:
+                    port.check_peers()
+            if not busy:
+                self._sleep(ports, seen, POLL_S)
+
+    def _sleep(self, ports: list, seen: list, timeout: float) -> None:
+        lib = ports[0]._lib
+        if lib is None:
+            time.sleep(0.0005)
+            return
+        if len(ports) > 1 and self._waitv and len(ports) <= 128:
+            key = tuple(p.bell_addr for p in ports)
+            if key != self._waitv_key:
+                arr = (_Waitv * len(ports))()
+                for i, p in enumerate(ports):
+                    arr[i].uaddr = p.bell_addr
+                    arr[i].flags = _FUTEX_32
+                self._waitv_key, self._waitv_arr = key, arr
+            arr = self._waitv_arr
+            for i, v in enumerate(seen):
+                arr[i].val = v & 0xFFFFFFFF
+            end = time.monotonic() + timeout
+            ts = _Timespec(int(end), int((end % 1.0) * 1e9))
+            r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(ports), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
+            if r == -1 and ctypes.get_errno() == errno.ENOSYS:
+                self._waitv = False
+            return
+        if len(ports) > 1:  # no futex_waitv: one bell, briefly, then look at all
+            timeout = min(timeout, 0.002)
+        ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
+        lib.syscall(shm._SYS_FUTEX, ctypes.c_void_p(ports[0].bell_addr), shm._FUTEX_WAIT,
+                    ctypes.c_int(seen[0]), ctypes.byref(ts), ctypes.c_void_p(0), 0)
+
+
+_ENGINE = _Engine()
+
+
+def progress_threads() -> int:
+    """Threads this module runs now (0 or 1)."""
+    return _ENGINE.threads()
+
+
+# ----------------------------------------------------------------------------- the link
+class _Out:
+    __slots__ = ("req", "view", "priority")
+
+    def __init__(self, req: Request, view):
+        self.req = req
+        self.view = view
+        self.priority = req.priority
+
+
+class ShmLink(Link):
+    """A link to a co-located rank over the group's shared segment (module docstring)."""
+
+    kind = "shm"
+
+    def __init__(self, port: _Port, peer: int, peer_seg_rank: int, *, rank: int):
+        self.peer = peer
+        self.rank = rank
+        self.speed_bps = None
+        self._port = port
+        self._q = peer_seg_rank
+        self._oh, self._out = port.ring_pair(port.me, peer_seg_rank)
+        self._ih, self._in = port.ring_pair(peer_seg_rank, port.me)
+        self._R = port.ring_bytes
+        self._mask = self._R - 1
+        self._chunk = min(_CHUNK_MAX, self._R // 4)
+        self._lock = threading.Lock()      # the send side: queue, head, the out ring
+        self._rlock = threading.Lock()     # the receive side (the progress thread)
+        self._queue: collections.deque = collections.deque()
+        self._head = int(self._oh[_HEAD])
+        self._tail_in = int(self._ih[_TAIL])
+        self._closing = False
+        self._close_sent = False
+        self._down: str | None = None
+        self._sent = threading.Event()     # CLOSE written, or the link is down
+        self._sink: LinkSink | None = None
+        self._bytes_sent = self._bytes_received = 0
+        self._messages_sent = self._messages_received = 0
+        self._ack = (self._head, time.monotonic())
+        self._hbuf = bytearray(_HDR)
+        self._hview = memoryview(self._hbuf)
+        self._failed_once = False
+
+    # ------------------------------------------------------------------ Link
+    @property
+    def nstreams(self) -> int:
+        return 1
+
+    def start(self, sink: LinkSink) -> None:
+        self._sink = sink
+        self._port.add(self)
+
+    def isend(self, req: Request) -> bool:
+        buf = req.buf
+        view = buf if (buf.format == "B" and buf.ndim == 1) else buf.cast("B")
+        item = _Out(req, view)
+        priority = req.priority
+        with self._lock:
+            if self._down is not None or self._closing:
+                return False
+            q = self._queue
+            if not q or priority >= getattr(q[-1], "priority", priority):
+                q.append(item)
+            else:  # behind the last message at least as urgent (control frames stay first)
+                i = len(q) - 1
+                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
+                    i -= 1
+                q.insert(i, item)
+            finished: list = []
+            moved = self._push(finished)
+        self._after_push(moved, finished)
+        return True
+
+    def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool:
+        with self._lock:
+            if self._down is not None:
+                return False
+            self._queue.appendleft((kind, bytes(payload), value))
+            moved = self._push([])
+        self._after_push(moved, [])
+        return True
+
+    def cancel(self, match=None, underway: bool = True) -> list:
+        with self._lock:
+            out = []
+            keep = collections.deque()
+            for item in self._queue:
+                if isinstance(item, tuple):
+                    if match is not None:
+                        keep.append(item)
+                    continue
+                req = item.req
+                if (match is None or match(req)) and (underway or req.next_off == 0):
+                    item.view = None
+                    out.append(req)
+                else:
+                    keep.append(item)
+            self._queue = keep
+        return out
+
+    def send_mark(self):
+        with self._lock:
+            if not self._queue:
+                return None
+            first = self._queue[0]
+            return (len(self._queue), getattr(getattr(first, "req", None), "next_off", 0),
+                    self._bytes_sent)
+
+    def unacknowledged_s(self) -> float:
+        tail, now = int(self._oh[_TAIL]), time.monotonic()
+        if tail == self._head or tail != self._ack[0]:
+            self._ack = (tail, now)
+            return 0.0
+        return now - self._ack[1]
+
+    def stats(self) -> dict:
+        with self._lock:
+            queued = 0
+            for item in self._queue:
+                queued += len(item[1]) if isinstance(item, tuple) else max(0, item.req.total - item.req.next_off)
+            queued += max(0, self._head - int(self._oh[_TAIL]))
+            state = self._down or ("closed" if self._closing else "up")
+        conn = {"index": 0, "local": "shm", "remote": "shm", "device": "shm",
+                "sent_bytes": self._bytes_sent, "received_bytes": self._bytes_received}
+        return {"kind": self.kind, "peer": self.peer, "state": state, "speed_bps": None,
+                "bytes_sent": self._bytes_sent, "bytes_received": self._bytes_received,
+                "messages_sent": self._messages_sent, "messages_received": self._messages_received,
+                "queued_bytes": queued, "retransmits": None, "connections": [conn]}
+
+    def begin_close(self) -> None:
+        with self._lock:
+            self._closing = True
+            moved = self._push([])
+        self._after_push(moved, [])
+        self._port.ring(self._port.me)  # the progress thread sends the rest, then CLOSE
+
+    def wait_sent(self, until: float) -> None:
+        self._sent.wait(max(0.0, until - time.monotonic()))
+
+    def close(self, deadline: float) -> None:
+        self.begin_close()
+        with self._lock:
+            if not self._close_sent:
+                self._oh[_WGONE] = 1   # what is left will not come: the peer fails the link
+            if self._down is None:
+                self._down = "closed"
+            self._sent.set()
+        self._ih[_RGONE] = 1           # and nothing more is read here
+        port = self._port
+        port.ring(self._q)
+        with self._rlock:              # the progress thread is done with our buffers
+            port.drop(self)
+
+    # ------------------------------------------------------------------ moving bytes
+    def _after_push(self, moved: bool, finished: list) -> None:
+        if moved:
+            self._port.ring(self._q)
+        for req in finished:
+            req._finish()
+
+    def _put(self, pos: int, data) -> None:
+        p = pos & self._mask
+        n = len(data)
+        first = self._R - p
+        out = self._out
+        if n <= first:
+            out[p:p + n] = data
+        else:
+            out[p:] = data[:first]
+            out[:n - first] = data[first:]
+
+    def _get(self, pos: int, dest) -> None:
+        p = pos & self._mask
+        n = len(dest)
+        first = self._R - p
+        src = self._in
+        if n <= first:
+            dest[:] = src[p:p + n]
+        else:
+            dest[:first] = src[p:]
+            dest[first:] = src[:n - first]
+
+    def _push(self, finished: list) -> bool:
+        """Write what fits of the queue into the out ring (send lock held); True if anything
+        was written. Finished sends go to ``finished`` (finished outside the lock)."""
+        q = self._queue
+        if self._down is not None or (not q and (self._close_sent or not self._closing)):
+            return False
+        if int(self._oh[_RGONE]):
+            return False   # the peer stopped reading: the progress thread fails the link
+        head = self._head
+        free = self._R - (head - int(self._oh[_TAIL]))
+        moved = False
+        put = self._put
+        while q:
+            item = q[0]
+            if isinstance(item, tuple):
+                kind, payload, value = item
+                need = _pad(_HDR + len(payload))
+                if need > free:
+                    break
+                put(head, HEADER.pack(kind, 0, 0, len(payload), value, 0, len(payload), 0, 0) + payload)
+                q.popleft()
+                head += need
+                free -= need
+                moved = True
+                continue
+            req = item.req
+            view = item.view
+            if view is None or req.is_completed():  # failed while queued: drop the rest
+                q.popleft()
+                continue
+            off = req.next_off
+            left = req.total - off
+            n = min(self._chunk, left, (free - _HDR) & ~7)
+            if n < 0 or (n < left and n < _MIN_PART):
+                break
+            put(head, HEADER.pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno,
+                                  req.total, off, req.call))
+            if n:
+                put(head + _HDR, view[off:off + n])
+            rec = _pad(_HDR + n)
+            head += rec
+            free -= rec
+            moved = True
+            req.next_off = off + n
+            self._bytes_sent += n
+            if req.next_off >= req.total:
+                q.popleft()
+                item.view = None
+                self._messages_sent += 1
+                finished.append(req)
+        if not q and self._closing and not self._close_sent and free >= _HDR:
+            put(head, HEADER.pack(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0))
+            head += _HDR
+            self._close_sent = True
+            moved = True
+        if moved:
+            if _WEAK_ORDER:
+                self._port.ring(self._port.me)  # a fence: the bytes before the position
+            self._head = head
+            self._oh[_HEAD] = head
+            if self._close_sent:
+                self._sent.set()
+        return moved
+
+    def _pull(self) -> bool:
+        """Take what arrived in the in ring (the progress thread, receive lock held)."""
+        head = int(self._ih[_HEAD])
+        tail = self._tail_in
+        if head == tail:
+            if int(self._ih[_WGONE]) and self._down is None:
+                self._fail(PeerFailure(self.peer, f"rank {self.rank}: rank {self.peer} closed its "
+                                                  f"shared-memory link to rank {self.rank} before "
+                                                  f"sending everything it had queued"))
+            return False
+        if _WEAK_ORDER:
+            self._port.ring(self._port.me)
+        sink = self._sink
+        hbuf, hview = self._hbuf, self._hview
+        freed = 0
+        while tail != head:
+            self._get(tail, hview)
+            kind, opcode, channel, length, tag, msgno, total, off, call = unpack_header(hbuf, self._R)
+            body = tail + _HDR
+            if kind == KIND_DATA:
+                token, dest = sink.claim(self, opcode, channel, tag, msgno, total, call, off, length)
+                if dest is not None and length:
+                    if dest.format != "B" or dest.ndim != 1:
+                        dest = dest.cast("B")
+                    self._get(body, dest)
+                dest = None
+                self._bytes_received += length
+                if off + length == total:
+                    self._messages_received += 1
+                if token is not None:
+                    sink.filled(self, token, channel, tag, msgno, length)
+                token = None
+            elif kind == KIND_ERROR:
+                text = bytearray(length)
+                if length:
+                    self._get(body, memoryview(text))
+                sink.control(self, kind, bytes(text), tag)
+            elif kind == KIND_CLOSE:
+                tail += _HDR
+                self._tail_in = tail
+                self._ih[_TAIL] = tail
+                self._port.ring(self._q)
+                self._peer_closed()
+                return True
+            else:  # QUERY, PROGRESS
+                sink.control(self, kind, b"", tag)
+            rec = _pad(_HDR + length)
+            tail += rec
+            freed += rec
+            self._tail_in = tail
+            self._ih[_TAIL] = tail
+            if freed >= self._chunk:  # the producer may wait for room: tell it now
+                freed = 0
+                self._port.ring(self._q)
+            if tail == head:
+                head = int(self._ih[_HEAD])
+        self._port.ring(self._q)
+        return True
+
+    def _progress(self) -> bool:
+        """One round of the progress thread for this link: receive, then send."""
+        did = False
+        if self._down is None:
+            with self._rlock:
+                if self._sink is not None and self._port.links.get(self.peer) is self:
+                    try:
+                        did = self._pull()
+                    except (FrameError, ValueError, TypeError) as e:
+                        self._fail(PeerFailure(self.peer, f"rank {self.rank}: protocol error from "
+                                                          f"rank {self.peer} (shared memory): {e}"),
+                                   even_closing=True)
+                        return False
+        if self._queue or (self._closing and not self._close_sent):
+            if int(self._oh[_RGONE]) and self._down is None:
+                self._fail(PeerFailure(self.peer, f"rank {self.rank}: rank {self.peer} closed its "
+                                                  f"process group; sends to it cannot complete"))
+                return did
+            finished: list = []
+            with self._lock:
+                moved = self._push(finished)
+            self._after_push(moved, finished)
+            did |= moved
+        return did
+
+    def _peer_closed(self) -> None:
+        with self._lock:
+            if self._down is not None:
+                return
+            self._down = "closed"
+            closing = self._closing
+        if not closing:
+            self._sink.link_closed(self)
+
+    def _peer_died(self) -> None:
+        with self._rlock:  # what it wrote before it died (its CLOSE, say) comes first
+            if self._port.links.get(self.peer) is self and self._down is None:
+                try:
+                    self._pull()
+                except (FrameError, ValueError, TypeError):
+                    pass
+        if self._down is not None:
+            return
+        pid = int(self._port.pids[self._q][0])
+        self._fail(PeerFailure(self.peer, f"rank {self.rank}: rank {self.peer} (pid {pid}, on this "
+                                          f"host) exited or crashed: its process is gone "
+                                          f"(shared-memory link)"))
+
+    def _fail(self, err: BaseException, even_closing: bool = False) -> None:
+        with self._lock:
+            if self._closing and not even_closing:
+                return
+            if self._down is None:
+                self._down = "failed"
+            self._sent.set()
+        self._sink.link_failed(self, err)
+
+
+def build_links(seg: shm.Segment, rank: int, peers) -> dict[int, ShmLink]:
+    """This rank's links to the co-located ``peers`` (group ranks that share ``seg``)."""
+    port = _Port(seg, rank)
+    return {p: ShmLink(port, p, seg.ranks.index(p), rank=rank) for p in peers}
+
+
+__all__ = ["ShmLink", "build_links", "progress_threads", "POLL_S"]
