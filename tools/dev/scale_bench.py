@@ -11,6 +11,8 @@ of all ranks of its own, one backend after the other, and every rank measures:
   running one op on it (the largest over ranks);
 - **set-up**: seconds from ``new_group`` until a first 4-byte all_reduce on it has completed
   (a backend that connects lazily pays for its connections there), the largest over ranks;
+  and the CPU seconds that took, summed over ranks (every thread of each process: on a host
+  with fewer cores than ranks, that is what bounds set-up);
 - **4 KB all_reduce**: mean milliseconds per op over ``--iters`` back-to-back blocking ops
   (after a warm-up), the largest over ranks;
 - **2-rank new_group**: seconds for ranks 0 and 1 to create a group of just the two of them and
@@ -56,6 +58,14 @@ def _max(value: float) -> float:
     return float(t.item())
 
 
+def _sum(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
 def _measure(backend: str, iters: int, subgroups: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -64,10 +74,12 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
     one = torch.zeros(1)  # zeros: ops repeated in place stay finite
     dist.barrier()
     threads0 = _threads()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     g = dist.new_group(backend=backend)
     dist.all_reduce(one, group=g)
     setup = time.perf_counter() - t0
+    setup_cpu = time.process_time() - c0
     threads = _threads() - threads0
     x = torch.zeros(1024)  # 4 KB of float32
     for _ in range(5):
@@ -78,6 +90,7 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
         dist.all_reduce(x, group=g)
     per_op = (time.perf_counter() - t0) / iters
     out = {"backend": backend, "ranks": size, "threads": _max(threads), "setup_s": _max(setup),
+           "setup_cpu_s": _sum(setup_cpu),
            "allreduce_4k_ms": _max(per_op * 1e3), "rss_mib": _max(_rss_mib())}
     # A two-rank group on N ranks: every rank calls new_group; ranks 0 and 1 time it.
     dist.barrier()
@@ -131,9 +144,9 @@ def worker(args) -> int:
 
 def _table(rows: list[dict]) -> str:
     by = {(r["ranks"], r["backend"]): r for r in rows}
-    lines = ["| ranks | threads/rank | set-up s | 4 KB all_reduce ms | 2-rank new_group s |"
+    lines = ["| ranks | threads/rank | set-up s | set-up CPU s | 4 KB all_reduce ms | 2-rank new_group s |"
              + (" subgroups s (threads) |" if any("subgroups" in r for r in rows) else ""),
-             "|---|---|---|---|---|" + ("---|" if any("subgroups" in r for r in rows) else "")]
+             "|---|---|---|---|---|---|" + ("---|" if any("subgroups" in r for r in rows) else "")]
     for n in sorted({r["ranks"] for r in rows}):
         lr, gl = by.get((n, "linerate")), by.get((n, "gloo"))
         if lr is None or gl is None:
@@ -142,6 +155,7 @@ def _table(rows: list[dict]) -> str:
         def cell(key, fmt):
             return f"{fmt.format(lr[key])} ({fmt.format(gl[key])})"
         line = (f"| {n} | {cell('threads', '{:.0f}')} | {cell('setup_s', '{:.2f}')} | "
+                f"{cell('setup_cpu_s', '{:.2f}')} | "
                 f"{cell('allreduce_4k_ms', '{:.2f}')} | {cell('pair_group_s', '{:.3f}')} |")
         if "subgroups" in lr:
             line += (f" {lr['subgroups_s']:.2f} ({gl['subgroups_s']:.2f}), "
