@@ -60,6 +60,9 @@ _READ_BUDGET = 8 << 20
 #: Per turn, at most this many frames are written on one connection before the loop serves
 #: the others.
 _WRITE_BUDGET = 16
+#: Messages up to this size are written by the caller of isend when a connection is idle
+#: (one thread hand-off less per message); larger ones by the loops.
+_DIRECT_BYTES = 64 << 10
 
 
 class _PeerEOF(Exception):
@@ -150,7 +153,11 @@ class SharedStreamLink(StreamLink):
                 self._sending = {r for r in self._sending if not r.is_completed()}
                 self._prune_at = max(256, 2 * len(self._sending))
             self._sending.add(req)
-            self._kick_one()
+            st = self._claim_idle() if req.total <= _DIRECT_BYTES else None
+            if st is None:
+                self._kick_one()
+        if st is not None:
+            self._direct(st)
         return True
 
     def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool:
@@ -158,7 +165,9 @@ class SharedStreamLink(StreamLink):
             if self._down is not None:
                 return False
             self._queue.appendleft((kind, payload, value))
-            self._kick_one()
+            st = self._claim_idle()
+        if st is not None:
+            self._direct(st)
         return True
 
     def begin_close(self) -> None:
@@ -244,13 +253,83 @@ class SharedStreamLink(StreamLink):
             return
         if st.rstate != _R_DONE and mask & (EPOLLIN | _ERRHUP):
             self._on_readable(st)
-        if mask & EPOLLOUT or (mask & _ERRHUP and st.out is not None):
+        if st.events & EPOLLOUT and mask & (EPOLLOUT | _ERRHUP):
+            # (only while the loop owns the sending: a caller may be writing a small frame)
             self._pump(st)
-        if st.rstate == _R_DONE and mask & _ERRHUP and st.registered:
+        if st.rstate == _R_DONE and mask & _ERRHUP and st.registered and not st.events & EPOLLOUT:
             # Both ways over (the peer hung up): nothing more to wait for on this socket.
             st.loop.unregister(st.fd)
             st.registered = False
             st.events = 0
+
+    def _claim_idle(self):
+        """An idle connection for the caller to write on itself (under _cond), or None (then
+        one is woken on its loop)."""
+        streams = self._streams
+        n = len(streams)
+        start = self._kick_at
+        for i in range(n):
+            st = streams[(start + i) % n]
+            if st.idle:
+                st.idle = False
+                self._kick_at = (start + i + 1) % n
+                return st
+        return None
+
+    def _direct(self, st: _SStream) -> None:
+        """A small message or control frame, on the caller's thread: write the next frame on
+        the idle connection ``st`` (claimed under _cond) without waking its loop; what the
+        kernel does not take at once, and whatever is queued after it, goes to the loop."""
+        try:
+            if not self._take(st):
+                return  # nothing left (another connection took it): st is idle again
+            out = st.out
+            try:
+                sent = st.sock.sendmsg(out)
+            except OSError:  # EAGAIN, or a broken connection: the loop finds out which
+                sent = 0
+            while sent:
+                k = len(out[0])
+                if sent >= k:
+                    sent -= k
+                    del out[0]
+                else:
+                    out[0] = memoryview(out[0])[sent:]
+                    sent = 0
+            if out and len(out[0]) == 0:
+                del out[0]
+            if out:
+                st.loop.call_soon(st.pump)
+                return
+            st.out = None
+            req, n = st.out_req, st.out_n
+            st.out_req = None
+            if n < 0:  # the CLOSE frame (the peer closed, the queue ran empty meanwhile)
+                with self._cond:
+                    st.send_done = True
+                    self._cond.notify_all()
+                return
+            if req is not None:
+                self._chunk_done(st, req, n)
+                req = None
+            with self._cond:
+                if self._queue or self._closing or st.closed or st.released:
+                    st.loop.call_soon(st.pump)
+                else:
+                    st.idle = True
+        except BaseException:
+            st.loop.call_soon(st.pump)
+            raise
+
+    def _chunk_done(self, st: _SStream, req: Request, n: int) -> None:
+        st.sent_bytes += n
+        with self._done_lock:
+            req.chunks_left -= 1
+            done = req.chunks_left == 0
+            if done:
+                self._messages_sent += 1
+        if done:
+            req._finish()
 
     def _kick_one(self) -> None:
         """Wake one idle connection (under _cond): it takes the next chunk or frame."""
@@ -358,14 +437,7 @@ class SharedStreamLink(StreamLink):
                     self._set_events(st, False)
                 return
             if req is not None:
-                st.sent_bytes += n
-                with self._done_lock:
-                    req.chunks_left -= 1
-                    done = req.chunks_left == 0
-                    if done:
-                        self._messages_sent += 1
-                if done:
-                    req._finish()
+                self._chunk_done(st, req, n)
                 req = None
             budget -= 1
             if budget == 0:  # let the loop serve the others; come back soon
