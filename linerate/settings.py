@@ -275,6 +275,12 @@ _ALL = [
        "when TCP links are made: lazy (a peer's link when this rank first sends to it, "
        "receives from it or reports to it) or eager (to every peer at group creation); every "
        "rank must agree", "transport", "transport.connect"),
+    _S("LINERATE_RAIL_SPREAD", _word, _one_of(("auto", "0")), "auto", "auto", "auto or 0",
+       "with several rails (LINERATE_SOCKET_IFNAME) and co-located ranks that share memory: "
+       "auto spreads a host's rails over its local ranks (local rank i's links to other hosts "
+       "use rail i mod R; with fewer local ranks than rails, every L-th rail from i), as NCCL "
+       "gives each GPU its nearest NIC; 0: every link stripes over every rail; every rank must "
+       "agree", "transport", "transport.rail_spread"),
     _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "shared", "shared",
        "shared or threads",
        "who drives the TCP connections: shared (a process-wide pool of LINERATE_IO_THREADS "

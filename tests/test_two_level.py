@@ -311,3 +311,82 @@ def test_layout_against_gloo(name, lab_name, tmp_path):
         assert o["cases"] > 100 and o["two_level"], o
         for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
             assert f"{op}:two_level" in o["algos"], o["algos"]
+
+
+# ----------------------------------------------------------------------------- rails
+RAILS_SCRIPT = r'''
+import json, os
+import torch
+import torch.distributed as dist
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+x = torch.arange(3 << 20, dtype=torch.float32) % 7 + rank   # 12 MB: the two-level all_reduce
+want = x.clone()
+dist.all_reduce(x)
+dist.all_reduce(want, group=gloo)
+ok = torch.equal(x, want)
+# every pair of ranks on different hosts talks directly (the links the plan decides)
+for peer in range(P):
+    if peer != rank:
+        y = torch.full((1 << 18,), float(rank))
+        z = torch.empty(1 << 18)
+        w = dist.irecv(z, peer)
+        dist.send(y, peer)
+        w.wait()
+        ok = ok and bool((z == peer).all())
+pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+addrs = pg._ctx.addresses
+rails = {}
+for c in pg.connection_stats():
+    if c["local"] in addrs:
+        rails.setdefault(c["peer"], []).append(addrs.index(c["local"]))
+print("RAILS", rank, json.dumps({"ok": ok, "rails": {p: sorted(set(r)) for p, r in rails.items()},
+                                 "conns": {p: len(r) for p, r in rails.items()}}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@needs_netlab
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("spread", ["auto", "0"])
+def test_rails_spread_over_local_ranks(spread, lab_name, tmp_path):
+    """2 hosts x 2 ranks x 4 rails: with LINERATE_RAIL_SPREAD=auto a link between hosts uses
+    the rails of the lower rank's local index (local rank 0: rails 0 and 2, local rank 1: 1
+    and 3), LINERATE_NSOCKS connections on each; with 0 every link stripes over all 4 rails.
+    Results against Gloo either way."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from linerate.transport.tcp import spread_rails
+    assert spread_rails(0, 2, 4) == [0, 2] and spread_rails(1, 2, 4) == [1, 3]
+    assert spread_rails(5, 8, 4) == [1] and spread_rails(2, 3, 2) == [0]
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "rails_ranks.py"
+    script.write_text(RAILS_SCRIPT)
+    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
+    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--rails", "4",
+                               "--ranks-per-host", "2", "--name", lab_name],
+                        cwd=root, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0, up.stdout + up.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_RAIL_SPREAD=spread, LINERATE_NSOCKS="1")
+    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "100", str(script)],
+                         cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    out = {}
+    for line in res.stdout.splitlines():
+        words = line.split(None, 4)
+        if len(words) == 5 and words[2] == "RAILS":
+            out[int(words[3])] = json.loads(words[4])
+    assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
+    host = {0: 0, 1: 0, 2: 1, 3: 1}
+    for rank, o in out.items():
+        assert o["ok"], o
+        remote = {int(p): r for p, r in o["rails"].items()}
+        assert sorted(remote) == [p for p in range(4) if host[p] != host[rank]], o  # shm within
+        for p, rails in remote.items():
+            lower = min(p, rank)
+            expect = ([0, 2] if lower % 2 == 0 else [1, 3]) if spread == "auto" else [0, 1, 2, 3]
+            assert rails == expect, (rank, p, o)
+            assert o["conns"][str(p)] == len(expect), o

@@ -169,6 +169,9 @@ class Context(LinkSink):
         # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
         self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                  self._prefix, rv.generation)
+        if mesh is not None:  # which rails each link uses (a host's rails over its ranks)
+            layout = shm.last_layout()
+            mesh.plan_rails(layout.hosts if layout is not None and layout.shared else None)
         local = () if self.shm is None else tuple(r for r in self.shm.ranks if r != self.rank)
         kinds = rendezvous.choose_links(rv, self.rank, self.size, opts, local, agreed)
         remote = sorted({k for k in kinds.values() if k != "shm"})

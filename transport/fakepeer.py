@@ -75,8 +75,11 @@ class FakePeer:
         # shared memory with rank 0 (transport/shm.py; keys under this group's generation).
         # Rank 0 reads it before it chooses its links (and publishes its address).
         generation = secret.hex()[:16]
-        store.set(f"{_STORE_PREFIX}shm/{generation}/host/1",
+        base = f"{_STORE_PREFIX}shm/{generation}/host/"
+        store.set(base + "1",
                   json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto")}))
+        if store.add(base + "all/count", 1) >= 2:  # counted in, as shm._gather does
+            store.set(base + "all/all", b"1")
         (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
         self.sock = socket.create_connection((host, port), timeout=10)
         handshake.connect_side(self.sock, secret, 1, 0, 0, 1)

@@ -106,8 +106,9 @@ def connect_side(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: in
 
 
 def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: int,
-                nconns: int, decide=None) -> tuple[int, int]:
+                nconns, decide=None) -> tuple[int, int]:
     """Run the acceptor's half; return (peer rank, connection index) of an authenticated peer.
+    ``nconns``: connections per peer, or ``nconns(peer)`` where they differ by peer.
     ``decide(peer, index) -> bool``, once the peer is authenticated: False answers DECLINE
     and raises ``Declined``."""
     hello = recv_exact(sock, HELLO.size)
@@ -122,6 +123,8 @@ def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: in
         raise HandshakeError(f"connection meant for rank {dst} reached rank {my_rank}")
     if not 0 <= src < world_size or src == my_rank:
         raise HandshakeError(f"invalid source rank {src} (world size {world_size})")
+    if callable(nconns):  # connections per peer differ (rails spread over local ranks)
+        nconns = nconns(src)
     if their_nconns != nconns or not 0 <= conn_index < nconns:
         raise HandshakeError(f"rank {src} uses {their_nconns} connections per peer, this rank "
                              f"{nconns} (index {conn_index}): set the same LINERATE_NSOCKS and "

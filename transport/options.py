@@ -82,6 +82,11 @@ class TransportOptions:
     #: ``lazy``: a peer's TCP link is made when this rank first talks to it (transport/tcp.py
     #: says who dials); ``eager``: every link at group creation. Every rank must agree.
     connect: str = "lazy"
+    #: ``auto``: with several rails, a host's rails are spread over its local ranks (when
+    #: co-located ranks share memory): each link to another host uses the rails of the lower
+    #: rank's local index (transport/tcp.py ``spread_rails``); ``0``: every link stripes over
+    #: every rail. Every rank must agree.
+    rail_spread: str = "auto"
     #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
     #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
     #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection

@@ -197,6 +197,7 @@ def agreed_settings(options, nrails: int) -> dict:
             "LINERATE_TLS": int(options.tls),
             "LINERATE_NSOCKS": options.nsocks,
             "LINERATE_CONNECT": getattr(options, "connect", "eager"),
+            "LINERATE_RAIL_SPREAD": getattr(options, "rail_spread", "0"),
             "LINERATE_SOCKET_IFNAME (number of interfaces)": nrails}
 
 

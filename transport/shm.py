@@ -90,6 +90,12 @@ def take_layout() -> Layout | None:
     return layout
 
 
+def last_layout() -> Layout | None:
+    """The layout of the last ``establish`` on this thread, left in place for
+    ``take_layout``."""
+    return getattr(_last, "layout", None)
+
+
 def group_hosts(ids: list[str]) -> tuple:
     """The layout's hosts from each rank's host id: ranks with the same id, ordered by their
     lowest rank."""

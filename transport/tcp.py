@@ -173,6 +173,15 @@ class TcpMesh:
         self.tls = tls_config
         self.link_timeout = link_timeout
         self.listeners: list[socket.socket] | None = None
+        #: Each peer's connections: the rail of each connection index (``plan_rails`` may
+        #: narrow it; both ends compute the same plan). Default: nsocks on every rail.
+        every = [rail for rail in range(self.nrails) for _ in range(options.nsocks)]
+        self._rails: dict[int, list[int]] = {p: every for p in range(size) if p != rank}
+        #: Set once the plan is final: a connection that arrives earlier waits for it (only
+        #: a plan that may spread rails is waited for: Context calls plan_rails).
+        self._planned = threading.Event()
+        if self.nrails < 2 or getattr(options, "rail_spread", "0") != "auto":
+            self._planned.set()
         self._socks: dict[int, list] = {p: [None] * self.nconns for p in range(size) if p != rank}
         self._cond = threading.Condition()
         self._stop = False
@@ -198,6 +207,37 @@ class TcpMesh:
         self.listeners = listeners
         return [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
 
+    def plan_rails(self, hosts: tuple | None) -> None:
+        """Fix each peer's connections before any is made (every rank calls it once, with
+        the group's layout, or None to keep every link on every rail). With several rails,
+        LINERATE_RAIL_SPREAD=auto and co-located ranks (``hosts``: group ranks per host, shared
+        memory proved), a link to a rank of another host uses only the rails of the lower
+        rank's local index i on its host of L ranks (``spread_rails``): the host's rails are
+        spread over its local ranks, and the two-level columns (local rank i to local rank i)
+        each keep one rail (or R/L rails) to themselves."""
+        if (hosts and self.nrails > 1 and getattr(self.options, "rail_spread", "0") == "auto"
+                and any(len(h) > 1 for h in hosts)):
+            where = {r: (h, i) for h in hosts for i, r in enumerate(h)}
+            mine = where.get(self.rank)
+            with self._cond:
+                for p in self._rails:
+                    if p not in where or mine is None or where[p][0] is mine[0]:
+                        continue  # same host: shared memory, or no plan
+                    h, i = where[min(p, self.rank)]
+                    rails = spread_rails(i, len(h), self.nrails)
+                    self._rails[p] = [r for r in rails for _ in range(self.options.nsocks)]
+                    self._socks[p] = [None] * len(self._rails[p])
+        self._planned.set()
+
+    def _nconns(self, peer: int) -> int:
+        """Connections ``peer`` must make to this rank (its connections wait for the plan)."""
+        if not 0 <= peer < self.size or peer == self.rank:
+            return self.nconns  # the handshake names the bad rank
+        if not self._planned.wait(max(0.0, min(10.0, self.options.connect_timeout))):
+            raise handshake.HandshakeError(f"rank {peer} connected before this rank knew the "
+                                           f"group's layout")
+        return len(self._rails[peer])
+
     def connect(self, rv, deadline: float) -> dict[int, list]:
         """Accept from the higher ranks, connect to the lower ones; return each peer's
         connected sockets (index order) once all are there."""
@@ -207,11 +247,9 @@ class TcpMesh:
         try:
             for peer in range(self.rank):
                 remote = rv.addresses_of(peer, self.nrails)
-                for rail in range(self.nrails):
-                    for k in range(opts.nsocks):
-                        index = rail * opts.nsocks + k
-                        sock = self._connect(peer, remote[rail], self.addresses[rail], index, deadline)
-                        self._add(peer, index, sock)
+                for index, rail in enumerate(self._rails[peer]):
+                    sock = self._connect(peer, remote[rail], self.addresses[rail], index, deadline)
+                    self._add(peer, index, sock)
             with self._cond:
                 while not self._complete():
                     left = deadline - time.monotonic()
@@ -239,7 +277,8 @@ class TcpMesh:
 
     def _link(self, p: int, ss: list) -> TcpLink:
         opts = self.options
-        speed = interface_speed_bps(self.addresses[0]) if self.nrails == 1 else None
+        rails = set(self._rails.get(p, range(self.nrails)))
+        speed = interface_speed_bps(self.addresses[min(rails)]) if len(rails) == 1 else None
         cls = TcpLink
         if self.tls is None and getattr(opts, "io", "threads") == "shared":
             cls = SharedTcpLink  # the process's I/O loops drive it (TLS keeps the threads)
@@ -338,7 +377,7 @@ class TcpMesh:
             if None in socks or self._state[peer] in ("done", "failed"):
                 return
             self._state[peer] = "done"
-            self._socks[peer] = [None] * self.nconns
+            self._socks[peer] = [None] * len(socks)
             self._cond.notify_all()
         self._made(peer, socks)
 
@@ -355,7 +394,7 @@ class TcpMesh:
             self._state[peer] = "failed"
             stopped = self._stop
             socks = [s for s in self._socks[peer] if s is not None]
-            self._socks[peer] = [None] * self.nconns
+            self._socks[peer] = [None] * len(self._socks[peer])
             self._cond.notify_all()
         for s in socks:
             _close(s)
@@ -375,11 +414,9 @@ class TcpMesh:
         socks = []
         try:
             remote = self._remote[peer]
-            for rail in range(self.nrails):
-                for k in range(self.options.nsocks):
-                    index = rail * self.options.nsocks + k
-                    socks.append(self._connect(peer, remote[rail], self.addresses[rail], index,
-                                               deadline, lazy=True))
+            for index, rail in enumerate(self._rails[peer]):
+                socks.append(self._connect(peer, remote[rail], self.addresses[rail], index,
+                                           deadline, lazy=True))
         except handshake.Declined as e:
             for s in socks:
                 _close(s)
@@ -450,7 +487,8 @@ class TcpMesh:
                 tune(sock, self.link_timeout)
                 if self.tls is not None:  # TLS first; linerate's handshake runs inside it
                     sock = self.tls.wrap(sock, False, f"rank {peer} ({host}:{port})")
-                handshake.connect_side(sock, self.secret, self.rank, peer, index, self.nconns)
+                handshake.connect_side(sock, self.secret, self.rank, peer, index,
+                                       len(self._rails[peer]))
                 sock.settimeout(None)
                 return sock
             except handshake.Declined:
@@ -502,7 +540,7 @@ class TcpMesh:
             tune(sock, self.link_timeout)
             if self.tls is not None:  # TLS first; linerate's handshake runs inside it
                 sock = self.tls.wrap(sock, True, f"the connection from {tls.peer_label(addr)}")
-            peer, index = handshake.accept_side(sock, self.secret, self.rank, self.size, self.nconns,
+            peer, index = handshake.accept_side(sock, self.secret, self.rank, self.size, self._nconns,
                                                 self._decide if self.lazy else None)
             if peer < self.rank and not self.lazy:
                 raise handshake.HandshakeError(f"rank {peer} connected, but lower ranks are connected to")
@@ -523,6 +561,16 @@ class TcpMesh:
                 sock.close()
             except OSError:
                 pass
+
+
+def spread_rails(index: int, local: int, nrails: int) -> list[int]:
+    """The rails of local rank ``index`` of a host with ``local`` ranks and ``nrails`` rails:
+    rail index mod R when there are at least as many local ranks as rails, else every
+    ``local``-th rail from ``index`` (2 ranks, 4 rails: rank 0 rails 0 and 2, rank 1 rails 1
+    and 3), so that every rail carries the traffic of some local rank."""
+    if local >= nrails:
+        return [index % nrails]
+    return list(range(index % local, nrails, local))
 
 
 def _close(sock) -> None:
