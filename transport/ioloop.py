@@ -182,4 +182,14 @@ def io_threads(env=None) -> int:
 POOL = _Pool()
 atexit.register(POOL.stop)
 
+
+def _after_fork_in_child() -> None:
+    # The loops' threads do not exist in a forked child: a group it makes starts its own.
+    global POOL
+    POOL = _Pool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 __all__ = ["IOLoop", "POOL", "EPOLLIN", "EPOLLOUT", "IO_THREADS_DEFAULT", "io_threads"]
