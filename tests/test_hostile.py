@@ -360,7 +360,9 @@ def test_hostile_connections_during_mesh_building_while_workload_runs(tmp_path):
     t = threading.Thread(target=stranger.run, daemon=True)
     t.start()
     try:
-        results = run_ranks(_hostile_rank, 3, workdir, timeout=180)
+        # LINERATE_SHM=0: co-located ranks would link over shared memory, and a group on one
+        # host closes its TCP listener at creation; the TCP listeners are the subject here.
+        results = run_ranks(_hostile_rank, 3, workdir, timeout=180, env={"LINERATE_SHM": "0"})
     finally:
         t.join(60)
     assert not stranger.errors, "\n".join(stranger.errors)

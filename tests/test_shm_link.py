@@ -295,11 +295,11 @@ dist.destroy_process_group()
 
 @pytest.mark.netlab
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("algo", ["auto", "ring"])
-def test_mixed_links_p2p_and_all_reduce(algo, lab_name, tmp_path):
+@pytest.mark.parametrize("algo,connect", [("auto", "lazy"), ("ring", "lazy"), ("auto", "eager")])
+def test_mixed_links_p2p_and_all_reduce(algo, connect, lab_name, tmp_path):
     """netlab 2 hosts x 2 ranks: the co-located peer over shared memory, the others over
     TCP, in one group; p2p every way byte-exact; all_reduce (the group's choice, and a flat
-    ring over both kinds of link) equals Gloo's."""
+    ring over both kinds of link) equals Gloo's; lazy and eager TCP links."""
     import subprocess
     import sys
     from pathlib import Path
@@ -311,7 +311,7 @@ def test_mixed_links_p2p_and_all_reduce(algo, lab_name, tmp_path):
                                "--name", lab_name], cwd=root, capture_output=True, text=True,
                         timeout=60)
     assert up.returncode == 0, up.stdout + up.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_CONNECT=connect)
     if algo != "auto":
         env["LINERATE_ALLREDUCE_ALGO"] = algo
     res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],

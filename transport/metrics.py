@@ -194,7 +194,8 @@ def interface_of(address: str) -> str:
 
 def conn_interface(conn: dict) -> str:
     """A connection's ``interface`` label (``conn``: one of a link's stats "connections"):
-    the interface of its local address, or for an RDMA stream its device:port (``mlx5_0:1``)."""
+    the interface of its local address, for an RDMA stream its device:port (``mlx5_0:1``),
+    for a shared-memory link ``shm``."""
     return conn["device"] or interface_of(conn["local"])
 
 
@@ -233,7 +234,10 @@ def _capacity_env() -> dict[str, float]:
 
 def link_capacity(ifname: str) -> float | None:
     """Bytes per second of an interface: LINERATE_LINK_CAPACITY, else the driver's speed (for
-    an RDMA port ``dev:port``, the rate in /sys/class/infiniband)."""
+    an RDMA port ``dev:port``, the rate in /sys/class/infiniband). ``shm`` (the shared-memory
+    links of co-located ranks, transport/shmlink.py) has none."""
+    if ifname == "shm":
+        return None
     env = _capacity_env()
     if ifname in env:
         return env[ifname]

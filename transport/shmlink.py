@@ -224,8 +224,10 @@ class _Engine:
                 last_check = now
                 for port in ports:
                     port.check_peers()
+            port = link = None  # a destroyed group's mapping must not wait for the next round
             if not busy:
                 self._sleep(ports, seen, POLL_S)
+            ports = None
 
     def _sleep(self, ports: list, seen: list, timeout: float) -> None:
         lib = ports[0]._lib
