@@ -25,8 +25,9 @@ all_reduce in the same two rounds).
 
 "several hosts, co-located ranks share" needs at least one host with two or more ranks of the
 group, every such host's segment proved (``Layout.shared``), at most MAX_COLUMNS ranks per
-host, and the group's worker (prioritized all_reduces run on threads of their own, beside
-each other, and take the flat algorithms). Size rule, all_reduce: ``direct`` up to
+host, and the group's worker (prioritized all_reduces run there too where the worker would
+get shared memory; elsewhere they run on threads of their own, beside each other, and take
+the flat algorithms). Size rule, all_reduce: ``direct`` up to
 ``small_bytes``, ``hd`` on AUTO_MIN_RANKS+ ranks up to AUTO_MAX_BYTES, else ``ring``;
 reduce_scatter / all_gather: ``direct`` up to ``small_bytes`` (all segments), else ``ring``;
 broadcast / reduce: ``direct`` up to ``small_bytes``, else ``chain``.

@@ -568,6 +568,22 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'}, "
                         f"priority {priority})", [tensor], stage.devices)
             self._flight.queued(what, seq, desc)
+            if self._priority_on_worker():
+                # Shared memory (one host, or two-level over hosts): the engine runs one op at
+                # a time, on the worker, in call order; its sends keep their priority.
+                def run(comm: Comm) -> None:
+                    comm.priority = priority
+                    t0 = time.perf_counter()
+                    self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
+                    if self.timeline is not None:
+                        self.timeline.span(f"all_reduce {name or seq}", "comm", t0,
+                                           time.perf_counter(), priority=priority,
+                                           bytes=buf.numel() * buf.element_size(),
+                                           queued_ms=round((t0 - queued) * 1000, 3))
+                self._put((what, seq, run, stage, timeout, work, [tensor], None, desc))
+                if tl is not None:
+                    tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
+                return work
             if self._prio_pool is None:
                 self._prio_pool = concurrent.futures.ThreadPoolExecutor(
                     self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self.rank()}")
@@ -576,6 +592,15 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if tl is not None:
             tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
         return work
+
+    def _priority_on_worker(self) -> bool:
+        """Prioritized all_reduces run on the group's worker where the table would give the
+        worker a shared-memory algorithm (one host, or two-level over hosts of several ranks):
+        flat algorithms beside each other on threads of their own took 0.906 s per DDP-sized
+        step on 2 hosts x 4 ranks where the two-level all_reduce takes about 0.6."""
+        algo = self._options.allreduce_algo
+        return algo in ("auto", "two_level") and (self._shape.two_level_auto
+                                                  or self._shape.one_host_shm)
 
     def _run_priority(self, seq, buf, op, priority, stage, work, timeout, desc, name, queued):
         scratch = getattr(self._prio_scratch, "s", None)
