@@ -992,3 +992,24 @@ def test_options_unparsable_still_value_error():
                       ("LINERATE_PREFER_IPV6", "maybe"), ("LINERATE_MAX_UNEXPECTED_BYTES", "x")]:
         with pytest.raises(ValueError):
             TransportOptions.from_env({var: text})
+
+
+def test_fd_limit_raised_for_the_connections_a_group_may_need():
+    """A group may link every pair (an all-to-all): its TcpMesh raises the soft RLIMIT_NOFILE
+    to what that needs (a 1024 default runs out near 500 ranks), up to the hard limit."""
+    import subprocess
+    import sys
+    code = r'''
+import resource
+from linerate.transport import tcp
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+got = tcp.raise_fd_limit(600)
+assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got, got
+assert got >= min(hard, 600), (got, hard)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+assert tcp.raise_fd_limit(10) == hard  # never lowered
+print("ok", got)
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr

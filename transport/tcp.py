@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import resource
 import selectors
 import socket
 import threading
@@ -183,6 +185,9 @@ class TcpMesh:
         if self.nrails < 2 or getattr(options, "rail_spread", "0") != "auto":
             self._planned.set()
         self._socks: dict[int, list] = {p: [None] * self.nconns for p in range(size) if p != rank}
+        # Every peer's connections may be needed (an all-to-all links every pair): a soft
+        # file-descriptor limit of 1024 (many distributions' default) runs out near 500 ranks.
+        raise_fd_limit(size * self.nconns + 256)
         self._cond = threading.Condition()
         self._stop = False
         self._rv = None
@@ -510,9 +515,15 @@ class TcpMesh:
                 if self._stop:
                     raise TransportError(f"rank {self.rank}: set-up was given up") from e
                 if not retryable or time.monotonic() + delay > deadline:
+                    hint = ""
+                    if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+                        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                        hint = (f" (out of file descriptors: RLIMIT_NOFILE soft {soft}, hard "
+                                f"{hard}; {self.size - 1} peers x {self.nconns} connections "
+                                f"may be needed: raise it, e.g. ulimit -n)")
                     self._peer_report_first(peer)
                     raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
-                                         f"{host}:{port} (connection {index}): {e}") from e
+                                         f"{host}:{port} (connection {index}): {e}{hint}") from e
                 # A peer that gave up (a setting that differs, say) closed its listener: its
                 # report, not this refusal, is the cause, and it must not take until the deadline.
                 if self._rv is not None:
@@ -561,6 +572,34 @@ class TcpMesh:
                 sock.close()
             except OSError:
                 pass
+
+
+_FD_LOCK = threading.Lock()
+
+
+def raise_fd_limit(need: int) -> int:
+    """Raise this process's soft RLIMIT_NOFILE to ``need`` more descriptors than it has open
+    (at most the hard limit), as a process opening one connection per peer must; returns the
+    soft limit. A hard limit below that is left for the connect that fails to name
+    (EMFILE: "Too many open files")."""
+    with _FD_LOCK:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_now = 0
+        want = open_now + need
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+            if new > soft:
+                try:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                    log.debug("raised the file descriptor limit from %d to %d", soft, new)
+                    soft = new
+                except (ValueError, OSError) as e:  # pragma: no cover - kernel refuses
+                    log.warning("could not raise the file descriptor limit from %d to %d: %s",
+                                soft, new, e)
+        return soft
 
 
 def spread_rails(index: int, local: int, nrails: int) -> list[int]:
