@@ -399,6 +399,8 @@ class ShmLink(Link):
         with self._lock:
             self._closing = True
             moved = self._push([])
+            if self._down is not None or int(self._oh[_RGONE]):
+                self._sent.set()  # nothing more can go: the peer closed or the link is down
         self._after_push(moved, [])
         self._port.ring(self._port.me)  # the progress thread sends the rest, then CLOSE
 
@@ -455,6 +457,8 @@ class ShmLink(Link):
         if self._down is not None or (not q and (self._close_sent or not self._closing)):
             return False
         if int(self._oh[_RGONE]):
+            if self._closing:
+                self._sent.set()
             return False   # the peer stopped reading: the progress thread fails the link
         head = self._head
         free = self._R - (head - int(self._oh[_TAIL]))
@@ -602,6 +606,7 @@ class ShmLink(Link):
                 return
             self._down = "closed"
             closing = self._closing
+            self._sent.set()
         if not closing:
             self._sink.link_closed(self)
 
