@@ -8,8 +8,9 @@
 - nothing is left in /dev/shm after a normal exit, destroy_process_group or a SIGKILL;
 - a rank blocked in a receive for ~1 s uses little CPU (the progress thread sleeps on a futex);
 - LINERATE_SHM=0: the same traffic goes over TCP links.
-The mixed group (shm to the co-located peer, TCP to the other host) is in tests/test_two_level.py
-(test_mixed_links_p2p_and_all_reduce, on netlab).
+- mixed groups: in this process (one rank's host id patched) shm beside lazy TCP and beside
+  RDMA (the fake pyverbs); on netlab 2 hosts x 2 ranks, shm to the co-located peer and TCP
+  (lazy and eager) to the other host, p2p every way and all_reduce (auto, ring) against Gloo.
 """
 from __future__ import annotations
 
@@ -251,6 +252,66 @@ def test_blocked_recv_burns_no_cpu():
 
 
 # ----------------------------------------------------------------------------- mixed groups
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("net", ["tcp", "rdma-fake"])
+def test_mixed_kinds_in_one_group_in_process(net, monkeypatch):
+    """3 Contexts in this process, rank 2 on "another host" (its host id patched): ranks 0
+    and 1 link over shared memory, each of them to rank 2 over TCP (lazy) or RDMA (the fake
+    pyverbs); messages every way, byte-exact; the kinds per peer as chosen."""
+    from datetime import timedelta
+
+    from linerate.transport import CHANNEL_P2P, Context, TransportOptions, shm, verbs
+    from _harness import use_transport
+    use_transport(net, monkeypatch)
+    monkeypatch.setattr(shm, "host_id", lambda: "B" if threading.current_thread().name == "r2" else "A")
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    opts = TransportOptions(socket_ifname="lo", connect_timeout=20.0,
+                            transport="tcp" if net == "tcp" else "rdma")
+    ctxs, errors = [None] * 3, []
+
+    def build(r):
+        try:
+            ctxs[r] = Context(store, r, 3, opts)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,), name=f"r{r}") for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    try:
+        assert not errors and all(ctxs), errors
+        n = 3_000_017  # larger than a ring
+        reqs, want = [], []
+        for a in range(3):
+            for b in range(3):
+                if a != b:
+                    got = bytearray(n)
+                    reqs.append(ctxs[b].irecv(a, memoryview(got), CHANNEL_P2P, 5))
+                    want.append((got, bytes([a * 3 + b]) * n))
+        for a in range(3):
+            for b in range(3):
+                if a != b:
+                    reqs.append(ctxs[a].isend(b, memoryview(bytes([a * 3 + b]) * n), CHANNEL_P2P, 5))
+        for r in reqs:
+            r.wait(30)
+        assert all(bytes(g) == w for g, w in want)
+        net_kind = "tcp" if net == "tcp" else "rdma"
+        for r, ctx in enumerate(ctxs):
+            kinds = {p["peer"]: [link["kind"] for link in p["links"]] for p in ctx.stats()["peers"]}
+            local = {0: [1], 1: [0], 2: []}[r]
+            assert kinds == {q: ["shm"] if q in local else [net_kind] for q in range(3) if q != r}, \
+                (r, kinds)
+    finally:
+        for ctx in ctxs:
+            if ctx is not None:
+                ctx.close(timeout=5)
+        if net != "tcp":
+            verbs.reset()
+
+
 MIXED_SCRIPT = r'''
 import json, os
 import torch
