@@ -268,7 +268,9 @@ def _close(results):
 
 
 def _opts(**kw):
-    return TransportOptions(**{"socket_ifname": "lo", "connect_timeout": 20, "nsocks": 1, **kw})
+    # shm "0": these ranks share a host and would link over shared memory; RDMA is the subject
+    return TransportOptions(**{"socket_ifname": "lo", "connect_timeout": 20, "nsocks": 1,
+                               "shm": "0", **kw})
 
 
 @pytest.mark.parametrize("mode", ["auto", "rdma"])
@@ -500,7 +502,9 @@ def _collectives(rank, world, lr):
 @pytest.mark.parametrize("which", ["rdma-fake", "rdma"])
 def test_backend_collectives(which):
     """dist.init_process_group's groups over RDMA: collectives against Gloo and NumPy."""
-    env = {"LINERATE_TRANSPORT": "rdma", "LINERATE_SOCKET_IFNAME": "lo", "LINERATE_NSOCKS": "2"}
+    # LINERATE_SHM=0: co-located ranks would use shared memory for collectives and p2p alike
+    env = {"LINERATE_TRANSPORT": "rdma", "LINERATE_SOCKET_IFNAME": "lo", "LINERATE_NSOCKS": "2",
+           "LINERATE_SHM": "0"}
     if which == "rdma":
         reason = real_rdma_reason()
         if reason:

@@ -111,7 +111,8 @@ class Context(LinkSink):
         self._mesh_cond = threading.Condition(self._lock)
         #: Global rank of each group rank (for metrics labels); None: the same numbers.
         self.global_ranks: list[int] | None = None
-        #: "tcp" or "rdma": what the links are (LINERATE_TRANSPORT, agreed at rendezvous).
+        #: "tcp" or "rdma": what the links to other hosts are (LINERATE_TRANSPORT, agreed at
+        #: rendezvous); co-located peers may have "shm" links (each link's stats say its kind).
         self.transport = "tcp"
         #: The group's shared-memory segment (transport/shm.py), or None.
         self.shm = None
@@ -179,7 +180,7 @@ class Context(LinkSink):
             raise TransportError(f"rank {self.rank}: links of several network kinds in one group "
                                  f"({remote}) are not supported (shared memory beside TCP or "
                                  f"RDMA is)")
-        self.transport = remote[0] if remote else "shm"
+        self.transport = remote[0] if remote else agreed  # the network kind agreed on
         links = shmlink.build_links(self.shm, self.rank, local) if local else {}
         for p, link in links.items():  # at once: they cost no thread nor connection
             self.peers[p].link = link
