@@ -1,8 +1,8 @@
 """The link interface: how a transport Context moves bytes to and from one peer.
 
 This docstring is the specification every link kind implements (``tcp``: transport/tcp.py,
-``rdma``: transport/rdma.py; shared memory between the ranks of one host is set up beside the
-links by transport/shm.py). tests/test_links.py runs one conformance suite against each kind.
+``rdma``: transport/rdma.py, ``shm``: transport/shmlink.py, rings in the shared segment of the
+ranks of one host, transport/shm.py). tests/test_links.py runs one conformance suite against each kind.
 
 A link joins this rank to one ``peer``; a Context holds one per peer. It knows messages,
 never what they mean: a message is a buffer plus the header fields ``opcode``, ``channel``,
@@ -10,7 +10,7 @@ never what they mean: a message is a buffer plus the header fields ``opcode``, `
 receives is the Context's (transport/matching.py).
 
 Properties
-    ``kind``        "tcp", "rdma", ...: what carries the bytes.
+    ``kind``        "tcp", "rdma", "shm", ...: what carries the bytes.
     ``peer``        the peer's rank in the group.
     ``speed_bps``   the line rate in bits per second, or None when unknown.
     ``nstreams``    how many connections (queue pairs) the link stripes over.
