@@ -6,9 +6,9 @@ network namespace: ``host_id``); hosts are ordered by their lowest rank, ranks w
 by rank (the group's *layout*). The ranks of each host with two or more of them map one
 segment that they can all read and write. The proof is that it works: the host's lowest rank
 creates ``/dev/shm/linerate-<128 random bits>`` (``O_EXCL``, mode 0600), writes a random token
-into it and publishes the name and ``HMAC(job secret, name + token)`` through the store once
-the authenticated TCP mesh is complete (the job secret never leaves the store nor the
-handshake). Every other rank of that host opens it (refusing a file that is not a regular 0600
+into it and publishes the name and ``HMAC(job secret, name + token)`` through the store at
+rendezvous, before the links are chosen (the job secret never leaves the store nor the
+handshake; the link to a co-located peer that proved the segment is a ``shm`` link). Every other rank of that host opens it (refusing a file that is not a regular 0600
 file of its own user of the announced size), checks the token against the MAC and says so
 through the store; the creator then unlinks the name, so the segment lives only as long as the
 ranks' mappings: nothing is left in /dev/shm after a normal exit, ``destroy_process_group``, or
@@ -24,7 +24,8 @@ tries. Every rank must use the same setting.
 A rank alone on its host (of this group) gets no Segment; every rank can read the layout with
 ``take_layout()`` on the thread that built the group, right after ``establish`` returned.
 
-What the segment holds is the collectives' business (collectives/shm_algos.py). The transport
+What the segment holds is the collectives' business (collectives/shm_algos.py), except its
+point-to-point area (``p2p_layout``: the rings of transport/shmlink.py). The transport
 gives: a control row per rank (``ctrl``: int64 words), a data area (``data``: bytes), and a
 bell per rank: ``ring(q)`` bumps rank q's counter in the segment and wakes it if it sleeps in
 ``sleep()`` (a futex on the shared page: a waiting rank burns no CPU).
@@ -349,7 +350,7 @@ def _unlink(path: str) -> None:
 def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str,
               generation: str) -> Segment | None:
     """Agree with the group's other ranks on a shared segment per host (every rank calls it,
-    after the authenticated mesh is built). Returns this rank's Segment (shared with the other
+    at rendezvous, before the links are chosen). Returns this rank's Segment (shared with the other
     ranks of its host), or None where this rank shares none: alone on its host, LINERATE_SHM=0,
     or (under auto) some host's ranks could not map theirs, which leaves every rank without
     (all ranks agree). With ``mode == "1"`` a group whose co-located ranks cannot share memory
