@@ -248,8 +248,8 @@ class _Engine:
             end = time.monotonic() + timeout
             ts = _Timespec(int(end), int((end % 1.0) * 1e9))
             r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(ports), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
-            if r == -1 and ctypes.get_errno() == errno.ENOSYS:
-                self._waitv = False
+            if r == -1 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+                self._waitv = False  # not available (ENOSYS) or refused: never spin on it
             return
         if len(ports) > 1:  # no futex_waitv: one bell, briefly, then look at all
             timeout = min(timeout, 0.002)
