@@ -281,7 +281,7 @@ _ALL = [
        "use rail i mod R; with fewer local ranks than rails, every L-th rail from i), as NCCL "
        "gives each GPU its nearest NIC; 0: every link stripes over every rail; every rank must "
        "agree", "transport", "transport.rail_spread"),
-    _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "shared", "shared",
+    _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "threads", "threads",
        "shared or threads",
        "who drives the TCP connections: shared (a process-wide pool of LINERATE_IO_THREADS "
        "epoll threads for every link of every group) or threads (a sender and a receiver "

@@ -1,6 +1,6 @@
 """A process-wide pool of a few I/O threads, each an epoll loop over non-blocking sockets.
 
-Every TCP link of every group in the process (``LINERATE_IO=shared``, transport/sharedlink.py)
+Every plain TCP link of every group in the process (``LINERATE_IO=shared``, transport/sharedlink.py)
 hands its connections to these loops instead of running a sender and a receiver thread per
 connection: the threads per rank are ``LINERATE_IO_THREADS`` (default 2) whatever the number
 of peers, links or groups. A connection is assigned to a loop round-robin (the connections of

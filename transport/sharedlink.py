@@ -1,7 +1,7 @@
 """Links whose connections are driven by the process-wide I/O loops (transport/ioloop.py).
 
-``SharedStreamLink`` is ``link.StreamLink`` without threads of its own (``LINERATE_IO=shared``,
-the TCP links' default): its connections are non-blocking sockets registered with the pool of
+``SharedStreamLink`` is ``link.StreamLink`` without threads of its own (``LINERATE_IO=shared``;
+the default is still ``threads``, see README "Scale"): its connections are non-blocking sockets registered with the pool of
 ``LINERATE_IO_THREADS`` epoll loops that every link of every group of the process shares, so
 a rank runs a constant number of I/O threads whatever its number of peers and groups (the
 threaded StreamLink runs a sender and a receiver thread per connection).
@@ -56,10 +56,10 @@ _CLOSE_FRAME = framing.pack_header(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0)
 # receive states
 _R_HEADER, _R_PAYLOAD, _R_CRC, _R_TEXT, _R_DONE = range(5)
 #: Per readiness event, at most this many bytes are read from one connection (fairness).
-_READ_BUDGET = 8 << 20
+_READ_BUDGET = 1 << 20
 #: Per turn, at most this many frames are written on one connection before the loop serves
 #: the others.
-_WRITE_BUDGET = 16
+_WRITE_BUDGET = 4
 #: Messages up to this size are written by the caller of isend when a connection is idle
 #: (one thread hand-off less per message); larger ones by the loops.
 _DIRECT_BYTES = 64 << 10
