@@ -214,7 +214,7 @@ class SharedStreamLink(StreamLink):
                     done.set()
 
         for st in self._streams:
-            if st.loop.in_loop():
+            if st.loop.in_loop() or not st.loop.thread.is_alive():  # (stopped at exit)
                 release(st)
             else:
                 st.loop.call_soon(lambda st=st: release(st))
