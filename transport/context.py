@@ -202,18 +202,11 @@ class Context(LinkSink):
                     extra.begin_close()
                     extra.close(time.monotonic())
         else:
+            mesh.skip(local)  # linked over shared memory: no TCP link to them
             if self._lazy:
-                _tcp_skip(mesh, local)
                 mesh.set_addresses(rv.gather_addresses(self.size, self.nrails))
                 return
-            socks = mesh.connect(rv, deadline)
-            for p in local:  # the eager mesh connects every pair: drop the co-located ones
-                for s in socks.pop(p, None) or ():
-                    try:
-                        s.close()
-                    except OSError:
-                        pass
-            net = mesh.links(socks)
+            net = mesh.links(mesh.connect(rv, deadline))
         for p, link in net.items():
             self.peers[p].link = link
         for link in net.values():
@@ -725,20 +718,6 @@ class Context(LinkSink):
                 if silent >= min_seconds:
                     out[p.rank] = silent
         return out
-
-
-def _tcp_skip(mesh, peers) -> None:
-    """Lazy TCP: ``peers`` are linked over shared memory; the mesh makes no link to them
-    (declines a dial from one, and closes its listeners once every other peer is linked)."""
-    if not peers:
-        return
-    skip = getattr(mesh, "skip", None)
-    if skip is not None:
-        skip(peers)
-        return
-    with mesh._cond:
-        for p in peers:
-            mesh._state[p] = "done"
 
 
 def _is_collective(req: Request) -> bool:

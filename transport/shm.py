@@ -447,8 +447,8 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 except ShmRefused as e:
                     why = str(e)
             store.set(f"{base}ok/{rank}", why)
-            if store.add(f"{base}ok/of{creator}/count", 1) >= n - 1:
-                store.set(f"{base}ok/of{creator}/all", b"1")
+            if _counts(store):
+                _count_in(store, f"{base}ok/of{creator}/", n - 1)
             name = str(seg.get("name", "?"))
     finally:
         if path is not None:
@@ -463,14 +463,27 @@ def _gather(store, key: str, ranks, tally: str, own: bool = True) -> list:
     A few round trips per rank instead of one polled ``get`` per rank (at 32 ranks those kept
     the store busy for most of the set-up: 36 gets and 47 checks per rank)."""
     ranks = list(ranks)
-    if own and store.add(f"{key}{tally}/count", 1) >= len(ranks):
-        store.set(f"{key}{tally}/all", b"1")
-    store.get(f"{key}{tally}/all", max_delay=0.02)
     keys = [f"{key}{r}" for r in ranks]
+    if not _counts(store):  # a user's Store with set and get only: one waiting get per key
+        return [store.get(k) for k in keys]
+    if own:
+        _count_in(store, f"{key}{tally}/", len(ranks))
+    store.get(f"{key}{tally}/all", max_delay=0.02)
     try:
         return list(store.multi_get(keys))
     except (AttributeError, NotImplementedError, RuntimeError):  # a Store without multi_get
         return [store.get(k) for k in keys]
+
+
+def _counts(store) -> bool:
+    """Whether the store has ``add`` (every torch Store; a user's may not)."""
+    return callable(getattr(store, "add", None))
+
+
+def _count_in(store, key: str, total: int) -> None:
+    """One more of ``total`` writers is in: the last sets ``key + "all"``."""
+    if store.add(key + "count", 1) >= total:
+        store.set(key + "all", b"1")
 
 
 def _loads(raw, peer: int):

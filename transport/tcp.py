@@ -189,6 +189,8 @@ class TcpMesh:
         # file-descriptor limit of 1024 (many distributions' default) runs out near 500 ranks.
         raise_fd_limit(size * self.nconns + 256)
         self._cond = threading.Condition()
+        #: Peers linked another way (``skip``): they neither dial nor are dialed.
+        self._skipped: set = set()
         self._stop = False
         self._rv = None
         #: Lazy links (serve): each peer's state: None, "dial", "accept", "done", "failed".
@@ -234,10 +236,28 @@ class TcpMesh:
                     self._socks[p] = [None] * len(self._rails[p])
         self._planned.set()
 
+    def skip(self, peers) -> None:
+        """``peers`` are linked another way (shared memory, on this host): no TCP link is made
+        to them, eager or lazy (the choice is the same on both ends of every pair), and the
+        lazy listeners close once every other peer is linked or failed."""
+        peers = set(peers)
+        if not peers:
+            return
+        with self._cond:
+            for p in peers:
+                self._socks.pop(p, None)
+                if p in self._state:
+                    self._state[p] = "done"
+            self._skipped = peers
+            self._cond.notify_all()
+
     def _nconns(self, peer: int) -> int:
         """Connections ``peer`` must make to this rank (its connections wait for the plan)."""
         if not 0 <= peer < self.size or peer == self.rank:
             return self.nconns  # the handshake names the bad rank
+        if peer in self._skipped:
+            raise handshake.HandshakeError(f"rank {peer} dialed, but it is linked to this rank "
+                                           f"over shared memory")
         if not self._planned.wait(max(0.0, min(10.0, self.options.connect_timeout))):
             raise handshake.HandshakeError(f"rank {peer} connected before this rank knew the "
                                            f"group's layout")
@@ -251,6 +271,8 @@ class TcpMesh:
         self._accept_on()
         try:
             for peer in range(self.rank):
+                if peer in self._skipped:
+                    continue
                 remote = rv.addresses_of(peer, self.nrails)
                 for index, rail in enumerate(self._rails[peer]):
                     sock = self._connect(peer, remote[rail], self.addresses[rail], index, deadline)
