@@ -344,8 +344,9 @@ class ShmLink(Link):
             if self._down is not None:
                 return False
             self._queue.appendleft((kind, bytes(payload), value))
-            moved = self._push([])
-        self._after_push(moved, [])
+            finished: list = []  # sends behind the frame may complete in this push too
+            moved = self._push(finished)
+        self._after_push(moved, finished)
         return True
 
     def cancel(self, match=None, underway: bool = True) -> list:
@@ -398,10 +399,11 @@ class ShmLink(Link):
     def begin_close(self) -> None:
         with self._lock:
             self._closing = True
-            moved = self._push([])
+            finished: list = []  # sends that complete in this push are finished below
+            moved = self._push(finished)
             if self._down is not None or int(self._oh[_RGONE]):
                 self._sent.set()  # nothing more can go: the peer closed or the link is down
-        self._after_push(moved, [])
+        self._after_push(moved, finished)
         self._port.ring(self._port.me)  # the progress thread sends the rest, then CLOSE
 
     def wait_sent(self, until: float) -> None:
