@@ -165,7 +165,10 @@ class Recorder:
                 r.awaited = awaited_ranks(text)
         if self.failure is None:
             self.failure = text
-        if self.dumped is None and is_timeout(text):
+        if is_timeout(text):
+            # Even when the dump is under way (another thread heard of the timeout first):
+            # dump_all waits for it, so that the user hears of the failure, and may exit, only
+            # once the file is written (CI: a rank that exited meanwhile left no dump).
             dump_all(self, text)
 
     def peer_failed(self, text: str) -> None:
