@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import BYTES_PER_RANK
+from linerate.transport.shm import BYTES_PER_RANK, pid_alive
 
 from .comm import Comm, OpTimeout
 from .reduce_ops import RedOpType, finish_avg
@@ -296,17 +296,7 @@ class Engine:
         pid = int(ctrl[q, _PID])
         if pid <= 0 or int(ctrl[q, _PIDNS]) != self._pidns or not self._pidns:
             return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:  # EPERM: it exists
-            return True
-        try:  # killed but not yet reaped by its parent: a zombie
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True
+        return pid_alive(pid)
 
     def _closed(self) -> None:
         why = getattr(self.comm.ctx, "_close_error", None)

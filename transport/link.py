@@ -260,14 +260,7 @@ class StreamLink(Link):
         with self._cond:
             if self._down is not None or self._closing:
                 return False
-            q = self._queue
-            if not q or priority >= getattr(q[-1], "priority", priority):
-                q.append(req)
-            else:  # behind the last message at least as urgent (control frames stay first)
-                i = len(q) - 1
-                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
-                    i -= 1
-                q.insert(i, req)
+            enqueue(self._queue, req, priority)
             if len(self._sending) >= self._prune_at:
                 self._sending = {r for r in self._sending if not r.is_completed()}
                 self._prune_at = max(256, 2 * len(self._sending))
@@ -541,6 +534,19 @@ class StreamLink(Link):
 
 
 # ----------------------------------------------------------------------------- helpers
+def enqueue(q: collections.deque, item, priority: int) -> None:
+    """Queue ``item`` behind the last queued message at least as urgent (a lower ``priority``
+    is more urgent; control frames, tuples without one, stay first). Every link's send
+    queue is ordered so."""
+    if not q or priority >= getattr(q[-1], "priority", priority):
+        q.append(item)
+        return
+    i = len(q) - 1
+    while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
+        i -= 1
+    q.insert(i, item)
+
+
 def recv_into(sock, view: memoryview, n: int) -> bool:
     """Fill view[:n]; False on end of stream. MSG_WAITALL lets the kernel fill the whole
     chunk in one call: one system call and one GIL hand-off per chunk instead of dozens."""
@@ -584,4 +590,4 @@ def kernel_queued(sock) -> int:
         return 0
 
 
-__all__ = ["Link", "LinkSink", "StreamLink", "recv_into", "tcp_info", "kernel_queued"]
+__all__ = ["Link", "LinkSink", "StreamLink", "enqueue", "recv_into", "tcp_info", "kernel_queued"]

@@ -46,7 +46,7 @@ import zlib
 from . import framing, ioloop
 from .framing import KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .ioloop import EPOLLIN, EPOLLOUT
-from .link import _CRC, StreamLink, _Stream
+from .link import _CRC, StreamLink, _Stream, enqueue
 from .request import PeerFailure, Request
 
 log = logging.getLogger("linerate.transport")
@@ -68,6 +68,20 @@ _WRITE_BUDGET = 4
 #: 1.4-1.8). Control frames (rare) are still written by the caller.
 _DIRECT_BYTES = -1
 
+
+
+def _advance(out: list, sent: int) -> None:
+    """Drop the first ``sent`` bytes of the buffers ``out`` (what one sendmsg wrote)."""
+    while sent:
+        k = len(out[0])
+        if sent >= k:
+            sent -= k
+            del out[0]
+        else:
+            out[0] = memoryview(out[0])[sent:]
+            sent = 0
+    if out and len(out[0]) == 0:
+        del out[0]
 
 class _PeerEOF(Exception):
     pass
@@ -145,14 +159,7 @@ class SharedStreamLink(StreamLink):
         with self._cond:
             if self._down is not None or self._closing:
                 return False
-            q = self._queue
-            if not q or priority >= getattr(q[-1], "priority", priority):
-                q.append(req)
-            else:  # behind the last message at least as urgent (control frames stay first)
-                i = len(q) - 1
-                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
-                    i -= 1
-                q.insert(i, req)
+            enqueue(self._queue, req, priority)
             if len(self._sending) >= self._prune_at:
                 self._sending = {r for r in self._sending if not r.is_completed()}
                 self._prune_at = max(256, 2 * len(self._sending))
@@ -292,16 +299,7 @@ class SharedStreamLink(StreamLink):
                 sent = st.sock.sendmsg(out)
             except OSError:  # EAGAIN, or a broken connection: the loop finds out which
                 sent = 0
-            while sent:
-                k = len(out[0])
-                if sent >= k:
-                    sent -= k
-                    del out[0]
-                else:
-                    out[0] = memoryview(out[0])[sent:]
-                    sent = 0
-            if out and len(out[0]) == 0:
-                del out[0]
+            _advance(out, sent)
             if out:
                 st.loop.call_soon(st.pump)
                 return
@@ -416,16 +414,7 @@ class SharedStreamLink(StreamLink):
             except OSError as e:
                 self._send_failed(st, e)
                 return
-            while sent:
-                k = len(out[0])
-                if sent >= k:
-                    sent -= k
-                    del out[0]
-                else:
-                    out[0] = memoryview(out[0])[sent:]
-                    sent = 0
-            if out and len(out[0]) == 0:
-                del out[0]
+            _advance(out, sent)
             if out:
                 if not st.events & EPOLLOUT:
                     self._set_events(st, True)

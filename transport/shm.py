@@ -91,6 +91,22 @@ def take_layout() -> Layout | None:
     return layout
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) still runs: a zombie, killed but not yet
+    reaped by its parent, counts as gone; a process we may not signal (EPERM) as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
 def last_layout() -> Layout | None:
     """The layout of the last ``establish`` on this thread, left in place for
     ``take_layout``."""

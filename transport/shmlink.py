@@ -48,7 +48,7 @@ import numpy as np
 
 from . import shm
 from .framing import HEADER, HEADER_SIZE, KIND_CLOSE, KIND_DATA, KIND_ERROR, FrameError, unpack_header
-from .link import Link, LinkSink
+from .link import Link, LinkSink, enqueue
 from .request import PeerFailure, Request
 
 log = logging.getLogger("linerate.transport")
@@ -77,20 +77,6 @@ def _pidns() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists
-        return True
-    try:  # killed but not yet reaped by its parent: a zombie
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 class _Timespec(ctypes.Structure):
@@ -148,7 +134,7 @@ class _Port:
         pid, ns = int(self.pids[q][0]), int(self.pids[q][1])
         if pid <= 0 or ns != self._pidns or not ns:
             return True
-        return _alive(pid)
+        return shm.pid_alive(pid)
 
     def add(self, link: "ShmLink") -> None:
         with self.lock:
@@ -326,14 +312,7 @@ class ShmLink(Link):
         with self._lock:
             if self._down is not None or self._closing:
                 return False
-            q = self._queue
-            if not q or priority >= getattr(q[-1], "priority", priority):
-                q.append(item)
-            else:  # behind the last message at least as urgent (control frames stay first)
-                i = len(q) - 1
-                while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
-                    i -= 1
-                q.insert(i, item)
+            enqueue(self._queue, item, priority)
             finished: list = []
             moved = self._push(finished)
         self._after_push(moved, finished)
