@@ -644,6 +644,68 @@ def test_handshake_correct_pair():
         assert _accept_result(t, res) == {"ok": (2, 1)}
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("answer", ["ACK", "DECLINE", "GONE"])
+def test_handshake_answers(answer):
+    """The acceptor's verdict reaches the connector as its own outcome: DECLINE (the link is
+    made the other way: wait for it) differs from GONE (no link either way: fail the peer)."""
+    a, b = socket.socketpair()
+    res: dict = {}
+
+    def run():
+        b.settimeout(5)
+        try:
+            res["ok"] = handshake.accept_side(b, SECRET, 0, 4, 2,
+                                              lambda peer, index: getattr(handshake, answer))
+        except BaseException as e:
+            res["err"] = e
+        finally:
+            b.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    with a:
+        a.settimeout(5)
+        if answer == "ACK":
+            handshake.connect_side(a, SECRET, 2, 0, 1, 2)
+        else:
+            want = handshake.Declined if answer == "DECLINE" else handshake.Gone
+            with pytest.raises(want) as ei:
+                handshake.connect_side(a, SECRET, 2, 0, 1, 2)
+            assert "rank 0" in str(ei.value)
+            if answer == "GONE":
+                assert not isinstance(ei.value, handshake.Declined)
+    res = _accept_result(t, res)
+    if answer == "ACK":
+        assert res == {"ok": (2, 1)}
+    else:
+        assert isinstance(res.get("err"), handshake.Declined if answer == "DECLINE" else handshake.Gone)
+
+
+@pytest.mark.timeout(60)
+def test_lazy_dial_to_a_closing_rank_fails_at_once():
+    """A lazy dial that a closing rank's listener still accepts is answered GONE: the dialer
+    fails that peer at once, not after LINERATE_CONNECT_TIMEOUT (it used to take the answer
+    for "the link is made the other way" and wait; CI saw a pending receive hang)."""
+    if CURRENT_TRANSPORT["transport"] != "tcp":
+        pytest.skip("lazy links are TCP's")
+    ctxs = make_mesh(2, nsocks=2, connect="lazy", connect_timeout=30.0)
+    try:
+        c0, c1 = ctxs
+        # Rank 0 is closing: its set-up is given up, but its listener still takes connections
+        # (the window between the two in a real close).
+        with c0._tcp._cond:
+            c0._tcp._stop = True
+        t0 = time.monotonic()
+        r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_P2P, 1)
+        with pytest.raises(PeerFailure) as ei:
+            r.wait(10)
+        assert time.monotonic() - t0 < 5.0
+        assert ei.value.peer == 0 and "rank 0" in str(ei.value), ei.value
+    finally:
+        _close_all(ctxs)
+
+
 BAD_HELLOS = {
     "random_bytes": lambda: b"\x00" + os.urandom(handshake.HELLO.size - 1),
     "short_random_bytes": lambda: os.urandom(10),

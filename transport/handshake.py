@@ -10,9 +10,10 @@ Acceptor -> connector, CHALLENGE (56 bytes)::
     4s magic | u16 version | u16 status | 16s server nonce | 32s HMAC(secret, "acceptor" + HELLO + server nonce)
 
 Connector -> acceptor, AUTH (32 bytes): HMAC(secret, "connector" + HELLO + server nonce).
-Acceptor -> connector, ACK: b"LNOK", or DECLINE: b"LNDU" (an authenticated connection the
+Acceptor -> connector, ACK: b"LNOK"; DECLINE: b"LNDU" (an authenticated connection the
 acceptor does not need: with lazy links both ranks of a pair may dial at once, and the lower
-rank keeps its own dial; see transport/tcp.py).
+rank keeps its own dial; see transport/tcp.py); or GONE: b"LNGO" (the acceptor is closing the
+group, or has already failed the connecting rank: no link will be made either way).
 
 The job secret is 32 random bytes that rank 0 puts in the torch Store; the job id is derived from
 it. Both sides prove knowledge of the secret over fresh nonces, so a stranger, a replay or a
@@ -31,6 +32,7 @@ MAGIC = b"LNRT"
 VERSION = 2  # 2: frame headers carry the call digest (48 bytes)
 ACK = b"LNOK"
 DECLINE = b"LNDU"
+GONE = b"LNGO"
 
 HELLO = struct.Struct("<4sHH16sIIII16s")
 CHALLENGE = struct.Struct("<4sHH16s32s")
@@ -45,6 +47,11 @@ class HandshakeError(Exception):
 class Declined(HandshakeError):
     """The acceptor (a member of this job) does not need this connection: the link of the
     pair is being made the other way (lazy links, transport/tcp.py)."""
+
+
+class Gone(HandshakeError):
+    """The acceptor (a member of this job) makes no link with the connecting rank, either way:
+    it is closing the group, or it has already failed the connecting rank."""
 
 
 def job_id_from_secret(secret: bytes) -> bytes:
@@ -101,6 +108,9 @@ def connect_side(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: in
     answer = recv_exact(sock, len(ACK))
     if answer == DECLINE:
         raise Declined(f"rank {dst_rank} makes the link the other way")
+    if answer == GONE:
+        raise Gone(f"rank {dst_rank} makes no link with rank {src_rank}: it closed the group "
+                   f"or already failed rank {src_rank}")
     if answer != ACK:
         raise HandshakeError(f"rank {dst_rank} did not acknowledge the handshake")
 
@@ -109,8 +119,8 @@ def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: in
                 nconns, decide=None) -> tuple[int, int]:
     """Run the acceptor's half; return (peer rank, connection index) of an authenticated peer.
     ``nconns``: connections per peer, or ``nconns(peer)`` where they differ by peer.
-    ``decide(peer, index) -> bool``, once the peer is authenticated: False answers DECLINE
-    and raises ``Declined``."""
+    ``decide(peer, index)``, once the peer is authenticated, answers ``ACK`` (go on),
+    ``DECLINE`` (raises ``Declined``) or ``GONE`` (raises ``Gone``)."""
     hello = recv_exact(sock, HELLO.size)
     magic, version, _flags, job_id, src, dst, conn_index, their_nconns, _nonce = HELLO.unpack(hello)
     if magic != MAGIC:
@@ -135,8 +145,14 @@ def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: in
     auth = recv_exact(sock, AUTH_SIZE)
     if not hmac.compare_digest(auth, _mac(secret, b"connector", hello, server_nonce)):
         raise HandshakeError(f"claimed rank {src} failed authentication (wrong job secret)")
-    if decide is not None and not decide(src, conn_index):
+    answer = ACK if decide is None else decide(src, conn_index)
+    if answer == DECLINE:
         sock.sendall(DECLINE)
         raise Declined(f"rank {src}'s connection {conn_index}: the link is made the other way")
+    if answer == GONE:
+        sock.sendall(GONE)
+        raise Gone(f"rank {src}'s connection {conn_index}: no link will be made with rank {src}")
+    if answer != ACK:
+        raise ValueError(f"decide answered {answer!r}, not ACK, DECLINE or GONE")
     sock.sendall(ACK)
     return src, conn_index

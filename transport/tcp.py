@@ -17,8 +17,10 @@ peer's connections become one ``TcpLink``.
 made on a short-lived thread and handed over with ``on_link(peer, link)``, or its failure with
 ``on_fail(peer, error)`` (the error names the peer). Either rank of a pair may dial, and both
 may at once. The rule: a rank accepts an authenticated connection from a peer unless it is
-itself the lower rank of the pair and is dialing that peer (or already holds its link); then
-it answers DECLINE (handshake.Declined). So when both dial, the lower rank's dial wins, the
+itself the lower rank of the pair and is dialing that peer; then it answers DECLINE
+(handshake.Declined). A rank that is closing, or already holds or has failed that peer's link,
+answers GONE (handshake.Gone): the dialer fails the peer at once (it does not wait
+LINERATE_CONNECT_TIMEOUT for connections that will never come). So when both dial, the lower rank's dial wins, the
 higher rank's dialer is declined at its first connection (nothing was sent on it) and waits
 for the lower rank's connections to arrive; a rank that has accepted a peer's first connection
 never dials that peer. All connections of one link are dialed by one rank: no duplicates,
@@ -384,16 +386,19 @@ class TcpMesh:
         """The Context closes: no more links (what is under way is closed as it ends)."""
         self.abort()
 
-    def _decide(self, peer: int, index: int) -> bool:
-        """An authenticated connection from ``peer`` arrived: keep it (True) or decline."""
+    def _decide(self, peer: int, index: int) -> bytes:
+        """An authenticated connection from ``peer`` arrived: keep it (ACK), decline it
+        because this rank's own dial makes the link (DECLINE), or tell the peer no link will
+        be made (GONE: this rank is closing, or has failed or already linked ``peer``; the
+        peer fails its side at once instead of waiting for a dial that never comes)."""
         with self._cond:
             st = self._state[peer]
             if self._stop or st in ("done", "failed"):
-                return False
-            if st == "dial":
-                return self.rank > peer  # both dial: the lower rank's dial wins
+                return handshake.GONE
+            if st == "dial":  # both dial: the lower rank's dial wins
+                return handshake.ACK if self.rank > peer else handshake.DECLINE
             self._state[peer] = "accept"
-            return True
+            return handshake.ACK
 
     def _lazy_add(self, peer: int, index: int, sock) -> None:
         with self._cond:
@@ -521,6 +526,10 @@ class TcpMesh:
             except handshake.Declined:
                 sock.close()
                 raise
+            except handshake.Gone as e:  # the peer closes the group or failed this rank
+                sock.close()
+                raise TransportError(f"rank {self.rank}: cannot connect to rank {peer} at "
+                                     f"{host}:{port}: {e}") from e
             except (OSError, handshake.HandshakeError) as e:
                 sock.close()
                 refused = isinstance(e, ConnectionRefusedError) or (
