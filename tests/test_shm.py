@@ -198,6 +198,67 @@ def test_more_ranks_small_sizes(P):
         assert not fails, "\n".join(fails[:20])
 
 
+def _cma(rank, P, lr, how):
+    """Large all_reduces (>= CMA_BYTES) against Gloo: every dtype and op at an odd size just
+    over the threshold. Every rank has LINERATE_CMA=1; ``how``: "on" (cross-memory attach,
+    which this machine allows), "off" (rank 1 sets LINERATE_CMA=0: every rank copies through
+    the segment), "eperm" (rank 1's probe is refused as a seccomp filter or Yama would: the
+    same)."""
+    from linerate.collectives import shm_algos
+    if how == "off" and rank == 1:
+        os.environ["LINERATE_CMA"] = "0"
+    if how == "eperm" and rank == 1:
+        def refused(pid, local, remote, n):
+            raise PermissionError(1, "Operation not permitted")
+        shm_algos.cma_read = refused
+    g = dist.new_group(backend="linerate")
+    E = g._shm
+    assert E is not None, "the group did not get a shared segment"
+    c = _Cases(rank, P)
+    for dtype in DTYPES:
+        es = torch.empty(0, dtype=dtype).element_size()
+        n = shm_algos.CMA_BYTES // es + 13
+        for op in _ops(dtype):
+            x = _data(c.gen(), dtype, n, op == R.PRODUCT)
+            want, got = x.clone(), x.clone()
+            dist.all_reduce(_real(want) if op != R.AVG else want, op=op)
+            dist.all_reduce(got, op=op, group=g)
+            c.check(f"all_reduce {dtype} {op} n={n}", got, want)
+    # a view into a larger tensor (its address is not the storage's), and random floats:
+    # every rank gets the same bits
+    base = torch.randn(3 << 20, generator=c.gen())
+    orig = base.clone()
+    lo, hi = 12345, 12345 + (1 << 20) + 7
+    x = base[lo:hi]
+    dist.all_reduce(x, group=g)
+    allx = [torch.empty_like(x) for _ in range(P)]
+    dist.all_gather(allx, x.clone())
+    for i in range(P):
+        c.check(f"random floats: rank {i} == rank {rank}", allx[i], x)
+    c.check("bytes around the view", torch.cat([base[:lo], base[hi:]]),
+            torch.cat([orig[:lo], orig[hi:]]))
+    return c.fails, c.n, E.cma
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P,how", [(2, "on"), (3, "on"), (4, "on"), (3, "off"), (2, "eperm")])
+def test_cross_memory_attach_all_reduce_matches_gloo(P, how):
+    """LINERATE_CMA=1: all_reduce from CMA_BYTES on reads the peers' tensors
+    (process_vm_readv) where every rank may (3 ranks: a rank past the first two folds from a
+    copy of its own piece), and copies through the segment, with the same results, where one
+    rank may not or does not want to. (Off by default: the other tests run without it.)"""
+    res = run_ranks(_cma, P, how, env={"LINERATE_CMA": "1"}, timeout=240)
+    for fails, n, cma in res:
+        assert not fails, "\n".join(fails[:20])
+        assert n > 40
+    used = {cma for _, _, cma in res}
+    if how == "on":
+        # this machine allows cross-memory attach between its processes (root, no seccomp)
+        assert used == {True}, res
+    else:
+        assert used == {False}, res
+
+
 def _one_rank(rank, P, lr):
     x = torch.arange(5.0)
     dist.all_reduce(x, group=lr)

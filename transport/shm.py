@@ -217,6 +217,37 @@ def _futex_lib():
     return _libc
 
 
+# ----------------------------------------------------------------------------- CMA
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_cma_fn = None
+
+
+def cma_read(pid: int, local: int, remote: int, n: int) -> None:
+    """Copy ``n`` bytes at address ``remote`` of process ``pid`` to address ``local`` of this
+    process: one copy, by the kernel (cross-memory attach, ``process_vm_readv``; the GIL is
+    released). Raises OSError (EPERM: ptrace rules or a seccomp filter forbid it; ESRCH: the
+    process is gone; EFAULT: its range is not mapped) when not every byte was read."""
+    global _cma_fn
+    if _cma_fn is None:
+        f = _futex_lib().process_vm_readv
+        f.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                      ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        f.restype = ctypes.c_ssize_t
+        _cma_fn = f
+    while n > 0:
+        lv, rv = _Iovec(local, n), _Iovec(remote, n)
+        got = _cma_fn(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        if got <= 0:
+            e = ctypes.get_errno() if got < 0 else 14  # nothing read: EFAULT
+            raise OSError(e, f"process_vm_readv from process {pid}: {os.strerror(e)}")
+        local += got
+        remote += got
+        n -= got
+
+
 class Segment:
     """One host's mapping of a group's shared segment (see the module docstring). ``size`` and
     ``rank`` count the ranks that share it (segment ranks); ``ranks[i]`` is the group rank of
