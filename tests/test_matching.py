@@ -310,3 +310,26 @@ def test_fuzz_post_and_arrival_orders_against_a_reference():
                 assert sent[real][msgno] == data, (case, real, msgno)
         assert d.m.staged_bytes == 0 and all(not p.unexpected and not p.inflight and not p.posted
                                              for p in d.m.peers.values()), case
+
+
+def test_large_staging_buffers_are_mappings_of_their_own():
+    """Staging buffers from ANON_BYTES on are anonymous mappings (unmapped when dropped, not
+    left as allocator slack in a thread's arena); smaller ones come from the allocator."""
+    import mmap
+    import resource
+
+    from linerate.transport.memory import ANON_BYTES, anon_bytes
+    small, big = anon_bytes(ANON_BYTES - 1), anon_bytes(ANON_BYTES)
+    assert not isinstance(small.obj, mmap.mmap) and isinstance(big.obj, mmap.mmap)
+    assert len(small) == ANON_BYTES - 1 and len(big) == ANON_BYTES and not big.readonly
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    before = rss()
+    buf = anon_bytes(64 << 20)
+    buf[::4096] = b"\1" * (64 << 8)  # touch every page
+    assert rss() - before >= 60 << 20
+    del buf
+    assert rss() - before < 4 << 20  # given back at once

@@ -35,6 +35,7 @@ import threading
 import numpy as np
 
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, FrameError
+from .memory import anon_bytes
 
 #: Stands in ``inflight`` for a message whose receive failed: its chunks are dropped.
 DEAD = object()
@@ -362,7 +363,7 @@ class Matcher:
         if free:
             self._kept -= n
             return free.pop()
-        return memoryview(np.empty(n, np.uint8))  # no zero-fill: the bytes are overwritten
+        return anon_bytes(n)  # no zero-fill: the bytes are overwritten; unmapped when dropped
 
     def forget(self, staged: Staged) -> None:
         """*Lock held.* A staged message that no receive will copy (it did not match): its
