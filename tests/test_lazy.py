@@ -169,6 +169,35 @@ def test_peer_gone_before_first_use_fails_naming_it():
 
 # ----------------------------------------------------------------------------- strangers
 @pytest.mark.timeout(60)
+def test_dial_cut_partway_fails_the_peer_at_once():
+    """Rank 0 dials rank 1's 2-connection link, gets connection 0 accepted, and vanishes:
+    rank 1, waiting for the rest (a receive from rank 0), fails rank 0 at once, naming the
+    cut connection, instead of waiting LINERATE_CONNECT_TIMEOUT (20 s here)."""
+    from linerate.transport.request import PeerFailure
+    c0, c1 = _contexts(2, nsocks=2)
+    try:
+        mesh0, mesh1 = c0._tcp, c1._tcp
+        rail = mesh0._rails[1][0]
+        sock = mesh0._connect(1, mesh0._remote[1][rail], mesh0.addresses[rail], 0,
+                              time.monotonic() + 10, lazy=True)
+        end = time.monotonic() + 10
+        while mesh1._state[0] != "accept" or mesh1._socks[0][0] is None:
+            assert time.monotonic() < end, "rank 1 did not take connection 0"
+            time.sleep(0.01)
+        r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_P2P, 3)
+        time.sleep(0.3)  # rank 1 now waits for connection 1
+        assert not r.is_completed()
+        t0 = time.monotonic()
+        sock.close()
+        with pytest.raises(PeerFailure) as ei:
+            r.wait(10)
+        assert time.monotonic() - t0 < 3.0
+        assert ei.value.peer == 0 and "closed connection 0" in str(ei.value), ei.value
+    finally:
+        _close([c0, c1])
+
+
+@pytest.mark.timeout(60)
 def test_stranger_at_open_listener_is_refused():
     ctxs = _contexts(2, nsocks=1)
     try:

@@ -31,6 +31,7 @@ link is made (or has failed), or the Context closes.
 """
 from __future__ import annotations
 
+import _socket
 import errno
 import logging
 import os
@@ -476,23 +477,50 @@ class TcpMesh:
         self._made(peer, socks)
 
     def _await_incoming(self, peer: int, deadline: float | None = None) -> None:
-        """Wait for the peer's connections (its dial); fail the peer at the deadline."""
+        """Wait for the peer's connections (its dial); fail the peer at the deadline, or as
+        soon as a connection of that dial that already arrived is closed (the peer gave up or
+        died partway: the rest will never come)."""
         if deadline is None:
             deadline = time.monotonic() + self.options.connect_timeout
+        cut = None
         with self._cond:
             while self._state[peer] not in ("done", "failed") and not self._stop:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(min(left, 1.0))
+                self._cond.wait(min(left, _PARTIAL_POLL_S))
+                cut = self._partial_cut(peer)
+                if cut is not None:
+                    break
             else:
                 return
+        if cut is not None:
+            self._lazy_failed(peer, TransportError(
+                f"rank {self.rank}: rank {peer} closed connection {cut} of its link before its "
+                f"other connections arrived: rank {peer} exited, crashed or gave up connecting"))
+            return
         refused = self.tls.last_refusal if self.tls is not None else None
         self._lazy_failed(peer, TransportError(
             f"rank {self.rank}: the connections from rank {peer} did not arrive within "
             f"{self.options.connect_timeout:.0f}s (LINERATE_CONNECT_TIMEOUT); is rank {peer} "
             f"alive and its address reachable?"
             + (f" (LINERATE_TLS: the last TLS handshake refused here: {refused})" if refused else "")))
+
+    def _partial_cut(self, peer: int) -> int | None:
+        """*Under _cond.* The index of a connection of ``peer``'s incomplete dial that the
+        peer closed (EOF or reset), else None. Peeks at the TCP stream itself (also under TLS:
+        any byte, a record or close_notify, is not an end): nothing is consumed."""
+        for index, sock in enumerate(self._socks[peer]):
+            if sock is None:
+                continue
+            try:
+                if _socket_recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return index
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return index
+        return None
 
     def _complete(self) -> bool:
         return all(None not in s for s in self._socks.values())
@@ -604,6 +632,11 @@ class TcpMesh:
             except OSError:
                 pass
 
+
+#: Waiting for a peer's dial: how often the connections that already arrived are looked at.
+_PARTIAL_POLL_S = 0.1
+#: recv of the socket itself, also for an ssl.SSLSocket (whose own recv refuses flags).
+_socket_recv = _socket.socket.recv
 
 _FD_LOCK = threading.Lock()
 
