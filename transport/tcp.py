@@ -18,7 +18,8 @@ made on a short-lived thread and handed over with ``on_link(peer, link)``, or it
 ``on_fail(peer, error)`` (the error names the peer). Either rank of a pair may dial, and both
 may at once. The rule: a rank accepts an authenticated connection from a peer unless it is
 itself the lower rank of the pair and is dialing that peer; then it answers DECLINE
-(handshake.Declined). A rank that is closing, or already holds or has failed that peer's link,
+(handshake.Declined), and so does a rank whose dial of that peer just completed (the peer
+may still be taking the last connections). A rank that is closing, or has failed that peer,
 answers GONE (handshake.Gone): the dialer fails the peer at once (it does not wait
 LINERATE_CONNECT_TIMEOUT for connections that will never come). So when both dial, the lower rank's dial wins, the
 higher rank's dialer is declined at its first connection (nothing was sent on it) and waits
@@ -389,13 +390,16 @@ class TcpMesh:
 
     def _decide(self, peer: int, index: int) -> bytes:
         """An authenticated connection from ``peer`` arrived: keep it (ACK), decline it
-        because this rank's own dial makes the link (DECLINE), or tell the peer no link will
-        be made (GONE: this rank is closing, or has failed or already linked ``peer``; the
-        peer fails its side at once instead of waiting for a dial that never comes)."""
+        because the link is made the other way (DECLINE: this rank's own dial, under way or
+        just done while the peer's side still takes its connections), or tell the peer no
+        link will be made (GONE: this rank is closing, or has failed ``peer``; the peer fails
+        its side at once instead of waiting for a dial that never comes)."""
         with self._cond:
             st = self._state[peer]
-            if self._stop or st in ("done", "failed"):
+            if self._stop or st == "failed":
                 return handshake.GONE
+            if st == "done":
+                return handshake.DECLINE
             if st == "dial":  # both dial: the lower rank's dial wins
                 return handshake.ACK if self.rank > peer else handshake.DECLINE
             self._state[peer] = "accept"
