@@ -49,15 +49,26 @@ _DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
 # peer which already moved on to a later op can still compare this op's call with its own
 _HIST, _HIST_N = 40, 8
 # words 56..59: cross-memory attach (see _all_reduce_cma): the tensor's address in this op; a
-# private word's address and the nonce it holds (the probe); the probe's verdict (1 ok, 2 not)
-_CMA_PTR, _CMA_ADDR, _CMA_NONCE, _CMA_OK = 56, 57, 58, 59
-#: With LINERATE_CMA=1, an all_reduce from this many bytes reads the peers' tensors with
-#: cross-memory attach (process_vm_readv) where every rank may: one copy per byte moved, no
-#: staging in the segment. Off by default: on this project's 2-core machine it measured slower
-#: than the copies through the segment (whose chunks stay in L3): 64 MB, 2 ranks, the two
-#: alternating in one run: 10.5-11.5 vs 8.3-8.6 ms (12.8 vs 14.6 in a slow period); 4 ranks
-#: 34 vs 31 ms. Pieces of 1 MB measured best (256 KB: 11.4-12.8, 4 MB: 11.3 ms).
+# private word's address and the nonce it holds (the probe); the probe's verdict (1 ok and
+# tuned, 3 ok and always, 2 not); words 60..63: this rank's smoothed time per byte of each
+# large all_reduce path (picoseconds: CMA, segment), in two slots by the parity of the op count
+_CMA_PTR, _CMA_ADDR, _CMA_NONCE, _CMA_OK, _CMA_TIMES = 56, 57, 58, 59, 60
+#: An all_reduce from this many bytes may read the peers' tensors with cross-memory attach
+#: (process_vm_readv) where every rank may: one copy per byte moved, no staging in the segment.
+#: Neither path wins everywhere: on this project's 2-core machine (64 MB, 2 ranks, the two
+#: alternating in one run) the copies through the segment took 8.3-8.6 ms against 10.5-11.5
+#: while the 32 MB L3 was the ranks' own, and 14.5 against 10.2 ms in the minutes when it was
+#: not (the segment's chunks fall out of the cache; CMA streams from memory either way). So
+#: LINERATE_CMA=auto tries both and keeps taking the one that measured faster (_cma_choice).
+#: Pieces of 1 MB measured best (256 KB: 11.4-12.8, 4 MB: 11.3 ms).
 CMA_BYTES = 1 << 20
+#: LINERATE_CMA=auto: the first CMA_EXPLORE large all_reduces alternate the paths (the first
+#: of each is not counted: it pays the page faults of fresh buffers); then every CMA_RETRY-th
+#: takes the path that measured slower, so that a change of conditions is seen. A path's time
+#: is the best of its last CMA_KEEP times per byte (noise only ever adds time).
+CMA_EXPLORE = 6
+CMA_RETRY = 16
+CMA_KEEP = 3
 #: The pieces that a rank reduces its share in (each peer's piece is read into a scratch
 #: buffer that stays in cache, then folded).
 CMA_PIECE = 1 << 20
@@ -174,12 +185,17 @@ class Engine:
         self._pidns = _pidns()
         self.ctrl[self.r, _PIDNS] = self._pidns
         self.ctrl[self.r, _PID] = os.getpid()
-        #: Cross-memory attach between every pair of these ranks: None until the first large
-        #: all_reduce asks every rank (LINERATE_CMA=0, the default: this rank answers no).
+        #: Cross-memory attach between these ranks, agreed by all: None until the first large
+        #: all_reduce asks every rank; then "off", "on" (every rank has LINERATE_CMA=1: always)
+        #: or "tuned" (auto: the path that measured faster, _cma_choice).
         self.cma = None
         from linerate import settings
-        self._cma_allowed = settings.read("LINERATE_CMA") == "1"
+        self._cma_setting = settings.read("LINERATE_CMA")
+        self._cma_allowed = self._cma_setting != "0"
         self._cma_scratch = None
+        self._big = 0                 # large all_reduces run here (the same on every rank)
+        self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
+        self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
         seg.on_close.append(self._release)
 
     def _release(self) -> None:
@@ -423,9 +439,25 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     if n * es >= CMA_BYTES and P > 1:
         if E.cma is None:
             E.cma = _cma_probe(E)
-        if E.cma:
-            _all_reduce_cma(E, flat, op)
+        if E.cma != "off":
+            m = E._big
+            E._big += 1
+            use = E.cma == "on" or _cma_choice(E, m)
+            t0 = time.perf_counter()
+            if use:
+                _all_reduce_cma(E, flat, op)
+            else:
+                _all_reduce_segment(E, flat, op)
+            _cma_note(E, m, use, (time.perf_counter() - t0) / (n * es))
             return
+        E.big_paths[1] += 1
+    _all_reduce_segment(E, flat, op)
+
+
+def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
+    """Chunks through the segment: copy in, each rank folds its share, copy out (pipelined)."""
+    P, r = E.P, E.r
+    n, es, dt = flat.numel(), flat.element_size(), flat.dtype
     chunks = _chunks(n, E.C // es)
     nch = len(chunks)
     sets = [E.next_set() for _ in chunks]
@@ -458,9 +490,10 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
 
 
 def _cma_probe(E: Engine) -> bool:
-    """Whether every rank of the segment has LINERATE_CMA=1 and can read every other's memory
-    with cross-memory attach, agreed by all (asked once, in the first large all_reduce; two
-    barriers; every rank asks, whatever its setting, so that all run the same ticks). Each
+    """Whether every rank of the segment allows cross-memory attach (LINERATE_CMA not 0) and
+    can read every other's memory with it, agreed by all: "off", "on" (every rank has 1) or
+    "tuned" (asked once, in the first large all_reduce; two barriers; every rank asks,
+    whatever its setting, so that all run the same ticks). Each
     rank publishes the address of a private word holding a fresh nonce (the nonce itself goes
     in its control row) and reads every peer's: the read must succeed and find that nonce,
     which also proves the pid is the process that holds the segment. Containers without
@@ -473,14 +506,14 @@ def _cma_probe(E: Engine) -> bool:
     ctrl[r, _CMA_ADDR] = word.ctypes.data if E._cma_allowed else 0
     E.publish()
     E.wait(E.tick)
-    ok, why = E._cma_allowed, "LINERATE_CMA is not 1"
+    ok, why = E._cma_allowed, "LINERATE_CMA=0"
     got = np.zeros(1, dtype=np.int64)
     for q in range(P):
         if not ok or q == r:
             continue
         addr = int(ctrl[q, _CMA_ADDR])
         if addr == 0:
-            ok, why = False, f"rank {E.gr[q]} does not have LINERATE_CMA=1"
+            ok, why = False, f"rank {E.gr[q]} has LINERATE_CMA=0"
         elif int(ctrl[q, _PIDNS]) != E._pidns or not E._pidns:
             ok, why = False, f"rank {E.gr[q]} runs in another pid namespace"
         else:
@@ -490,18 +523,51 @@ def _cma_probe(E: Engine) -> bool:
                     ok, why = False, f"process {int(ctrl[q, _PID])} is not rank {E.gr[q]}"
             except OSError as e:
                 ok, why = False, str(e)
-    ctrl[r, _CMA_OK] = 1 if ok else 2
+    ctrl[r, _CMA_OK] = (3 if E._cma_setting == "1" else 1) if ok else 2
     E.publish()
     E.wait(E.tick)
-    agreed = all(int(ctrl[q, _CMA_OK]) == 1 for q in range(P))
+    verdicts = {int(ctrl[q, _CMA_OK]) for q in range(P)}
+    agreed = "off" if 2 in verdicts else "on" if verdicts == {3} else "tuned"
     del word
     if not ok and E._cma_allowed:
         log.info("rank %d: no cross-memory attach between the ranks of this host (%s): large "
                  "all_reduces copy through the shared segment", E.me, why)
-    elif ok and not agreed:
+    elif ok and agreed == "off":
         log.info("rank %d: another rank of this host cannot use cross-memory attach: large "
                  "all_reduces copy through the shared segment", E.me)
     return agreed
+
+
+def _cma_choice(E: Engine, m: int) -> bool:
+    """LINERATE_CMA=auto: whether the m-th large all_reduce of this engine reads by
+    cross-memory attach. The same answer on every rank: it depends on m and on the times every
+    rank published after its op m-2 (in slot m % 2; each rank wrote it before its first tick
+    of op m-1, which every rank waited for, and will write it again only after op m, which
+    needs this rank's ticks of op m); the path whose time per byte summed over the ranks is
+    lower wins, every CMA_RETRY-th op the other one."""
+    if m < CMA_EXPLORE:
+        return m % 2 == 1
+    slot = _CMA_TIMES + 2 * (m % 2)
+    cma, seg = E.ctrl[:, slot], E.ctrl[:, slot + 1]
+    if not cma.all() or not seg.all():  # a path without a time on some rank: measure it
+        return not cma.all()
+    faster = int(cma.sum()) < int(seg.sum())
+    return (not faster) if m % CMA_RETRY == 0 else faster
+
+
+def _cma_note(E: Engine, m: int, used_cma: bool, per_byte: float) -> None:
+    """Keep this op's time per byte for its path (not the path's first: warm-up); publish
+    each path's best of its last CMA_KEEP in slot m % 2 (0: none yet)."""
+    i = 0 if used_cma else 1
+    E.big_paths[i] += 1
+    if E.big_paths[i] > 1:
+        kept = E._times[i]
+        kept.append(per_byte)
+        del kept[:-CMA_KEEP]
+    if E.ctrl is not None:
+        slot = _CMA_TIMES + 2 * (m % 2)
+        for j in (0, 1):
+            E.ctrl[E.r, slot + j] = int(min(E._times[j]) * 1e12) if E._times[j] else 0
 
 
 def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:

@@ -281,12 +281,13 @@ _ALL = [
        "use rail i mod R; with fewer local ranks than rails, every L-th rail from i), as NCCL "
        "gives each GPU its nearest NIC; 0: every link stripes over every rail; every rank must "
        "agree", "transport", "transport.rail_spread"),
-    _S("LINERATE_CMA", _word, _one_of(("0", "1")), "0", "0", "0 or 1",
-       "cross-memory attach between the ranks of one host that share memory: 1: an all_reduce "
-       "of 1 MiB or more reads the peers' tensors with process_vm_readv (one copy per byte, "
-       "nothing staged in the shared segment) where every rank of the host has 1 and may "
-       "(probed once per group, else the copies through the segment); 0: never (measured "
-       "slower on 2 cores, see the README)", "transport"),
+    _S("LINERATE_CMA", _word, _one_of(("auto", "0", "1")), "auto", "auto", "auto, 0 or 1",
+       "cross-memory attach between the ranks of one host that share memory, for all_reduces "
+       "of 1 MiB or more (each rank reads the peers' tensors with process_vm_readv: one copy "
+       "per byte, nothing staged in the shared segment), where every rank of the host may "
+       "(probed once per group; else the copies through the segment): auto tries both and "
+       "takes the one measured faster, 1 always (where every rank has 1), 0 never (one rank "
+       "with 0 turns it off for its host)", "transport"),
     _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "threads", "threads",
        "shared or threads",
        "who drives the TCP connections: shared (a process-wide pool of LINERATE_IO_THREADS "

@@ -200,11 +200,14 @@ def test_more_ranks_small_sizes(P):
 
 def _cma(rank, P, lr, how):
     """Large all_reduces (>= CMA_BYTES) against Gloo: every dtype and op at an odd size just
-    over the threshold. Every rank has LINERATE_CMA=1; ``how``: "on" (cross-memory attach,
-    which this machine allows), "off" (rank 1 sets LINERATE_CMA=0: every rank copies through
-    the segment), "eperm" (rank 1's probe is refused as a seccomp filter or Yama would: the
+    over the threshold. ``how``: "on" (every rank LINERATE_CMA=1: cross-memory attach, which
+    this machine allows, for every one), "auto" (the default: both paths tried, then the one
+    measured faster), "off" (rank 1 sets LINERATE_CMA=0: every rank copies through the
+    segment), "eperm" (rank 1's probe is refused as a seccomp filter or Yama would: the
     same)."""
     from linerate.collectives import shm_algos
+    if how == "on":
+        os.environ["LINERATE_CMA"] = "1"
     if how == "off" and rank == 1:
         os.environ["LINERATE_CMA"] = "0"
     if how == "eperm" and rank == 1:
@@ -237,26 +240,33 @@ def _cma(rank, P, lr, how):
         c.check(f"random floats: rank {i} == rank {rank}", allx[i], x)
     c.check("bytes around the view", torch.cat([base[:lo], base[hi:]]),
             torch.cat([orig[:lo], orig[hi:]]))
-    return c.fails, c.n, E.cma
+    return c.fails, c.n, E.cma, tuple(E.big_paths)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("P,how", [(2, "on"), (3, "on"), (4, "on"), (3, "off"), (2, "eperm")])
+@pytest.mark.parametrize("P,how", [(2, "on"), (3, "on"), (4, "on"), (3, "auto"), (3, "off"),
+                                   (2, "eperm")])
 def test_cross_memory_attach_all_reduce_matches_gloo(P, how):
-    """LINERATE_CMA=1: all_reduce from CMA_BYTES on reads the peers' tensors
-    (process_vm_readv) where every rank may (3 ranks: a rank past the first two folds from a
-    copy of its own piece), and copies through the segment, with the same results, where one
-    rank may not or does not want to. (Off by default: the other tests run without it.)"""
-    res = run_ranks(_cma, P, how, env={"LINERATE_CMA": "1"}, timeout=240)
-    for fails, n, cma in res:
+    """all_reduce from CMA_BYTES on reads the peers' tensors (process_vm_readv) where every
+    rank may (3 ranks: a rank past the first two folds from a copy of its own piece), and
+    copies through the segment, with the same results, where one rank may not or does not
+    want to; under auto every rank takes the same path for each op (else the op would hang or
+    be named a mismatch) after trying both."""
+    res = run_ranks(_cma, P, how, timeout=240)
+    for fails, n, _, _ in res:
         assert not fails, "\n".join(fails[:20])
         assert n > 40
-    used = {cma for _, _, cma in res}
+    modes = {cma for _, _, cma, _ in res}
+    paths = {p for _, _, _, p in res}
+    assert len(paths) == 1, res  # (CMA, segment) counts: the same on every rank
+    cma, seg = paths.pop()
+    # this machine allows cross-memory attach between its processes (root, no seccomp)
     if how == "on":
-        # this machine allows cross-memory attach between its processes (root, no seccomp)
-        assert used == {True}, res
+        assert modes == {"on"} and seg == 0 and cma > 40, res
+    elif how == "auto":
+        assert modes == {"tuned"} and cma >= 2 and seg >= 2, res
     else:
-        assert used == {False}, res
+        assert modes == {"off"} and cma == 0 and seg > 40, res
 
 
 def _one_rank(rank, P, lr):

@@ -1,12 +1,13 @@
-"""One-host all_reduce with and without cross-memory attach (LINERATE_CMA), alternating in one
-run so that both see the same machine (memory bandwidth here swings by 1.7x from minute to
-minute).
+"""One-host all_reduce with and without cross-memory attach (LINERATE_CMA=1 / 0) and choosing
+between them (auto), alternating in one run so that all see the same machine (the copies
+through the segment swing by 1.7x here from minute to minute, with the L3 the ranks get).
 
     python -m linerate.tools.dev.cma_bench [--nproc 2] [--bytes 64M] [--rounds 10]
 
-Each rank makes two linerate groups of the same ranks, one with LINERATE_CMA=1 and one with 0,
-and runs rounds of 5 all_reduces on each in turn; rank 0 prints each variant's median and best
-time per op, and whether each group used cross-memory attach (its probe may find it forbidden).
+Each rank makes three linerate groups of the same ranks (LINERATE_CMA=auto, 1 and 0) and runs
+rounds of 5 all_reduces on each in turn; rank 0 prints each variant's median and best time per
+op, the mode each group agreed on (its probe may find cross-memory attach forbidden) and how
+many ops took each path.
 Wrap it in ``flock /tmp/bench.lock`` on a shared machine.
 """
 from __future__ import annotations
@@ -31,11 +32,15 @@ def _rank(rank: int, P: int, port: int, nbytes: int, rounds: int) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=P)
+    # The setting is read when a group's shared-memory engine is made: one group with it on,
+    # one with it off.
+    variants = {"auto": {"LINERATE_CMA": "auto"}, "cma": {"LINERATE_CMA": "1"},
+                "segment": {"LINERATE_CMA": "0"}}
     groups = {}
-    for name, value in (("cma", "1"), ("segment", "0")):
-        os.environ["LINERATE_CMA"] = value
+    for name, env in variants.items():
+        os.environ.update(env)
         groups[name] = dist.new_group(backend="linerate")
-    x = torch.ones(nbytes // 4)
+    x = torch.zeros(nbytes // 4)  # zeros: sums repeated in place stay finite
     for g in groups.values():
         for _ in range(3):
             dist.all_reduce(x, group=g)
@@ -49,10 +54,12 @@ def _rank(rank: int, P: int, port: int, nbytes: int, rounds: int) -> None:
             times[name].append((time.perf_counter() - t0) / 5)
     if rank == 0:
         for name, ts in times.items():
-            used = groups[name]._shm.cma if groups[name]._shm is not None else None
+            eng = groups[name]._shm
+            mode, (cma, seg) = (eng.cma, eng.big_paths) if eng is not None else (None, (0, 0))
             print(f"{P} ranks, {nbytes >> 20} MB all_reduce, {name:8s}: median "
                   f"{statistics.median(ts) * 1e3:.2f} ms, best {min(ts) * 1e3:.2f} ms "
-                  f"(cross-memory attach used: {used})", flush=True)
+                  f"(cross-memory attach: {mode}; ops by CMA {cma}, through the segment "
+                  f"{seg})", flush=True)
     dist.destroy_process_group()
 
 
