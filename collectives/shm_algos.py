@@ -191,7 +191,6 @@ class Engine:
         self.cma = None
         from linerate import settings
         self._cma_setting = settings.read("LINERATE_CMA")
-        self._cma_allowed = self._cma_setting != "0"
         self._cma_scratch = None
         self._big = 0                 # large all_reduces run here (the same on every rank)
         self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
@@ -489,7 +488,7 @@ def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
             E.wait(E.tick)
 
 
-def _cma_probe(E: Engine) -> bool:
+def _cma_probe(E: Engine) -> str:
     """Whether every rank of the segment allows cross-memory attach (LINERATE_CMA not 0) and
     can read every other's memory with it, agreed by all: "off", "on" (every rank has 1) or
     "tuned" (asked once, in the first large all_reduce; two barriers; every rank asks,
@@ -503,10 +502,11 @@ def _cma_probe(E: Engine) -> bool:
     nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
     word = np.array([nonce], dtype=np.int64)  # private memory, alive until the 2nd barrier
     ctrl[r, _CMA_NONCE] = nonce
-    ctrl[r, _CMA_ADDR] = word.ctypes.data if E._cma_allowed else 0
+    allowed = E._cma_setting != "0"
+    ctrl[r, _CMA_ADDR] = word.ctypes.data if allowed else 0
     E.publish()
     E.wait(E.tick)
-    ok, why = E._cma_allowed, "LINERATE_CMA=0"
+    ok, why = allowed, "LINERATE_CMA=0"
     got = np.zeros(1, dtype=np.int64)
     for q in range(P):
         if not ok or q == r:
@@ -529,7 +529,7 @@ def _cma_probe(E: Engine) -> bool:
     verdicts = {int(ctrl[q, _CMA_OK]) for q in range(P)}
     agreed = "off" if 2 in verdicts else "on" if verdicts == {3} else "tuned"
     del word
-    if not ok and E._cma_allowed:
+    if not ok and allowed:
         log.info("rank %d: no cross-memory attach between the ranks of this host (%s): large "
                  "all_reduces copy through the shared segment", E.me, why)
     elif ok and agreed == "off":

@@ -595,14 +595,14 @@ def _hello(secret=SECRET, magic=handshake.MAGIC, version=handshake.VERSION, src=
     return handshake.HELLO.pack(magic, version, 0, job_id, src, dst, index, nconns, os.urandom(16))
 
 
-def _accept_async(sock, secret=SECRET, my_rank=0, world=4, nconns=2, timeout=2.0):
+def _accept_async(sock, secret=SECRET, my_rank=0, world=4, nconns=2, timeout=2.0, decide=None):
     """Run accept_side on a thread, as Context does; drop the connection when it ends."""
     res: dict = {}
 
     def run():
         sock.settimeout(timeout)
         try:
-            res["ok"] = handshake.accept_side(sock, secret, my_rank, world, nconns)
+            res["ok"] = handshake.accept_side(sock, secret, my_rank, world, nconns, decide)
         except BaseException as e:
             res["err"] = e
         finally:
@@ -650,20 +650,7 @@ def test_handshake_answers(answer):
     """The acceptor's verdict reaches the connector as its own outcome: DECLINE (the link is
     made the other way: wait for it) differs from GONE (no link either way: fail the peer)."""
     a, b = socket.socketpair()
-    res: dict = {}
-
-    def run():
-        b.settimeout(5)
-        try:
-            res["ok"] = handshake.accept_side(b, SECRET, 0, 4, 2,
-                                              lambda peer, index: getattr(handshake, answer))
-        except BaseException as e:
-            res["err"] = e
-        finally:
-            b.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, res = _accept_async(b, timeout=5.0, decide=lambda peer, index: getattr(handshake, answer))
     with a:
         a.settimeout(5)
         if answer == "ACK":

@@ -33,6 +33,7 @@ bell per rank: ``ring(q)`` bumps rank q's counter in the segment and wakes it if
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import hmac
 import json
@@ -241,7 +242,7 @@ def cma_read(pid: int, local: int, remote: int, n: int) -> None:
         lv, rv = _Iovec(local, n), _Iovec(remote, n)
         got = _cma_fn(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
         if got <= 0:
-            e = ctypes.get_errno() if got < 0 else 14  # nothing read: EFAULT
+            e = ctypes.get_errno() if got < 0 else errno.EFAULT  # nothing read
             raise OSError(e, f"process_vm_readv from process {pid}: {os.strerror(e)}")
         local += got
         remote += got
