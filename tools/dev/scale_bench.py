@@ -17,6 +17,11 @@ of all ranks of its own, one backend after the other, and every rank measures:
   (after a warm-up), the largest over ranks;
 - **2-rank new_group**: seconds for ranks 0 and 1 to create a group of just the two of them and
   complete a first op on it, while the other N-2 ranks take part in ``new_group`` as torch asks;
+- with ``--repeat K`` (default 7): set-up and the 2-rank new_group again K times per backend,
+  the backends alternating (each group destroyed before the next), each time the largest over
+  ranks; the table shows the median of the K (and the first, one-shot figure above it in the
+  JSON as ``setup_s`` / ``pair_group_s``): one sample of a few milliseconds on a host with
+  fewer cores than ranks is mostly which process the scheduler ran first;
 - with ``--subgroups K``: seconds to create K two-rank subgroups (pairs (i, i+1 mod N), every rank
   a member of some) and run one op on each, and the threads the rank holds after that.
 
@@ -27,6 +32,7 @@ prints one line per backend and size, and the ratio linerate/Gloo, and appends J
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -124,6 +130,57 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
     return out
 
 
+def _samples(backends, repeat: int) -> dict:
+    """Set-up and 2-rank new_group, ``repeat`` times per backend, the backends alternating:
+    {backend: {"setup": [...], "setup_cpu": [...], "pair": [...]}} (each sample the largest
+    over ranks; CPU summed over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    one = torch.zeros(1)
+    got = {b: {"setup": [], "setup_cpu": [], "pair": []} for b in backends}
+    for k in range(repeat):
+        for b in (backends if k % 2 == 0 else tuple(reversed(backends))):
+            # Every sample starts with nothing left for the collector: a full collection of a
+            # process that imported torch takes 40 ms of CPU (0.3-1.4 s of wall time with 8-32
+            # ranks on 2 cores); one set off inside a sample by earlier garbage is not the
+            # backend's cost.
+            gc.collect()
+            dist.barrier()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            g = dist.new_group(backend=b)
+            dist.all_reduce(one, group=g)
+            got[b]["setup"].append(time.perf_counter() - t0)
+            got[b]["setup_cpu"].append(time.process_time() - c0)
+            if size >= 2:  # made while the group of all ranks is up, as a job's subgroups are
+                dist.barrier()
+                t0 = time.perf_counter()
+                pair = dist.new_group([0, 1], backend=b)
+                if rank < 2:
+                    dist.all_reduce(one, group=pair)
+                got[b]["pair"].append(time.perf_counter() - t0 if rank < 2 else 0.0)
+                dist.barrier()  # no rank tears a group down while 0 and 1 still make theirs
+                if rank < 2:
+                    dist.destroy_process_group(pair)
+                del pair
+            dist.destroy_process_group(g)
+            # A group's object goes when its last reference does: here, not in the next
+            # sample's new_group (Gloo closes its connections and joins its threads then).
+            del g
+            gc.collect()
+    for b in backends:
+        for key in ("setup", "pair"):
+            t = torch.tensor(got[b][key] or [0.0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            got[b][key] = t.tolist()
+        t = torch.tensor(got[b]["setup_cpu"] or [0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        got[b]["setup_cpu"] = t.tolist()
+    return got
+
+
 def worker(args) -> int:
     import torch.distributed as dist
     import linerate  # noqa: F401  (registers the backend)
@@ -134,6 +191,19 @@ def worker(args) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     rows = [_measure(b, args.iters, args.subgroups) for b in BACKENDS]
+    if args.repeat > 0:
+        import statistics
+        got = _samples(BACKENDS, args.repeat)
+        for row in rows:
+            g = got[row["backend"]]
+            row["repeat"] = args.repeat
+            row["setup_med_s"] = statistics.median(g["setup"])
+            row["setup_min_s"] = min(g["setup"])
+            row["setup_cpu_med_s"] = statistics.median(g["setup_cpu"])
+            row["pair_group_med_s"] = statistics.median(g["pair"])
+            row["pair_group_min_s"] = min(g["pair"])
+            row["setup_samples_s"] = [round(x, 4) for x in g["setup"]]
+            row["pair_group_samples_s"] = [round(x, 4) for x in g["pair"]]
     if rank == 0:
         with open(args.json, "a") as f:
             for row in rows:
@@ -154,14 +224,19 @@ def _table(rows: list[dict]) -> str:
 
         def cell(key, fmt):
             return f"{fmt.format(lr[key])} ({fmt.format(gl[key])})"
-        line = (f"| {n} | {cell('threads', '{:.0f}')} | {cell('setup_s', '{:.2f}')} | "
-                f"{cell('setup_cpu_s', '{:.2f}')} | "
-                f"{cell('allreduce_4k_ms', '{:.2f}')} | {cell('pair_group_s', '{:.3f}')} |")
+        med = "setup_med_s" in lr and "setup_med_s" in gl
+        line = (f"| {n} | {cell('threads', '{:.0f}')} | "
+                f"{cell('setup_med_s' if med else 'setup_s', '{:.3f}')} | "
+                f"{cell('setup_cpu_med_s' if med else 'setup_cpu_s', '{:.2f}')} | "
+                f"{cell('allreduce_4k_ms', '{:.2f}')} | "
+                f"{cell('pair_group_med_s' if med else 'pair_group_s', '{:.4f}')} |")
         if "subgroups" in lr:
             line += (f" {lr['subgroups_s']:.2f} ({gl['subgroups_s']:.2f}), "
                      f"{lr['subgroups_threads']:.0f} ({gl['subgroups_threads']:.0f}) |")
         lines.append(line)
-    return "\n".join(lines) + "\n(linerate, Gloo in parentheses; each the largest over ranks)"
+    return "\n".join(lines) + ("\n(linerate, Gloo in parentheses; each the largest over ranks; "
+                                "set-up and 2-rank new_group: the median of --repeat samples, "
+                                "the backends alternating)")
 
 
 def _count(path: str) -> int:
@@ -175,6 +250,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m " + MODULE, description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="2,8,16,32", help="world sizes, comma-separated")
     p.add_argument("--iters", type=int, default=50, help="timed 4 KB all_reduces per backend")
+    p.add_argument("--repeat", type=int, default=7,
+                   help="set-up and 2-rank new_group samples per backend, alternating (median shown)")
     p.add_argument("--subgroups", type=int, default=0, help="also create and use K two-rank subgroups")
     p.add_argument("--json", default="", help="append the results as JSON lines to this file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
@@ -194,7 +271,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for n in sizes:
         start = _count(out)
-        code = launch_local(MODULE, ["--worker", "--iters", str(args.iters), "--subgroups",
+        code = launch_local(MODULE, ["--worker", "--iters", str(args.iters), "--repeat",
+                                     str(args.repeat), "--subgroups",
                                      str(args.subgroups), "--json", out], n, args.timeout)
         if code != 0:
             print(f"scale_bench: {n} ranks failed (exit {code})", file=sys.stderr)
