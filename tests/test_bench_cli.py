@@ -222,3 +222,10 @@ def test_link_table_says_when_the_ranks_share_memory():
     tcp = link_lines("linerate", [dict(entry, shared_memory=False), dict(entry, rank=1, shared_memory=True)])
     assert not any("share memory" in line for line in tcp)
     assert all(line.startswith("#") for line in shm + tcp)
+
+
+def test_decent_bench_rejects_an_unknown_topology_before_starting_ranks(capsys):
+    from linerate.tools.dev import decent_bench
+    assert decent_bench.main(["--nproc", "2", "--topology", "aer-average-p2p"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown topology 'aer-average-p2p'" in err and "aer-average" in err and "decp2p" in err

@@ -85,6 +85,13 @@ def main(argv=None) -> int:
         print(f"decent_bench: unknown method(s) {', '.join(unknown)}; choose from "
               f"{', '.join(METHODS)}", file=sys.stderr)
         return 2
+    from linerate.collectives.topology import NAMES
+    topologies = sorted(NAMES) + ["aer-average"]
+    if args.topology not in topologies:  # here, not once per rank after they started
+        print(f"decent_bench: unknown topology {args.topology!r}; choose from "
+              f"{', '.join(topologies)} (intra-host averages point to point: the methods "
+              f"xp2p and decp2p)", file=sys.stderr)
+        return 2
     if args.netlab is not None:
         from linerate.tools import netlab
         reason = netlab.check_prereqs()
