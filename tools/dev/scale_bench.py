@@ -72,6 +72,28 @@ def _sum(value: float) -> float:
     return float(t.item())
 
 
+def _timed_group(backend: str, one):
+    """A group of all ranks and a first op on it: (group, seconds, CPU seconds of this rank)."""
+    import torch.distributed as dist
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    g = dist.new_group(backend=backend)
+    dist.all_reduce(one, group=g)
+    return g, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _timed_pair(backend: str, one):
+    """Ranks 0 and 1 make a group of their own (every rank calls new_group) and run a first op
+    on it: (group or None, seconds on ranks 0 and 1, 0 elsewhere)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    pair = dist.new_group([0, 1], backend=backend)
+    if rank < 2:
+        dist.all_reduce(one, group=pair)
+    return pair, (time.perf_counter() - t0 if rank < 2 else 0.0)
+
+
 def _measure(backend: str, iters: int, subgroups: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -80,12 +102,7 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
     one = torch.zeros(1)  # zeros: ops repeated in place stay finite
     dist.barrier()
     threads0 = _threads()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    g = dist.new_group(backend=backend)
-    dist.all_reduce(one, group=g)
-    setup = time.perf_counter() - t0
-    setup_cpu = time.process_time() - c0
+    g, setup, setup_cpu = _timed_group(backend, one)
     threads = _threads() - threads0
     x = torch.zeros(1024)  # 4 KB of float32
     for _ in range(5):
@@ -100,11 +117,8 @@ def _measure(backend: str, iters: int, subgroups: int) -> dict:
            "allreduce_4k_ms": _max(per_op * 1e3), "rss_mib": _max(_rss_mib())}
     # A two-rank group on N ranks: every rank calls new_group; ranks 0 and 1 time it.
     dist.barrier()
-    t0 = time.perf_counter()
-    pair = dist.new_group([0, 1], backend=backend) if size >= 2 else None
-    if pair is not None and rank < 2:
-        dist.all_reduce(one, group=pair)
-    out["pair_group_s"] = _max(time.perf_counter() - t0 if rank < 2 else 0.0)
+    pair, pair_s = _timed_pair(backend, one) if size >= 2 else (None, 0.0)
+    out["pair_group_s"] = _max(pair_s)
     if subgroups and size >= 2:
         dist.barrier()
         before = _threads()
@@ -148,19 +162,13 @@ def _samples(backends, repeat: int) -> dict:
             # backend's cost.
             gc.collect()
             dist.barrier()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            g = dist.new_group(backend=b)
-            dist.all_reduce(one, group=g)
-            got[b]["setup"].append(time.perf_counter() - t0)
-            got[b]["setup_cpu"].append(time.process_time() - c0)
+            g, setup, setup_cpu = _timed_group(b, one)
+            got[b]["setup"].append(setup)
+            got[b]["setup_cpu"].append(setup_cpu)
             if size >= 2:  # made while the group of all ranks is up, as a job's subgroups are
                 dist.barrier()
-                t0 = time.perf_counter()
-                pair = dist.new_group([0, 1], backend=b)
-                if rank < 2:
-                    dist.all_reduce(one, group=pair)
-                got[b]["pair"].append(time.perf_counter() - t0 if rank < 2 else 0.0)
+                pair, pair_s = _timed_pair(b, one)
+                got[b]["pair"].append(pair_s)
                 dist.barrier()  # no rank tears a group down while 0 and 1 still make theirs
                 if rank < 2:
                     dist.destroy_process_group(pair)
