@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import BYTES_PER_RANK, cma_read, pid_alive
+from linerate.transport.shm import BYTES_PER_RANK, cma_read
 
 from .comm import Comm, OpTimeout
 from .reduce_ops import RedOpType, finish_avg
@@ -76,6 +76,11 @@ CMA_PIECE = 1 << 20
 POLL_S = 0.005
 #: Checks of the counters before a waiting rank sleeps on the bell.
 SPIN = 20
+#: Seconds between a waiting rank's looks at whether the ranks it waits for still run (a
+#: kill(0) and a read of /proc/<pid>/stat each). Looking at every wake-up cost 31 of each per
+#: wake-up at 32 ranks: most of a small all_reduce's CPU (1.2-1.8 ms per rank per op, Gloo's
+#: 0.26). A rank that died is still noticed within this plus POLL_S.
+LIVE_S = 0.02
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
@@ -128,6 +133,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
+def _fold_rows(out: torch.Tensor, rows: np.ndarray, op, npdt) -> None:
+    """``_fold`` of the rows of a NumPy array (a dtype NumPy has): rank order likewise."""
+    o = out.numpy()
+    if len(rows) == 1:
+        o[...] = rows[0]
+        return
+    f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
+    f(rows[0], rows[1], out=o)
+    for i in range(2, len(rows)):
+        f(o, rows[i], out=o)
+
+
 def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
     """out = ((srcs[0] op srcs[1]) op srcs[2]) ...: rank order, as collectives.direct folds.
     NumPy's loops where NumPy has the dtype (one thread, without the GIL; IEEE operations as
@@ -176,6 +193,10 @@ class Engine:
         self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
         self.areas = [seg.data[i * self.C:(i + 1) * self.C] for i in range(nareas)]
         self.addr = [t.data_ptr() for t in self.areas]  # for memmove without tensor views
+        #: The areas as one NumPy array (bytes, and int64 words): what every rank put in its
+        #: slot is read for all ranks at once (agree), not through a tensor view per rank.
+        self.np_data = seg.data[:nareas * self.C].numpy()
+        self.words = self.np_data.view(np.int64)
         self.free = [0] * nareas
         self.cursor = 0
         self.comm: Comm | None = None
@@ -200,6 +221,7 @@ class Engine:
     def _release(self) -> None:
         """The group closed: drop every view of the segment (its mapping goes now)."""
         self.areas = []
+        self.np_data = self.words = None
         self._cma_scratch = None
         self.ctrl = self.prog = self.want = None
 
@@ -286,6 +308,7 @@ class Engine:
         seg = self.seg
         bells = seg.bells
         row = ctrl[self.r]
+        live_at = time.monotonic() + LIVE_S  # the first look at the peers' processes
         try:
             while not _ready(prog, t, who):
                 if self.ctrl is None:
@@ -294,16 +317,11 @@ class Engine:
                 broken = comm.ctx.broken
                 if broken is not None:
                     raise TransportError(str(broken))
-                for q in (who or range(self.P)):  # a rank that closed its group (or died)
-                    peer = comm.ctx.peers.get(self.gr[q])
-                    if peer is not None and peer.failure is not None and prog[q] < t:
-                        raise TransportError(str(peer.failure))
-                    if prog[q] < t and not self._alive(q, ctrl):
-                        msg = (f"rank {self.me}: {comm._desc}: rank {self.gr[q]} (process "
-                               f"{int(ctrl[q, _PID])} on this host) has exited{comm.ctx._where()}")
-                        comm.ctx.report_error(msg)  # the other ranks hear of it at once
-                        raise TransportError(msg)
-                left = comm.deadline - time.monotonic()
+                now = time.monotonic()
+                if now >= live_at:
+                    live_at = now + LIVE_S
+                    self._peers_alive(t, who, prog, ctrl)
+                left = comm.deadline - now
                 if left <= 0:
                     late = [q for q in (who or range(self.P)) if prog[q] < t]
                     where = ", ".join(f"rank {self.gr[q]} is in op #{int(ctrl[q, _SEQ])}"
@@ -328,13 +346,31 @@ class Engine:
         if _WEAK_ORDER:
             seg.fence()
 
-    def _alive(self, q: int, ctrl) -> bool:
-        """Whether segment rank q's process still runs (True where that cannot be told: no
-        pid published yet, or another pid namespace)."""
+    def _peers_alive(self, t: int, who, prog, ctrl) -> None:
+        """Raise if a rank this one waits for (not at tick ``t`` yet) closed its group or
+        failed (a link's failure) or its process has exited."""
+        comm = self.comm
+        late = [q for q in (who or range(self.P)) if prog[q] < t]
+        for q in late:
+            peer = comm.ctx.peers.get(self.gr[q])
+            if peer is not None and peer.failure is not None:
+                raise TransportError(str(peer.failure))
+        pids = {q: self._pid(q, ctrl) for q in late}
+        gone = self.seg.watch.exited([p for p in pids.values() if p])  # one syscall
+        for q in late:
+            if pids[q] in gone:
+                msg = (f"rank {self.me}: {comm._desc}: rank {self.gr[q]} (process "
+                       f"{int(ctrl[q, _PID])} on this host) has exited{comm.ctx._where()}")
+                comm.ctx.report_error(msg)  # the other ranks hear of it at once
+                raise TransportError(msg)
+
+    def _pid(self, q: int, ctrl) -> int:
+        """Segment rank q's pid where this rank can tell whether it runs, else 0 (no pid
+        published yet, or another pid namespace)."""
         pid = int(ctrl[q, _PID])
         if pid <= 0 or int(ctrl[q, _PIDNS]) != self._pidns or not self._pidns:
-            return True
-        return pid_alive(pid)
+            return 0
+        return pid
 
     def _closed(self) -> None:
         why = getattr(self.comm.ctx, "_close_error", None)
@@ -975,11 +1011,16 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     E.publish()
     E.wait(E.tick)
     counts = []
+    # Every rank's count and digest in two NumPy reads (a tensor view per rank was most of
+    # a small all_reduce's CPU at 32 ranks).
+    first = E.S(b, 0) * (E.C // 8)
+    step = E.C // 8
+    cs = E.words[first:first + P * step:step].tolist()
+    ds = E.words[first + 1:first + 1 + P * step:step].tolist()
     for q in range(P):
         if q == r:
             continue
-        words = E.areas[E.S(b, q)][:16].view(torch.int64)
-        c, digest = int(words[0]), int(words[1])
+        c, digest = cs[q], ds[q]
         if c < 1:
             raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} offered "
                              f"{c} calls")
@@ -992,7 +1033,13 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     k = min([offered] + counts)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
-        _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
+        npdt = _NP.get(dt)
+        if npdt is not None and n:  # every rank's carried entry as rows of one array
+            rows = np.ndarray((P, n), dtype=npdt, buffer=E.np_data,
+                              offset=E.S(b, 0) * E.C + 64, strides=(E.C, es))
+            _fold_rows(flat, rows, head.op, npdt)
+        else:
+            _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
         if avg_size != 0:
             finish_avg(flat, head.op, P if avg_size is None else avg_size)
     E.publish(areas)

@@ -563,3 +563,48 @@ def test_segment_is_private_and_authenticated():
             shm._attach("linerate-" + "0" * 32, 2, secret, good)
     finally:
         os.unlink(path)
+
+
+def test_pid_watch_sees_exited_processes_zombie_or_reaped_and_closes_its_descriptors():
+    """PidWatch (the co-located ranks' liveness): a running process is alive; one killed but
+    not reaped (a zombie, as a SIGKILLed rank is until torchrun reaps it) and one reaped are
+    gone, in one call for several; a pid that never existed is gone; close() closes every
+    pidfd, and a closed watch reports nothing gone."""
+    import signal
+    import subprocess
+
+    from linerate.transport.shm import PidWatch
+    a = subprocess.Popen(["sleep", "30"])
+    b = subprocess.Popen(["sleep", "30"])
+    w = PidWatch()
+    try:
+        assert w.exited([a.pid, b.pid]) == set()
+        before = len(os.listdir("/proc/self/fd"))
+        assert w.alive(a.pid) and w.alive(b.pid)
+        assert len(os.listdir("/proc/self/fd")) == before, "one pidfd per process, kept"
+        os.kill(a.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while w.alive(a.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        state = open(f"/proc/{a.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        assert state == "Z" and not w.alive(a.pid), "a zombie counts as exited"
+        b.kill()
+        b.wait()
+        assert w.exited([a.pid, b.pid]) == {a.pid, b.pid}
+        c = subprocess.Popen(["true"])
+        c.wait()
+        assert not w.alive(c.pid), "a pid already reaped when first asked about"
+        d = subprocess.Popen(["sleep", "30"])
+        assert w.alive(d.pid)
+        open_fds = len(os.listdir("/proc/self/fd"))
+        w.close()
+        assert len(os.listdir("/proc/self/fd")) == open_fds - 1, "close() closes the pidfds"
+        assert w.exited([d.pid, a.pid]) == set()
+        d.kill()
+        d.wait()
+    finally:
+        w.close()
+        a.wait()
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()

@@ -184,7 +184,7 @@ class Context(LinkSink):
         links = shmlink.build_links(self.shm, self.rank, local) if local else {}
         for p, link in links.items():  # at once: they cost no thread nor connection
             self.peers[p].link = link
-            link.start(self)
+        shmlink.start_links(links, self)
         if not remote:  # every peer is on this host: no TCP at all
             if mesh is not None:
                 self._lazy = False

@@ -41,6 +41,7 @@ import logging
 import mmap
 import os
 import platform
+import select
 import secrets
 import socket
 import stat
@@ -106,6 +107,70 @@ def pid_alive(pid: int) -> bool:
             return f.read(512).rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
         return True
+
+
+class PidWatch:
+    """Which of a segment's processes have exited, for many at once: a pidfd per process
+    (Linux 5.3+: readable once the process exited, reaped or still a zombie), all of them
+    polled with one syscall. Where a pidfd cannot be had (an older kernel, a seccomp filter)
+    that process is asked with ``pid_alive``, whose kill(0) and read of /proc/<pid>/stat
+    cost 0.9 ms per look at 31 peers: a look per rank every 50 ms was 38% of a core for an
+    idle 32-rank group on one host (Gloo's idle group: 4%)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}      # pid -> pidfd
+        self._pid_of: dict[int, int] = {}   # pidfd -> pid
+        self._gone: set[int] = set()
+        self._slow: set[int] = set()        # no pidfd: pid_alive
+        self._poll = select.poll()
+        self._closed = False
+
+    def _watch(self, pid: int) -> None:  # under the lock
+        if pid in self._fds or pid in self._gone or pid in self._slow:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone.add(pid)
+            return
+        except (OSError, AttributeError):  # ENOSYS, EPERM; Python without pidfd_open
+            self._slow.add(pid)
+            return
+        self._fds[pid] = fd
+        self._pid_of[fd] = pid
+        self._poll.register(fd, select.POLLIN)
+
+    def exited(self, pids) -> set:
+        """Those of ``pids`` whose process has exited (none once the watch is closed)."""
+        with self._lock:
+            if self._closed:
+                return set()
+            for pid in pids:
+                self._watch(pid)
+            for fd, _ in self._poll.poll(0):
+                pid = self._pid_of.pop(fd)
+                self._gone.add(pid)
+                del self._fds[pid]
+                self._poll.unregister(fd)
+                os.close(fd)
+            out = {p for p in pids if p in self._gone}
+            slow = [p for p in pids if p in self._slow]
+        return out | {p for p in slow if not pid_alive(p)}
+
+    def alive(self, pid: int) -> bool:
+        return not self.exited((pid,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
+            self._pid_of.clear()
 
 
 def last_layout() -> Layout | None:
@@ -279,6 +344,8 @@ class Segment:
                             for q in range(size)]
         self._lib = _futex_lib() if _SYS_FUTEX is not None else None
         self.closed = False
+        #: Whether the processes of the segment's other ranks still run (Engine, links).
+        self.watch = PidWatch()
         #: Called by close(): users of the segment drop their views of it there, so that the
         #: mapping goes with the group, not whenever the last view is collected.
         self.on_close: list = []
@@ -320,6 +387,7 @@ class Segment:
         self.on_close = []
         self.ctrl = self.data = self.bells = self.raw = None
         self._buf = None
+        self.watch.close()
 
 
 # ----------------------------------------------------------------------------- set-up
