@@ -278,11 +278,20 @@ class Engine:
         prog[self.r] = t
         seg.fence()  # the tick is visible before the sleepers' wishes are read
         if want.any():  # wake exactly the sleepers whose wait is over
-            for q in np.flatnonzero(want):
+            pmin = None  # every rank's least tick: read once (31 sleepers at 32 ranks)
+            for q in np.flatnonzero(want).tolist():
                 w = int(want[q])
+                if not w:
+                    continue
                 who = int(ctrl[q, _WHO])
-                if w and (prog[who] >= w if who >= 0 else prog.min() >= w):
-                    seg.ring(int(q))
+                if who >= 0:
+                    done = prog[who] >= w
+                else:
+                    if pmin is None:
+                        pmin = int(prog.min())
+                    done = pmin >= w
+                if done:
+                    seg.ring(q)
 
     def wait_free(self, area: int) -> None:
         t = self.free[area]

@@ -154,7 +154,8 @@ class Context(LinkSink):
             self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
         # The network kind first (as before shared-memory links existed: a TCP rank listens
         # and publishes its address before it waits for the others' shared-memory records).
-        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix)
+        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix,
+                                            same=True)  # LINERATE_TRANSPORT: in rv.agree
         mesh = listening = None
         if agreed == "tcp":
             mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,

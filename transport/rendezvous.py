@@ -127,15 +127,25 @@ class Rendezvous:
         checks its settings against the record (a ValueError naming what differs) and reads
         the secret. Sets ``generation``; returns the secret."""
         pre = self.prefix
+        keys = [pre + "settings", pre + "secret"]
         if self._rank == 0:
             secret = os.urandom(32)
-            self.set(pre + "settings", json.dumps(mine))
-            self.set(pre + "secret", secret.hex())
+            values = [json.dumps(mine).encode(), secret.hex().encode()]
+            try:  # one request
+                self._store.multi_set(keys, values)
+            except (AttributeError, NotImplementedError):  # the secret last: others wait for it
+                for k, v in zip(keys, values):
+                    self.set(k, v)
         else:
-            secret = bytes.fromhex(store_get(self._store, pre + "secret").decode())
+            try:  # one request, which waits for both
+                raw_settings, raw_secret = (bytes(v) for v in self._store.multi_get(keys))
+            except (AttributeError, NotImplementedError):  # (a store's timeout is raised)
+                raw_secret = store_get(self._store, keys[1])
+                raw_settings = store_get(self._store, keys[0])
+            secret = bytes.fromhex(raw_secret.decode())
         self.generation = secret.hex()[:16]
         if self._rank != 0:
-            check_agreement(self._rank, mine, store_get(self._store, pre + "settings"))
+            check_agreement(self._rank, mine, raw_settings)
         return secret
 
     def publish_addresses(self, addresses: list) -> None:
@@ -193,7 +203,8 @@ def _has_check(store) -> bool:
 def agreed_settings(options, nrails: int) -> dict:
     """The settings every rank of a group must share, as this rank has them (resolved:
     ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
-    return {"LINERATE_CHECKSUM": int(options.checksum),
+    return {"LINERATE_TRANSPORT": getattr(options, "transport", "tcp"),
+            "LINERATE_CHECKSUM": int(options.checksum),
             "LINERATE_TLS": int(options.tls),
             "LINERATE_NSOCKS": options.nsocks,
             "LINERATE_CONNECT": getattr(options, "connect", "eager"),
@@ -245,14 +256,18 @@ def _log_once(level: int, msg: str) -> None:
         log.log(level, "%s", msg)
 
 
-def agree_transport(store, rank: int, size: int, opts, prefix: str) -> str:
+def agree_transport(store, rank: int, size: int, opts, prefix: str, same: bool = False) -> str:
     """Every rank of the group calls this at rendezvous; all return the same "tcp" or "rdma"
-    (or all raise). LINERATE_TRANSPORT must be the same everywhere (rank 0's is the one); for
-    ``auto`` and ``rdma`` each rank publishes whether it has an active RDMA port and rank 0
-    decides for everyone."""
+    (or all raise). LINERATE_TRANSPORT must be the same everywhere (rank 0's is the one;
+    ``same``: the caller checked it already, as ``Rendezvous.agree`` does: a second round
+    trip through the store, waiting for rank 0 once more, is saved); for ``auto`` and
+    ``rdma`` each rank publishes whether it has an active RDMA port and rank 0 decides for
+    everyone."""
     from . import rdma  # pyverbs is looked for only here
     mode = opts.transport
-    if rank == 0:
+    if same:
+        pass
+    elif rank == 0:
         store.set(prefix + "transport", mode)
     else:
         theirs = store_get(store, prefix + "transport").decode(errors="replace")
