@@ -76,10 +76,11 @@ CMA_PIECE = 1 << 20
 POLL_S = 0.005
 #: Checks of the counters before a waiting rank sleeps on the bell.
 SPIN = 20
-#: Seconds between a waiting rank's looks at whether the ranks it waits for still run (a
-#: kill(0) and a read of /proc/<pid>/stat each). Looking at every wake-up cost 31 of each per
-#: wake-up at 32 ranks: most of a small all_reduce's CPU (1.2-1.8 ms per rank per op, Gloo's
-#: 0.26). A rank that died is still noticed within this plus POLL_S.
+#: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
+#: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up, with a kill(0)
+#: and a read of /proc/<pid>/stat per late peer, was most of a small all_reduce's CPU at 32
+#: ranks (1.2-1.8 ms per rank per op, Gloo's 0.26). A rank that died is still noticed within
+#: this plus POLL_S.
 LIVE_S = 0.02
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10

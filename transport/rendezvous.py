@@ -265,11 +265,9 @@ def agree_transport(store, rank: int, size: int, opts, prefix: str, same: bool =
     everyone."""
     from . import rdma  # pyverbs is looked for only here
     mode = opts.transport
-    if same:
-        pass
-    elif rank == 0:
+    if not same and rank == 0:
         store.set(prefix + "transport", mode)
-    else:
+    elif not same:
         theirs = store_get(store, prefix + "transport").decode(errors="replace")
         if theirs != mode:
             raise ValueError(f"rank {rank}: LINERATE_TRANSPORT is {mode} here but {theirs} on rank 0: "

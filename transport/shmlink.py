@@ -25,9 +25,9 @@ copies them from the ring straight into that buffer. Each side rings the other's
 ONE progress thread per process serves every shm link of every group: it sleeps on the
 progress bells of all its groups at once (``futex_waitv``, Linux 5.16+; before that, on one
 bell with a short timeout), so a rank waiting for a message burns no CPU. Every 50 ms it also
-checks that the peers of its links are alive (kill(pid, 0), zombies count as dead, same pid
-namespace only): a co-located rank that dies fails its links with a ``PeerFailure`` naming it
-within ~0.05-0.1 s. An orderly close writes a CLOSE frame (the peer gets ``link_closed``);
+checks that the peers of its links are alive (one poll of their pidfds, ``shm.PidWatch``;
+zombies count as dead; same pid namespace only): a co-located rank that dies fails its links
+with a ``PeerFailure`` naming it within ~0.05-0.1 s. An orderly close writes a CLOSE frame (the peer gets ``link_closed``);
 a close that leaves data behind raises the ring's "gone" flag (the peer gets ``link_failed``).
 
 Memory order: positions are published after the bytes they cover; x86's stores are not
