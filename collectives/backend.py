@@ -125,8 +125,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                  global_ranks: list[int] | None = None):
         super().__init__(rank, size)
         # Every setting is parsed (LINERATE_*) or checked (pg_options) here, before any socket.
-        self._options = Options.from_env() if options is None else options
-        self._options.validate()
+        if options is None:
+            self._options = Options.from_env()  # checked as it is read
+        else:
+            self._options = options
+            self._options.validate()
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""

@@ -55,7 +55,7 @@ class Options:
         accepts."""
         o = cls(transport=TransportOptions.from_env(env), metrics=MetricsOptions.from_env(env))
         _settings.fill(o, "", env)
-        o.validate()
+        _settings.validate(o, "")  # its parts were checked as they were read
         return o
 
     def validate(self) -> None:

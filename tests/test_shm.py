@@ -536,6 +536,46 @@ def test_ranks_that_disagree_on_the_setting():
         assert "LINERATE_SHM" in msg and "same setting" in msg, msg
 
 
+def _offer(rank, P, lr, local_world):
+    """Rank 0 offers a segment for the whole group with its settings; on one host that is the
+    group's segment, and no TCP listener is opened. ``local_world``: LOCAL_WORLD_SIZE."""
+    if local_world is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    g = dist.new_group(backend="linerate")
+    x = torch.full((5_003,), float(rank + 1))
+    dist.all_reduce(x, group=g)
+    ctx = g._ctx
+    offered = json.loads(ctx._rv.offered)
+    name = ctx.shm.name if ctx.shm is not None else None
+    out = {"offered": offered.get("name"), "segment": name, "tcp": ctx._tcp is not None,
+           "engine": g._shm is not None, "left": name is not None and os.path.exists(f"/dev/shm/{name}"),
+           "sum": x[0].item()}
+    dist.destroy_process_group(g)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("local_world", [None, 1])
+def test_one_host_group_takes_rank_0s_offered_segment(local_world):
+    res = run_ranks(_offer, 3, local_world, timeout=120)
+    for r in res:
+        assert r["sum"] == 6.0 and r["engine"] and not r["left"], res
+        assert not r["tcp"], res  # every peer on this host: no listener, no connection
+        if local_world is None:  # offered, and taken: the same name everywhere
+            assert r["offered"] == r["segment"] == res[0]["segment"], res
+        else:  # this host has fewer ranks than the group, says the launcher: no offer
+            assert r["offered"] is None and r["segment"] == res[0]["segment"], res
+
+
+@pytest.mark.timeout(120)
+def test_offered_segment_is_unlinked_when_the_group_fails():
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("linerate-")}
+    for msg in run_ranks(_disagree, 2, timeout=90):  # rank 0 offered, rank 1 refuses shm
+        assert "LINERATE_SHM" in msg and "same setting" in msg, msg
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("linerate-")}
+    assert not after - before, after - before
+
+
 # ----------------------------------------------------------------------------- segment proof
 def test_segment_is_private_and_authenticated():
     from linerate.transport import shm

@@ -143,37 +143,23 @@ class Context(LinkSink):
 
     def _build_mesh_on(self, rv: rendezvous.Rendezvous, deadline: float) -> None:
         opts = self.options
-        self._secret = rv.agree(rendezvous.agreed_settings(self.options, self.nrails))
-        if opts.tls:  # agreed above: every rank has it on
-            if opts.transport == "rdma":
-                raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
-                                 f"the RDMA transport cannot encrypt (TLS runs over TCP only); "
-                                 f"use LINERATE_TRANSPORT=tcp or turn LINERATE_TLS off")
-            if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
-                opts = dataclasses.replace(opts, transport="tcp")
-            self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
-        # The network kind first (as before shared-memory links existed: a TCP rank listens
-        # and publishes its address before it waits for the others' shared-memory records).
-        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix,
-                                            same=True)  # LINERATE_TRANSPORT: in rv.agree
-        mesh = listening = None
-        if agreed == "tcp":
-            mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
-                                           self.addresses, self._tls, self.link_timeout)
-            listening = mesh.listen()
-            if opts.connect == "lazy":
-                # Accept from the moment the addresses are out; connect to nobody yet.
-                self._lazy = True
-                mesh.serve(rv, self._link_made, self._link_failed_to_connect)
-            rv.publish_addresses(listening)
-        # Ranks of one host that can map one segment share memory (transport/shm.py): the
-        # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
-        # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
-        self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
-                                 self._prefix, rv.generation)
-        if mesh is not None:  # which rails each link uses (a host's rails over its ranks)
-            layout = shm.last_layout()
-            mesh.plan_rails(layout.hosts if layout is not None and layout.shared else None)
+        # Rank 0 offers a segment for the whole group with its settings (transport/shm.py):
+        # a group on one host then proves its shared memory in the one round of host records.
+        offer = None
+
+        def make_offer(secret: bytes) -> bytes | None:
+            nonlocal offer
+            offer = shm.offer(opts.shm, self.size, secret)
+            return offer.record if offer is not None else None
+
+        try:
+            self._secret = rv.agree(rendezvous.agreed_settings(self.options, self.nrails),
+                                    make_offer if self.rank == 0 else None)
+            mesh, later, agreed, opts = self._meet(rv, opts, offer)
+        finally:  # the offered segment's name goes once every rank has read the records
+            if offer is not None:
+                offer.unlink()
+                offer.buf = None
         local = () if self.shm is None else tuple(r for r in self.shm.ranks if r != self.rank)
         kinds = rendezvous.choose_links(rv, self.rank, self.size, opts, local, agreed)
         remote = sorted({k for k in kinds.values() if k != "shm"})
@@ -192,6 +178,11 @@ class Context(LinkSink):
                 self._tcp = None
                 mesh.stop()
             return
+        if later and self.transport == "tcp":
+            mesh = self._listen(rv, opts)
+        if mesh is not None:  # which rails each link uses (a host's rails over its ranks)
+            layout = shm.last_layout()
+            mesh.plan_rails(layout.hosts if layout is not None and layout.shared else None)
         if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
             ports = rdma.open_ports(self.rank, opts)
             self._use_rails(len(ports))
@@ -212,6 +203,45 @@ class Context(LinkSink):
             self.peers[p].link = link
         for link in net.values():
             link.start(self)
+
+    def _meet(self, rv: rendezvous.Rendezvous, opts, offer):
+        """After the settings: the network kind, the listeners (unless they wait for the host
+        records), shared memory. Returns the TCP mesh if listening already, whether TCP
+        listens only once the records show other hosts, the network kind agreed on, and the
+        options as they apply (TLS makes ``auto`` mean TCP)."""
+        if opts.tls:  # agreed above: every rank has it on
+            if opts.transport == "rdma":
+                raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
+                                 f"the RDMA transport cannot encrypt (TLS runs over TCP only); "
+                                 f"use LINERATE_TRANSPORT=tcp or turn LINERATE_TLS off")
+            if opts.transport == "auto":  # TLS needs TCP: auto means TCP here, on every rank
+                opts = dataclasses.replace(opts, transport="tcp")
+            self._tls = tls.load(True, opts.tls_cert, opts.tls_key, opts.tls_ca)
+        # The network kind first. A TCP rank listens and publishes its address before it waits
+        # for the others' host records, unless rank 0 offered a segment for the whole group:
+        # then the group is probably on one host, needs no TCP, and listens only if it spans hosts.
+        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix,
+                                            same=True)  # LINERATE_TRANSPORT: in rv.agree
+        later = agreed == "tcp" and shm.was_offered(rv.offered)
+        mesh = self._listen(rv, opts) if agreed == "tcp" and not later else None
+        # Ranks of one host that can map one segment share memory (transport/shm.py): the
+        # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
+        # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
+        self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
+                                 self._prefix, rv.generation, rv.offered, offer)
+        return mesh, later, agreed, opts
+
+    def _listen(self, rv: rendezvous.Rendezvous, opts) -> "tcp.TcpMesh":
+        """Open this rank's TCP listeners and publish their addresses (lazy links: accept from
+        that moment on, connect to nobody yet)."""
+        mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
+                                       self.addresses, self._tls, self.link_timeout)
+        listening = mesh.listen()
+        if opts.connect == "lazy":
+            self._lazy = True
+            mesh.serve(rv, self._link_made, self._link_failed_to_connect)
+        rv.publish_addresses(listening)
+        return mesh
 
     def _link_made(self, peer: int, link) -> None:
         """Lazy links: ``peer``'s link is up (from the mesh's thread): start it, hand it what

@@ -5,6 +5,8 @@ Every key lies under the group's prefix (``linerate/[<scope>/]``)::
     settings                  rank 0's agreement record (JSON): the settings every rank must share
     secret                    rank 0's 32 random bytes (hex): the handshake key of this group;
                               its first 16 hex digits name this incarnation (``generation``)
+    offer                     rank 0's shared-memory offer (JSON, ``{}`` if none): published
+                              and read with the two above (transport/shm.py)
     setup_failed/<generation> the first set-up failure any rank reported (text)
     transport                 rank 0's LINERATE_TRANSPORT
     rdma/avail/<rank>         [usable, why or ports, number of ports, host] (auto and rdma)
@@ -59,6 +61,7 @@ class Rendezvous:
         self._store, self._rank, self.prefix = store, rank, prefix
         self._deadline, self._timeout = deadline, timeout
         self.generation: str | None = None   # known once rank 0's secret is
+        self.offered: bytes = b"{}"           # rank 0's offer record (``agree``)
         # A user's Store subclass need not implement check(): without it set-up waits with
         # blocking gets and cannot learn of other ranks' failures early.
         self._can_check = _has_check(store)
@@ -122,26 +125,35 @@ class Rendezvous:
             pass
 
     # ------------------------------------------------------------------ the group's record
-    def agree(self, mine: dict) -> bytes:
+    def agree(self, mine: dict, offer=None) -> bytes:
         """Rank 0 publishes the agreement record and the group's secret; every other rank
         checks its settings against the record (a ValueError naming what differs) and reads
-        the secret. Sets ``generation``; returns the secret."""
+        the secret. Sets ``generation``; returns the secret.
+
+        ``offer`` (rank 0's only): ``offer(secret) -> bytes | None``, a record published in the
+        same request (shared memory offers its segment there: transport/shm.py), which every
+        rank then finds in ``offered`` (``b"{}"`` when none): the other ranks read it in the same
+        request as the settings, so it costs no wait of its own."""
         pre = self.prefix
-        keys = [pre + "settings", pre + "secret"]
+        keys = [pre + "settings", pre + "secret", pre + "offer"]
         if self._rank == 0:
             secret = os.urandom(32)
-            values = [json.dumps(mine).encode(), secret.hex().encode()]
+            extra = (offer(secret) if offer is not None else None) or b"{}"
+            values = [json.dumps(mine).encode(), secret.hex().encode(), extra]
             try:  # one request
                 self._store.multi_set(keys, values)
             except (AttributeError, NotImplementedError):  # the secret last: others wait for it
-                for k, v in zip(keys, values):
+                for k, v in zip((keys[0], keys[2], keys[1]), (values[0], values[2], values[1])):
                     self.set(k, v)
+            self.offered = extra
         else:
-            try:  # one request, which waits for both
-                raw_settings, raw_secret = (bytes(v) for v in self._store.multi_get(keys))
+            try:  # one request, which waits for all three
+                raw_settings, raw_secret, self.offered = (bytes(v) for v in
+                                                          self._store.multi_get(keys))
             except (AttributeError, NotImplementedError):  # (a store's timeout is raised)
                 raw_secret = store_get(self._store, keys[1])
                 raw_settings = store_get(self._store, keys[0])
+                self.offered = store_get(self._store, keys[2])
             secret = bytes.fromhex(raw_secret.decode())
         self.generation = secret.hex()[:16]
         if self._rank != 0:

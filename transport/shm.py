@@ -463,14 +463,71 @@ def _unlink(path: str) -> None:
         log.warning("could not unlink %s: %s", path, e)
 
 
+class Offer:
+    """Rank 0's segment for every rank of the group, made before anyone knows where the ranks
+    are (``offer``): published with the group's settings, so that a group on one host proves
+    its segment in the one round of host records that every group needs anyway."""
+
+    def __init__(self, record: dict, buf=None, path: str | None = None, name: str = "?"):
+        self.record = json.dumps(record).encode()
+        self.buf, self.path, self.name = buf, path, name
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            _unlink(self.path)
+            self.path = None
+
+
+def may_be_one_host(size: int, env=None) -> bool:
+    """Whether a group of ``size`` ranks may lie on one host: not when the launcher says this
+    host has fewer ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("LOCAL_WORLD_SIZE", "")) >= size
+    except ValueError:
+        return True
+
+
+def offer(mode: str, size: int, secret: bytes) -> Offer | None:
+    """Rank 0, at rendezvous: a segment for all ``size`` ranks, offered in case they share its
+    host (``establish`` takes it where they all do, and drops it otherwise), or None where no
+    offer is worth making (LINERATE_SHM=0, one rank, or more ranks than this host has)."""
+    if size < 2 or mode == "0" or not may_be_one_host(size):
+        return None
+    me = host_id()
+    try:
+        name, path, token, buf = _create(size)
+    except OSError as e:
+        return Offer({"host": me, "error": f"rank 0: cannot create a segment in {SHM_DIR}: {e}"})
+    return Offer({"host": me, "name": name, "mac": _mac(secret, name, token)}, buf, path, name)
+
+
+def was_offered(record: bytes) -> bool:
+    """Whether rank 0's offer record (``Rendezvous.offered``) offers a segment (or says why it
+    could not make one): the group is then probably on one host."""
+    try:
+        rec = json.loads(record)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(rec, dict) and ("name" in rec or "error" in rec)
+
+
 def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str,
-              generation: str) -> Segment | None:
+              generation: str, offered: bytes | None = None,
+              mine_offer: Offer | None = None) -> Segment | None:
     """Agree with the group's other ranks on a shared segment per host (every rank calls it,
     at rendezvous, before the links are chosen). Returns this rank's Segment (shared with the other
     ranks of its host), or None where this rank shares none: alone on its host, LINERATE_SHM=0,
     or (under auto) some host's ranks could not map theirs, which leaves every rank without
     (all ranks agree). With ``mode == "1"`` a group whose co-located ranks cannot share memory
     raises ShmError naming the ranks, on every rank. The layout is left for ``take_layout()``.
+
+    ``offered``: rank 0's offer record, as every rank read it with the group's settings
+    (``Rendezvous.offered``); ``mine_offer``: on rank 0, the Offer itself. Every rank on rank
+    0's host maps the offered segment before it publishes its host record, with the outcome in
+    it; when the records show every rank on that host, that is the group's segment, proved in
+    one round (rank 0 unlinks it once it has read every record). Otherwise it is dropped and
+    each host's lowest rank makes one for its host: two more rounds.
 
     ``store`` has ``set``/``get`` (get waits for the key, failing when another rank gave up);
     keys are under ``prefix + "shm/" + generation`` (this group's incarnation)."""
@@ -480,9 +537,30 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         return None
     base = f"{prefix}shm/{generation}/"
     me = {"host": host_id(), "mode": mode}
-    store.set(f"{base}host/{rank}", json.dumps(me))
-    peers = [me if r == rank else _loads(raw, r)
-             for r, raw in enumerate(_gather(store, f"{base}host/", range(size), "all"))]
+    offer_rec = _loads(offered, 0) if offered else {}
+    was_offered = "name" in offer_rec or "error" in offer_rec
+    spec = None
+    spec_name = str(offer_rec.get("name", "?"))
+    if rank == 0 and mine_offer is not None:
+        spec = mine_offer.buf
+        me["offer"] = "ok" if spec is not None else "no segment"
+    elif was_offered and mode != "0" and offer_rec.get("host") == me["host"]:
+        if "error" in offer_rec:
+            me["offer"] = str(offer_rec["error"])
+        else:
+            try:
+                spec = _attach(spec_name, size, secret, str(offer_rec.get("mac", "")))
+                me["offer"] = "ok"
+            except ShmRefused as e:
+                me["offer"] = str(e)
+    try:
+        store.set(f"{base}host/{rank}", json.dumps(me))
+        peers = [me if r == rank else _loads(raw, r)
+                 for r, raw in enumerate(_gather(store, f"{base}host/", range(size), "all"))]
+    finally:
+        if mine_offer is not None:  # every rank on this host has mapped it, or given up
+            mine_offer.unlink()
+            mine_offer.buf = None
     modes = {str(p.get("mode")) for p in peers}
     if len(modes) > 1:
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
@@ -493,20 +571,25 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     if mode == "0" or not shared:
         _last.layout = Layout(hosts, False)
         return None
-    mine = next(h for h in hosts if rank in h)
-    buf = None
-    name = "?"
-    if len(mine) >= 2:
-        buf, name = _host_segment(store, base, rank, mine, secret)
-    # Every host's outcome, on every rank: all agree whether the group shares memory.
     bad: dict[int, str] = {}
-    for h in shared:
-        done = _loads(store.get(f"{base}done/{h[0]}"), h[0])
-        bad.update({int(r): str(w) for r, w in done.items()})
+    if was_offered and len(hosts) == 1:
+        # Every rank is on rank 0's host and tried the offered segment: their records say how.
+        mine, buf, name = hosts[0], spec, spec_name
+        bad = {r: str(p.get("offer", "did not try the offered segment"))
+               for r, p in enumerate(peers) if p.get("offer") != "ok"}
+    else:
+        spec = None  # the ranks span hosts: a segment per host, sized for its ranks
+        mine = next(h for h in hosts if rank in h)
+        buf = None
+        name = "?"
+        if len(mine) >= 2:
+            buf, name = _host_segment(store, base, rank, mine, secret)
+        # Every host's outcome, on every rank: all agree whether the group shares memory.
+        for h in shared:
+            done = _loads(store.get(f"{base}done/{h[0]}"), h[0])
+            bad.update({int(r): str(w) for r, w in done.items()})
     if bad:
-        if buf is not None:
-            del buf  # the mapping goes with its last view
-            buf = None
+        buf = spec = None  # the mapping goes with its last view
         detail = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
         if mode == "1":
             raise ShmError(f"rank {rank}: LINERATE_SHM=1 but ranks {sorted(bad)} cannot map "
