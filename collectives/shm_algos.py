@@ -141,9 +141,10 @@ def _fold_rows(out: torch.Tensor, rows: np.ndarray, op, npdt) -> None:
         o[...] = rows[0]
         return
     f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
-    f(rows[0], rows[1], out=o)
-    for i in range(2, len(rows)):
-        f(o, rows[i], out=o)
+    with np.errstate(all="ignore"):  # overflow gives inf, as in torch and Gloo: no warning
+        f(rows[0], rows[1], out=o)
+        for i in range(2, len(rows)):
+            f(o, rows[i], out=o)
 
 
 def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
@@ -158,9 +159,10 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
         o = out.numpy()
         ss = [s.numpy() for s in srcs]
         f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
-        f(ss[0], ss[1], out=o)
-        for x in ss[2:]:
-            f(o, x, out=o)
+        with np.errstate(all="ignore"):  # inf and nan as torch makes them, without a warning
+            f(ss[0], ss[1], out=o)
+            for x in ss[2:]:
+                f(o, x, out=o)
         return
     f = _BINARY[op]  # float16, bfloat16 (floating point: no bitwise ops)
     n = out.numel()

@@ -269,6 +269,32 @@ def test_cross_memory_attach_all_reduce_matches_gloo(P, how):
         assert modes == {"off"} and cma == 0 and seg > 40, res
 
 
+def _overflow(rank, P, lr):
+    """Sums that overflow to inf, inf + -inf = nan: as Gloo makes them, and no NumPy warning
+    reaches the user (warnings are errors here)."""
+    import warnings
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in (torch.float32, torch.float64):
+            big = torch.finfo(dtype).max
+            x = torch.tensor([big, big, float("inf") if rank == 0 else -float("inf"), 1.0] * 3000,
+                             dtype=dtype)
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+                a, b = x.clone(), x.clone()
+                dist.all_reduce(a, op=op, group=lr)
+                dist.all_reduce(b, op=op)  # the default group: Gloo
+                out.append(torch.equal(a.isnan(), b.isnan())
+                           and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_overflow_gives_inf_and_nan_as_gloo_without_warnings():
+    for r in run_ranks(_overflow, 3, timeout=90):
+        assert r == [True] * 4, r
+
+
 def _one_rank(rank, P, lr):
     x = torch.arange(5.0)
     dist.all_reduce(x, group=lr)
