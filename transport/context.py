@@ -97,8 +97,8 @@ class Context(LinkSink):
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
         rails = self.options.ifnames
-        self.addresses = listen_addresses(rails, self.options.prefer_ipv6)
-        self.nrails = len(self.addresses)
+        self._addresses: list[str] | None = None  # found when first needed (a TCP listener)
+        self.nrails = len(rails) or 1  # listen_addresses: one per named interface, else one
         if not self.options.nsocks:  # auto: resolved once the rails are known
             self.options = dataclasses.replace(
                 self.options, nsocks=sockets_per_rail(0, self.nrails))
@@ -230,6 +230,15 @@ class Context(LinkSink):
         self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                  self._prefix, rv.generation, rv.offered, offer)
         return mesh, later, agreed, opts
+
+    @property
+    def addresses(self) -> list[str]:
+        """This rank's listen address per rail: the named interfaces (LINERATE_SOCKET_IFNAME),
+        else the one that routes to MASTER_ADDR. Looked up when first needed: a group on one
+        host never listens."""
+        if self._addresses is None:
+            self._addresses = listen_addresses(self.options.ifnames, self.options.prefer_ipv6)
+        return self._addresses
 
     def _listen(self, rv: rendezvous.Rendezvous, opts) -> "tcp.TcpMesh":
         """Open this rank's TCP listeners and publish their addresses (lazy links: accept from
