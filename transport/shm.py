@@ -14,6 +14,10 @@ through the store; the creator then unlinks the name, so the segment lives only 
 ranks' mappings: nothing is left in /dev/shm after a normal exit, ``destroy_process_group``, or
 a SIGKILL. Every rank then reads every host's outcome, so that all ranks agree whether the
 group has shared memory (the collectives' choice of algorithm must be the same everywhere).
+A group on one host takes a shortcut: rank 0 creates a segment for all its ranks and publishes
+it with the group's settings (``offer``), every rank on its host maps it before publishing its
+host record, and when the records show one host that segment is proved in that single round
+(``establish``).
 
 ``LINERATE_SHM``: ``auto`` (default) uses shared memory where every host's co-located ranks
 proved it, and the group's TCP connections for everything otherwise (one log line says which
@@ -538,13 +542,13 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     base = f"{prefix}shm/{generation}/"
     me = {"host": host_id(), "mode": mode}
     offer_rec = _loads(offered, 0) if offered else {}
-    was_offered = "name" in offer_rec or "error" in offer_rec
+    segment_offered = "name" in offer_rec or "error" in offer_rec
     spec = None
     spec_name = str(offer_rec.get("name", "?"))
     if rank == 0 and mine_offer is not None:
         spec = mine_offer.buf
         me["offer"] = "ok" if spec is not None else "no segment"
-    elif was_offered and mode != "0" and offer_rec.get("host") == me["host"]:
+    elif segment_offered and mode != "0" and offer_rec.get("host") == me["host"]:
         if "error" in offer_rec:
             me["offer"] = str(offer_rec["error"])
         else:
@@ -572,7 +576,7 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         _last.layout = Layout(hosts, False)
         return None
     bad: dict[int, str] = {}
-    if was_offered and len(hosts) == 1:
+    if segment_offered and len(hosts) == 1:
         # Every rank is on rank 0's host and tried the offered segment: their records say how.
         mine, buf, name = hosts[0], spec, spec_name
         bad = {r: str(p.get("offer", "did not try the offered segment"))
