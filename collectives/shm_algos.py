@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import BYTES_PER_RANK, cma_read
+from linerate.transport.shm import BYTES_PER_RANK, cma_read, pidns, watchable_pid
 
 from .comm import Comm, OpTimeout
 from .reduce_ops import RedOpType, finish_avg
@@ -93,14 +93,6 @@ _WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
 log = logging.getLogger("linerate.collectives")
 
 
-def _pidns() -> int:
-    """The inode of this process's pid namespace (0 if unknown)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
@@ -134,8 +126,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
-def _fold_rows(out: torch.Tensor, rows: np.ndarray, op, npdt) -> None:
-    """``_fold`` of the rows of a NumPy array (a dtype NumPy has): rank order likewise."""
+def _fold_rows(out: torch.Tensor, rows, op, npdt) -> None:
+    """``_fold`` of NumPy rows (a 2-D array or a list of arrays, of a dtype NumPy has): rank
+    order likewise."""
     o = out.numpy()
     if len(rows) == 1:
         o[...] = rows[0]
@@ -156,13 +149,7 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
         return
     npdt = _NP.get(out.dtype)
     if npdt is not None:
-        o = out.numpy()
-        ss = [s.numpy() for s in srcs]
-        f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
-        with np.errstate(all="ignore"):  # inf and nan as torch makes them, without a warning
-            f(ss[0], ss[1], out=o)
-            for x in ss[2:]:
-                f(o, x, out=o)
+        _fold_rows(out, [s.numpy() for s in srcs], op, npdt)
         return
     f = _BINARY[op]  # float16, bfloat16 (floating point: no bitwise ops)
     n = out.numel()
@@ -206,7 +193,7 @@ class Engine:
         self._checked = True
         # Liveness without TCP: with lazy connections co-located ranks may never open one
         # (whose reset used to tell a waiter that a peer died); a waiter checks the pids.
-        self._pidns = _pidns()
+        self._pidns = pidns()
         self.ctrl[self.r, _PIDNS] = self._pidns
         self.ctrl[self.r, _PID] = os.getpid()
         #: Cross-memory attach between these ranks, agreed by all: None until the first large
@@ -379,10 +366,7 @@ class Engine:
     def _pid(self, q: int, ctrl) -> int:
         """Segment rank q's pid where this rank can tell whether it runs, else 0 (no pid
         published yet, or another pid namespace)."""
-        pid = int(ctrl[q, _PID])
-        if pid <= 0 or int(ctrl[q, _PIDNS]) != self._pidns or not self._pidns:
-            return 0
-        return pid
+        return watchable_pid(int(ctrl[q, _PID]), int(ctrl[q, _PIDNS]), self._pidns)
 
     def _closed(self) -> None:
         why = getattr(self.comm.ctx, "_close_error", None)

@@ -158,8 +158,7 @@ class Context(LinkSink):
             mesh, later, agreed, opts = self._meet(rv, opts, offer)
         finally:  # the offered segment's name goes once every rank has read the records
             if offer is not None:
-                offer.unlink()
-                offer.buf = None
+                offer.close()
         local = () if self.shm is None else tuple(r for r in self.shm.ranks if r != self.rank)
         kinds = rendezvous.choose_links(rv, self.rank, self.size, opts, local, agreed)
         remote = sorted({k for k in kinds.values() if k != "shm"})

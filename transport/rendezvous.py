@@ -135,25 +135,16 @@ class Rendezvous:
         rank then finds in ``offered`` (``b"{}"`` when none): the other ranks read it in the same
         request as the settings, so it costs no wait of its own."""
         pre = self.prefix
-        keys = [pre + "settings", pre + "secret", pre + "offer"]
+        keys = [pre + "settings", pre + "offer", pre + "secret"]
         if self._rank == 0:
             secret = os.urandom(32)
             extra = (offer(secret) if offer is not None else None) or b"{}"
-            values = [json.dumps(mine).encode(), secret.hex().encode(), extra]
-            try:  # one request
-                self._store.multi_set(keys, values)
-            except (AttributeError, NotImplementedError):  # the secret last: others wait for it
-                for k, v in zip((keys[0], keys[2], keys[1]), (values[0], values[2], values[1])):
-                    self.set(k, v)
+            values = [json.dumps(mine).encode(), extra, secret.hex().encode()]
+            multi_set(self._store, keys, values)  # the secret last, where one set per key
             self.offered = extra
         else:
-            try:  # one request, which waits for all three
-                raw_settings, raw_secret, self.offered = (bytes(v) for v in
-                                                          self._store.multi_get(keys))
-            except (AttributeError, NotImplementedError):  # (a store's timeout is raised)
-                raw_secret = store_get(self._store, keys[1])
-                raw_settings = store_get(self._store, keys[0])
-                self.offered = store_get(self._store, keys[2])
+            # One request, which waits for all three (a store's timeout is raised).
+            raw_settings, self.offered, raw_secret = multi_get(self._store, keys)
             secret = bytes.fromhex(raw_secret.decode())
         self.generation = secret.hex()[:16]
         if self._rank != 0:
@@ -184,13 +175,8 @@ class Rendezvous:
             raise TransportError(f"rank {self._rank}: ranks {missing} did not publish their "
                                  f"addresses within {self._timeout:.0f}s "
                                  f"(LINERATE_CONNECT_TIMEOUT): are they running?") from None
-        keys = [f"{pre}addr/{r}" for r in range(size)]
-        try:
-            raws = self._store.multi_get(keys)
-        except (AttributeError, NotImplementedError, RuntimeError):
-            raws = [store_get(self._store, k) for k in keys]
-        return {r: parse_addresses(raw if isinstance(raw, bytes) else bytes(raw), r, nrails)
-                for r, raw in enumerate(raws)}
+        raws = multi_get(self._store, [f"{pre}addr/{r}" for r in range(size)])
+        return {r: parse_addresses(raw, r, nrails) for r, raw in enumerate(raws)}
 
     def addresses_of(self, peer: int, nrails: int) -> list:
         return parse_addresses(self.get(f"{self.prefix}addr/{peer}"), peer, nrails)
@@ -203,13 +189,42 @@ def _has_check(store) -> bool:
     """Whether ``store.check`` works (one probe of a key nobody sets)."""
     try:
         store.check([STORE_PREFIX + "probe"])
-    except (AttributeError, NotImplementedError):
-        return False
-    except RuntimeError as e:  # a pybind Store subclass without the override says so
-        if "not implemented" in str(e).lower():
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        if _lacks(e):
             return False
         raise
     return True
+
+
+def _lacks(e: BaseException) -> bool:
+    """Whether ``e`` says the Store lacks the method called (a Python Store without it, or a
+    pybind Store subclass without the override, whose RuntimeError says so), rather than
+    that the Store failed."""
+    return not isinstance(e, RuntimeError) or "not implemented" in str(e).lower()
+
+
+def multi_get(store, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` in one request where the Store has ``multi_get`` (which waits
+    for them all), else one waiting ``get`` per key."""
+    try:
+        return [bytes(v) for v in store.multi_get(keys)]
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        if not _lacks(e):
+            raise
+    return [store_get(store, k) for k in keys]
+
+
+def multi_set(store, keys: list[str], values: list[bytes]) -> None:
+    """``keys`` set in one request where the Store has ``multi_set``, else one ``set`` per
+    key, in order (a reader waiting for the last key then finds the others there)."""
+    try:
+        store.multi_set(keys, values)
+        return
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        if not _lacks(e):
+            raise
+    for k, v in zip(keys, values):
+        store.set(k, v)
 
 
 def agreed_settings(options, nrails: int) -> dict:
@@ -341,4 +356,5 @@ def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
 
 
 __all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "agreed_settings", "check_agreement",
-           "parse_addresses", "agree_transport", "choose_links", "store_get"]
+           "parse_addresses", "agree_transport", "choose_links", "store_get", "multi_get",
+           "multi_set"]

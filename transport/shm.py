@@ -56,6 +56,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .rendezvous import multi_get
 from .request import TransportError
 
 log = logging.getLogger("linerate.transport")
@@ -175,6 +176,21 @@ class PidWatch:
                     pass
             self._fds.clear()
             self._pid_of.clear()
+
+
+def pidns() -> int:
+    """The inode of this process's pid namespace (0 if unknown): a published pid means this
+    process only where the namespaces match."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def watchable_pid(pid: int, pidns: int, my_pidns: int) -> int:
+    """A co-located rank's published pid where this process can watch it (``PidWatch``), else
+    0: none published yet, or another pid namespace (or one that cannot be told)."""
+    return 0 if pid <= 0 or pidns != my_pidns or not my_pidns else pid
 
 
 def last_layout() -> Layout | None:
@@ -477,17 +493,22 @@ class Offer:
         self.buf, self.path, self.name = buf, path, name
 
     def unlink(self) -> None:
+        """The name goes (every rank that would map it has); the mapping stays."""
         if self.path is not None:
             _unlink(self.path)
             self.path = None
 
+    def close(self) -> None:
+        """The name and rank 0's own reference to the mapping go (idempotent)."""
+        self.unlink()
+        self.buf = None
 
-def may_be_one_host(size: int, env=None) -> bool:
+
+def may_be_one_host(size: int) -> bool:
     """Whether a group of ``size`` ranks may lie on one host: not when the launcher says this
     host has fewer ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
-    env = os.environ if env is None else env
     try:
-        return int(env.get("LOCAL_WORLD_SIZE", "")) >= size
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "")) >= size
     except ValueError:
         return True
 
@@ -563,8 +584,7 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
                  for r, raw in enumerate(_gather(store, f"{base}host/", range(size), "all"))]
     finally:
         if mine_offer is not None:  # every rank on this host has mapped it, or given up
-            mine_offer.unlink()
-            mine_offer.buf = None
+            mine_offer.close()
     modes = {str(p.get("mode")) for p in peers}
     if len(modes) > 1:
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
@@ -672,10 +692,7 @@ def _gather(store, key: str, ranks, tally: str, own: bool = True) -> list:
     if own:
         _count_in(store, f"{key}{tally}/", len(ranks))
     store.get(f"{key}{tally}/all", max_delay=0.02)
-    try:
-        return list(store.multi_get(keys))
-    except (AttributeError, NotImplementedError, RuntimeError):  # a Store without multi_get
-        return [store.get(k) for k in keys]
+    return multi_get(store, keys)
 
 
 def _counts(store) -> bool:

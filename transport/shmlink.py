@@ -72,13 +72,6 @@ def _pad(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
@@ -109,7 +102,7 @@ class _Port:
         self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
         self.pids = [self.raw[base + blk * q + _PID_OFF: base + blk * q + _PID_OFF + 16].view(np.int64)
                      for q in range(n)]
-        self._pidns = _pidns()
+        self._pidns = shm.pidns()
         self.pids[self.me][1] = self._pidns
         self.pids[self.me][0] = os.getpid()
         self._lib = shm._futex_lib() if shm._SYS_FUTEX is not None else None
@@ -133,8 +126,7 @@ class _Port:
     def _pid(self, q: int) -> int:
         """Segment rank q's pid where this rank can watch it, else 0 (none published yet,
         or another pid namespace)."""
-        pid, ns = int(self.pids[q][0]), int(self.pids[q][1])
-        return 0 if pid <= 0 or ns != self._pidns or not ns else pid
+        return shm.watchable_pid(int(self.pids[q][0]), int(self.pids[q][1]), self._pidns)
 
     def alive(self, q: int) -> bool:
         pid = self._pid(q)
@@ -311,9 +303,11 @@ class ShmLink(Link):
     def nstreams(self) -> int:
         return 1
 
-    def start(self, sink: LinkSink) -> None:
+    def start(self, sink: LinkSink, ring: bool = True) -> None:
+        """``ring``: wake the progress thread to look at this link (``start_links`` wakes it
+        once for all of a group's links)."""
         self._sink = sink
-        self._port.add(self)
+        self._port.add(self, ring)
 
     def isend(self, req: Request) -> bool:
         buf = req.buf
@@ -631,9 +625,8 @@ def start_links(links: dict, sink: LinkSink) -> None:
     once (at 32 ranks on one host: one ring instead of 31)."""
     port = None
     for link in links.values():
-        link._sink = sink
+        link.start(sink, ring=False)
         port = link._port
-        port.add(link, ring=False)
     if port is not None:
         port.ring(port.me)
 
