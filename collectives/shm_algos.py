@@ -179,6 +179,7 @@ class Engine:
         # More ranks than cores: a spinning rank takes the core a rank it waits for needs.
         self.spin = SPIN if P <= len(os.sched_getaffinity(0)) else 0
         self.tick = 0
+        self.base = 0
         nareas = 2 * P + 2
         self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
         self.areas = [seg.data[i * self.C:(i + 1) * self.C] for i in range(nareas)]
@@ -238,6 +239,8 @@ class Engine:
             raise TransportError(f"rank {self.me}: {comm._desc}: the shared segment of ranks "
                                  f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
         row = self.ctrl[self.r]
+        #: The last tick before this op: a peer at a later tick is in this op or past it.
+        self.base = self.tick
         row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
         row[_DIGEST] = _signed(comm.call)
         text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
@@ -296,7 +299,8 @@ class Engine:
             self._closed()
         if _ready(prog, t, who):
             if not self._checked:
-                self._check(t, who, ctrl)
+                if self._check(t, who, ctrl):
+                    self._settle(t, who, ctrl)
             if _WEAK_ORDER:  # the ticks seen before the data they announce
                 self.seg.fence()
             return
@@ -341,9 +345,24 @@ class Engine:
         finally:
             row[_WANT] = 0
         if not self._checked:
-            self._check(t, who, ctrl)
+            if self._check(t, who, ctrl):
+                self._settle(t, who, ctrl)
         if _WEAK_ORDER:
             seg.fence()
+
+    def _settle(self, t: int, who, ctrl) -> None:
+        """Every rank waited for is at tick ``t`` but one was caught beginning its next op
+        (its sequence number being rewritten): look again until it is readable, so that no op
+        completes without its calls compared (the next op compares only its own)."""
+        comm = self.comm
+        while True:
+            if time.monotonic() > comm.deadline:
+                raise OpTimeout(f"rank {self.me}: {comm._desc} did not complete within the "
+                                f"{comm.timeout:.1f}s timeout: a rank's control row stayed "
+                                f"unreadable (shared memory)")
+            os.sched_yield()
+            if not self._check(t, who, ctrl):
+                return
 
     def _peers_alive(self, t: int, who, prog, ctrl) -> None:
         """Raise if a rank this one waits for (not at tick ``t`` yet) closed its group or
@@ -373,19 +392,30 @@ class Engine:
         raise TransportError(str(why) if why is not None else
                              f"rank {self.me}: {self.comm._desc}: the process group was closed")
 
-    def _check(self, t: int, who, ctrl) -> None:
-        """A peer in this op with another call, or past this op without this rank: mismatch."""
+    def _check(self, t: int, who, ctrl) -> bool:
+        """A peer in this op with another call, or past this op without this rank, or at this
+        op's tick ``t`` from an earlier op: mismatch. True where a rank at tick ``t`` was caught
+        beginning its next op (its sequence number being rewritten: nothing to compare yet)."""
         comm = self.comm
         mine = _signed(comm.call)
         ready = True
+        moving = False
         for q in (who or range(self.P)):
             if q == self.r:
                 continue
+            prog = int(ctrl[q, _PROG])  # before its seq: a seq read after it is as late or later
             seq = int(ctrl[q, _SEQ])
             digest = int(ctrl[q, _DIGEST])
-            if int(ctrl[q, _SEQ]) != seq:  # it began another op while this was read
+            if int(ctrl[q, _SEQ]) != seq or seq == 0:  # it is beginning another op
                 ready = False
+                moving = moving or prog >= t
                 continue
+            if seq < comm.seq and prog >= t > self.base:
+                # It published this op's tick t in an earlier op: the ranks' ticks only line up
+                # when they make the same calls (e.g. a broadcast's root, one tick, then a
+                # barrier, one tick, against a small all_reduce's two).
+                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
+                               "different sequences of collectives")
             if seq == comm.seq and digest != mine:
                 self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
@@ -401,6 +431,7 @@ class Engine:
             ready = ready and seq >= comm.seq
         if ready and _ready(ctrl[:, _PROG], t, who):
             self._checked = True
+        return moving
 
     def _past_call_differs(self, ctrl, q: int, mine: int) -> bool:
         """Whether peer q, already in a later op, called this op with another digest (from its

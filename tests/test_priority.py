@@ -49,8 +49,15 @@ def test_urgent_message_overtakes_queued_ones(urgent):
         r2 = c1.irecv(0, memoryview(rsmall), CHANNEL_P2P, 2)
         r1.add_done_callback(lambda r: done.append("big"))
         r2.add_done_callback(lambda r: done.append("small"))
-        s1 = c0.isend(1, memoryview(big), CHANNEL_P2P, 1, priority=5)
-        s2 = c0.isend(1, memoryview(small), CHANNEL_P2P, 2, priority=0 if urgent else 5)
+        # Both ranks are threads of this process, linked by shared memory (transport/shmlink):
+        # one progress thread moves every ring. Held between the two sends, it cannot move all
+        # 64 MB (its 2 MiB ring) before the second is queued, however long the scheduler keeps
+        # this thread off a core between them (CI once saw "big" first after such a pause).
+        from linerate.transport import shmlink
+        assert type(c0.peers[1].link).__name__ == "ShmLink"
+        with shmlink._ENGINE._lock:
+            s1 = c0.isend(1, memoryview(big), CHANNEL_P2P, 1, priority=5)
+            s2 = c0.isend(1, memoryview(small), CHANNEL_P2P, 2, priority=0 if urgent else 5)
         for r in (s1, s2, r1, r2):
             r.wait(30)
         assert np.array_equal(rsmall, small) and np.array_equal(rbig, big)

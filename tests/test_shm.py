@@ -459,6 +459,76 @@ def test_mismatched_calls_are_named_on_every_rank(kind):
             assert re.search(r"all_reduce|broadcast", msg), msg
 
 
+class _Ctx:
+    """What an Engine asks of its transport context, for two engines in one process."""
+    broken = None
+    _close_error = None
+
+    def __init__(self):
+        self.peers, self.reported = {}, []
+
+    def report_error(self, msg):
+        self.reported.append(msg)
+
+    def _where(self):
+        return ""
+
+
+class _Call:
+    def __init__(self, ctx, rank, seq, op, digest):
+        self.ctx, self.rank, self.size, self.seq, self.op = ctx, rank, 2, seq, op
+        self.call, self.call_text, self._desc = digest, "x", f"{op} #{seq}"
+        self.timeout = 5.0
+        self.deadline = time.monotonic() + self.timeout
+
+
+def _two_engines():
+    from linerate.collectives.shm_algos import Engine
+    from linerate.transport.shm import Segment, segment_layout
+    buf = torch.zeros(segment_layout(2)[2], dtype=torch.uint8)
+    return [Engine(Segment(buf, 2, r, "test")) for r in (0, 1)], [_Ctx(), _Ctx()]
+
+
+@pytest.mark.timeout(30)
+def test_peer_caught_beginning_its_next_op_is_still_compared():
+    """Rank 1: broadcast #1 as root (one tick), then barrier #2; rank 0: a small all_reduce #1
+    (its first wait is at tick 1). Rank 0 finds rank 1 at tick 1 in the middle of beginning #2
+    (its sequence number being rewritten): it must look again and name the mismatch, not
+    complete unchecked (CI once saw rank 1's barrier complete against rank 0's all_reduce)."""
+    from linerate.transport import MismatchError
+    (e0, e1), (c0, c1) = _two_engines()
+    e1.begin(_Call(c1, 1, 1, "broadcast", 111))
+    e1.publish()
+    e1.ctrl[1, 1] = 0  # _SEQ: rank 1 is inside begin() of its next op
+    e0.begin(_Call(c0, 0, 1, "all_reduce", 222))
+    e0.publish()
+    threading.Timer(0.2, lambda: e1.begin(_Call(c1, 1, 2, "barrier", 333))).start()
+    t0 = time.monotonic()
+    with pytest.raises(MismatchError, match=r"rank 1 called other arguments in #1 .*rank 0 "
+                                            r"called all_reduce"):
+        e0.wait(e0.tick)
+    assert 0.15 < time.monotonic() - t0 < 3
+    assert c0.reported  # the other ranks are told
+
+
+@pytest.mark.timeout(30)
+def test_peer_that_reached_this_tick_in_an_earlier_op_is_a_mismatch():
+    """Rank 1 published ticks 1 and 2 in all_reduce #1 (two ticks); rank 0 published tick 1 in
+    broadcast #1 and tick 2 in barrier #2. Rank 0's barrier sees every tick it waits for, from
+    a rank still in #1: the ranks called different sequences, named, not completed."""
+    from linerate.transport import MismatchError
+    (e0, e1), (c0, c1) = _two_engines()
+    e1.begin(_Call(c1, 1, 1, "all_reduce", 222))
+    e1.publish()
+    e1.publish()
+    e0.begin(_Call(c0, 0, 1, "broadcast", 111))
+    e0.publish()
+    e0.begin(_Call(c0, 0, 2, "barrier", 333))
+    e0.publish()
+    with pytest.raises(MismatchError, match=r"rank 1 is in all_reduce.*#1.*different sequences"):
+        e0.wait(e0.tick)
+
+
 def _absent(rank, P, lr):
     g = dist.new_group(backend="linerate", timeout=timedelta(seconds=3))
     x = torch.ones(10)
