@@ -164,6 +164,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         #: before the run is full, and its reduce op (_put wakes the worker only when needed).
         self._fuse_wait: tuple | None = None
         self._urgent = False   # someone waits on a queued fusion entry: fuse now
+        self._running = False  # the worker runs an op (or a fused run)
+        self._inline = False   # a synchronous caller runs an op in its own thread (_submit)
         self._chain = 0        # running digest of the fusable calls (fusion.chain_digest)
         #: Tensor fusion so far: async all_reduce calls queued as entries, fused ops run.
         self.fusion_stats = {"calls": 0, "ops": 0}
@@ -257,19 +259,40 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return self._timeout
 
     def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float,
-                nbytes: int | None = None, desc: str = "") -> Work:
+                nbytes: int | None = None, desc: str = "", opts=None) -> Work:
         """Queue ``fn(comm)`` to run as the group's next collective. ``desc`` is what every
         rank must agree on (dtypes, sizes, reduce op, root: checked against the neighbour's);
-        ``nbytes`` its size for the metrics (default: from ``result``)."""
+        ``nbytes`` its size for the metrics (default: from ``result``).
+
+        A synchronous call (``opts.asyncOp`` False: torch waits on the Work at once) finds
+        the worker idle with nothing queued: it runs here, in the caller's thread, in the same
+        order and with the same checks, without the two thread hand-offs (to the worker and
+        back) that were most of a small op's time where ranks outnumber cores. A call without
+        options, or from C++ (asyncOp defaults to True), is queued."""
         if self._shut:
             raise RuntimeError(f"linerate: {op} on a process group that was shut down")
+        here = opts is not None and not getattr(opts, "asyncOp", True)
         with self._seq_lock:  # queue order is sequence order
             self._seq += 1
             seq = self._seq
             work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
                         result, stage.devices)
             self._flight.queued(op, seq, desc)
-            self._put((op, seq, fn, stage, timeout, work, result, nbytes, desc))
+            item = (op, seq, fn, stage, timeout, work, result, nbytes, desc)
+            if here:
+                with self._qcond:  # the worker's turn is free: take it
+                    here = not self._queue and not self._running and not self._inline
+                    self._inline = here
+            if not here:
+                self._put(item)
+        if here:
+            try:
+                self._execute(item)
+            finally:
+                with self._qcond:  # calls queued meanwhile (other threads) go to the worker
+                    self._inline = False
+                    if self._queue:
+                        self._qcond.notify()
         return work
 
     def _put(self, item) -> None:
@@ -300,16 +323,18 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         cycle = self._options.cycle_ms / 1000.0
         with self._qcond:
             while True:
-                while not self._queue:
+                while not self._queue or self._inline:
                     self._qcond.wait()
                 head = self._queue[0]
                 if not isinstance(head, fusion.Entry):
+                    self._running = head is not None
                     return self._queue.popleft()
                 cap = self._options.fusion_bytes
                 n, closed = fusion.plan(self._queue, cap)
                 left = head.queued + cycle - time.monotonic()
                 if closed or self._urgent or left <= 0:
                     self._urgent = False
+                    self._running = True
                     return list(itertools.islice(self._queue, n))
                 # Open: the run is the whole queue. _put wakes this wait when it closes.
                 self._fuse_wait = (cap - sum(e.nbytes for e in self._queue),
@@ -322,38 +347,47 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             item = self._next_item()
             if item is None:
                 return
-            if isinstance(item, list):
-                self._run_fused(item)
-                continue
-            op, seq, fn, stage, timeout, work, result, nbytes, desc = item
-            comm = None
             try:
-                self._check_usable(op, seq)
-                comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
-                comm.shm = self._shm
-                comm.worker = True  # the shared-memory engines are this thread's
-                t0 = time.perf_counter()
-                comm.set_call(desc)
-                self._flight.started(seq)
-                fn(comm)
-                stage.finish()
-                seconds = time.perf_counter() - t0
-            except BaseException as e:  # every failure reaches the Work, and the peers
-                # recorded (a timeout: dumped) before anyone hears
-                self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
-                self._report_failure(e, op, seq)
-                if comm is not None:
-                    e = self._annotate(e, op, seq, desc)
-                    comm.end()
-                work._complete(e)
-            else:
+                if isinstance(item, list):
+                    self._run_fused(item)
+                else:
+                    self._execute(item)
+            finally:
+                with self._qcond:
+                    self._running = False
+
+    def _execute(self, item) -> None:
+        """Run one queued op tuple: on the worker, or in a synchronous caller's thread when
+        the worker's turn was free (_submit). Either way it alone uses the engines now."""
+        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+        comm = None
+        try:
+            self._check_usable(op, seq)
+            comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
+            comm.shm = self._shm
+            comm.worker = True  # the shared-memory engines are this op's
+            t0 = time.perf_counter()
+            comm.set_call(desc)
+            self._flight.started(seq)
+            fn(comm)
+            stage.finish()
+            seconds = time.perf_counter() - t0
+        except BaseException as e:  # every failure reaches the Work, and the peers
+            # recorded (a timeout: dumped) before anyone hears
+            self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
+            self._report_failure(e, op, seq)
+            if comm is not None:
+                e = self._annotate(e, op, seq, desc)
                 comm.end()
-                self._flight.completed(seq, comm.algorithm)
-                work._complete()
-                if metrics.enabled():  # after the caller was released: off its critical path
-                    if nbytes is None:
-                        nbytes = stats.message_bytes(op, result, self.size())
-                    stats.record(op, comm.algorithm, nbytes, seconds, self.size())
+            work._complete(e)
+        else:
+            comm.end()
+            self._flight.completed(seq, comm.algorithm)
+            work._complete()
+            if metrics.enabled():  # after the caller was released: off its critical path
+                if nbytes is None:
+                    nbytes = stats.message_bytes(op, result, self.size())
+                stats.record(op, comm.algorithm, nbytes, seconds, self.size())
 
     def _run_fused(self, offered: list) -> None:
         """Agree with the peers how many of the offered entries to fuse, then run them."""
@@ -522,7 +556,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._allreduce_flat(comm, _flat(b), op, algo)
 
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts(tensors)} op={_rop(op)}")
+                            desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts)
 
     def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: _Stage,
                  timeout: float) -> Work:
@@ -676,7 +710,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         off += n
 
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts(tensors)} op={_rop(op)}")
+                            desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts)
 
     # ------------------------------------------------------------------ neighbor all-reduce
     def neighbor_allreduce(self, tensor, self_weight, in_weights: dict, out_peers: list,
@@ -762,7 +796,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         buf = stage.out(t, keep=(self.rank() == root))
         return self._submit(what, lambda comm: self._rooted(comm, "broadcast", _flat(buf), root),
                             list(tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts([t])} root={root}")
+                            desc=f"{_dts([t])} root={root}", opts=opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -783,7 +817,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 finish_avg(flat, op, comm.size)
 
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts([t])} op={_rop(op)} root={root}")
+                            desc=f"{_dts([t])} op={_rop(op)} root={root}", opts=opts)
 
     def gather(self, output_lists, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
@@ -809,7 +843,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
                             nbytes=t.numel() * t.element_size() * self.size(),
-                            desc=f"{_dts([t])} root={root}")
+                            desc=f"{_dts([t])} root={root}", opts=opts)
 
     def scatter(self, output_tensors, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -833,7 +867,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._module(comm, "scatter", direct).scatter(comm, _flat(out), ins, root)
 
         return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts([t])} root={root}")
+                            desc=f"{_dts([t])} root={root}", opts=opts)
 
     # ------------------------------------------------------------------ gathers
     def _gather_segs(self, stage: _Stage, inp: torch.Tensor, outs: list[torch.Tensor]):
@@ -868,7 +902,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         src, segs = self._gather_segs(stage, t, outs)
         return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
                             list(outs), stage, self._op_timeout(opts),
-                            desc=_dts([t]))
+                            desc=_dts([t]), opts=opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """``output_lists[i][j]`` receives rank i's ``input_tensors[j]`` (torch's layout)."""
@@ -896,7 +930,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         result = [o for outs in output_lists for o in outs]
         return self._submit(what, run, result, stage, self._op_timeout(opts),
-                            desc=_dts(input_tensors))
+                            desc=_dts(input_tensors), opts=opts)
 
     def _single_gather_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
         self._check_tensor(out, what)
@@ -912,7 +946,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         src, segs = self._single_gather_job(stage, output, input, what)
         return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
                             [output], stage, self._op_timeout(opts),
-                            desc=_dts([input]))
+                            desc=_dts([input]), opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -928,7 +962,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._run_all_gather(comm, src, segs)
 
         return self._submit("all_gather_coalesced", run, list(outputs), stage, self._op_timeout(opts),
-                            desc=_dts(inputs))
+                            desc=_dts(inputs), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -982,7 +1016,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
         return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [out], stage, self._op_timeout(opts),
-                            desc=f"{_dts([out])} op={_rop(op)}")
+                            desc=f"{_dts([out])} op={_rop(op)}", opts=opts)
 
     def _single_scatter_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
         self._check_tensor(out, what)
@@ -1000,7 +1034,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
         return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [output], stage, self._op_timeout(opts),
-                            desc=f"{_dts([output])} op={_rop(op)}")
+                            desc=f"{_dts([output])} op={_rop(op)}", opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -1018,7 +1052,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._run_reduce_scatter(comm, segs, o, op)
 
         return self._submit("reduce_scatter_coalesced", run, list(outputs), stage, self._op_timeout(opts),
-                            desc=f"{_dts(outputs)} op={_rop(op)}")
+                            desc=f"{_dts(outputs)} op={_rop(op)}", opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -1040,7 +1074,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         outs = [_flat(stage.out(o)) for o in output_tensors]
         return self._submit(what, lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
                             list(output_tensors), stage, self._op_timeout(opts),
-                            desc=str(ref.dtype).replace("torch.", ""))
+                            desc=str(ref.dtype).replace("torch.", ""), opts=opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
@@ -1060,7 +1094,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                              f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
         return self._submit("all_to_all", lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
                             [output], stage, self._op_timeout(opts),
-                            desc=str(input.dtype).replace("torch.", ""))
+                            desc=str(input.dtype).replace("torch.", ""), opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -1093,7 +1127,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         opts = opts or dist.BarrierOptions()
         return self._submit("barrier", lambda comm: self._module(comm, "barrier", direct).barrier(comm), [],
                             _Stage(), self._op_timeout(opts),
-                            desc="")
+                            desc="", opts=opts)
 
     # ------------------------------------------------------------------ point to point
     def _check_p2p(self, tensors, peer, tag, what: str) -> torch.Tensor:

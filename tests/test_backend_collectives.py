@@ -14,6 +14,7 @@ elements, > 64 KiB even for 1-byte dtypes) runs the ring/chain paths (LINERATE_S
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 from datetime import timedelta
 
@@ -734,3 +735,48 @@ def _ag_coalesced_fn(rank, P, lr):
                     fails.append(f"shapes={shapes}: output[{i}][{j}] = {got[i][j].tolist()}, "
                                  f"Gloo {want[i][j].tolist()}")
     return fails
+
+
+def _where_ops_run(rank, P, lr):
+    """Which thread ran each op: a synchronous call with the worker idle runs in the caller's
+    thread; an async one, and a synchronous one queued behind it, on the worker, in order.
+    (The barrier may go either way: the worker clears its turn just after it completes the
+    broadcast's Work.)"""
+    import threading
+    pg = lr._get_backend(torch.device("cpu"))
+    ran = []
+    execute = pg._execute
+
+    def spy(item):
+        ran.append((item[0], threading.current_thread().name))
+        execute(item)
+
+    pg._execute = spy
+    x = torch.full((1000,), float(rank))
+    dist.broadcast(x, 1, group=lr)  # synchronous, nothing queued: here
+    assert torch.equal(x, torch.full((1000,), 1.0))
+    outs = [torch.empty(1000) for _ in range(P)]
+    if rank == 0:
+        time.sleep(0.5)  # the others' all_gather is still running when they call broadcast
+    w = dist.all_gather(outs, torch.full((1000,), float(rank)), group=lr, async_op=True)
+    y = torch.full((5,), float(rank))
+    dist.broadcast(y, 0, group=lr)  # synchronous but behind a queued op: the worker, after it
+    w.wait()
+    assert [o[0].item() for o in outs] == [float(q) for q in range(P)]
+    assert torch.equal(y, torch.zeros(5))
+    dist.barrier(group=lr)
+    pg._execute = execute
+    return ran
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", [{}, {"LINERATE_SHM": "0"}], ids=["shm", "tcp"])
+def test_synchronous_calls_run_in_the_callers_thread_in_order(env):
+    for rank, ran in enumerate(run_ranks(_where_ops_run, 3, backend="gloo", env=env, timeout=90)):
+        ops = [op for op, _ in ran]
+        assert ops == ["broadcast", "all_gather", "broadcast", "barrier"], ran
+        threads = [t for _, t in ran]
+        assert not threads[0].startswith("linerate-coll"), ran
+        assert threads[1].startswith("linerate-coll"), ran
+        if rank:
+            assert threads[2] == threads[1], ran
