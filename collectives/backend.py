@@ -279,21 +279,33 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         result, stage.devices)
             self._flight.queued(op, seq, desc)
             item = (op, seq, fn, stage, timeout, work, result, nbytes, desc)
-            if here:
-                with self._qcond:  # the worker's turn is free: take it
-                    here = not self._queue and not self._running and not self._inline
-                    self._inline = here
+            here = here and self._take_turn()
             if not here:
                 self._put(item)
         if here:
             try:
                 self._execute(item)
             finally:
-                with self._qcond:  # calls queued meanwhile (other threads) go to the worker
-                    self._inline = False
-                    if self._queue:
-                        self._qcond.notify()
+                self._give_turn()
         return work
+
+    def _take_turn(self, entry=None) -> bool:
+        """(seq lock held) Whether the worker is idle with nothing queued; if so the caller
+        holds its turn (the worker waits) until _give_turn. ``entry``: a fusion entry to queue
+        meanwhile (the fused run pops it)."""
+        with self._qcond:
+            if self._queue or self._running or self._inline:
+                return False
+            self._inline = True
+            if entry is not None:
+                self._queue.append(entry)
+            return True
+
+    def _give_turn(self) -> None:
+        with self._qcond:  # calls queued meanwhile (other threads) go to the worker
+            self._inline = False
+            if self._queue:
+                self._qcond.notify()
 
     def _put(self, item) -> None:
         with self._qcond:
@@ -549,7 +561,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         # same all_reduce synchronously where another does not), the same on every rank.
         if (len(bufs) == 1 and self.size() > 1
                 and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
-            return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts))
+            return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts),
+                                 sync=not getattr(opts, "asyncOp", True))
 
         def run(comm: Comm):
             for b in bufs:
@@ -559,8 +572,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                             desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts)
 
     def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: _Stage,
-                 timeout: float) -> Work:
-        """Queue an async all_reduce as a fusion entry (collectives/fusion.py)."""
+                 timeout: float, sync: bool = False) -> Work:
+        """Queue an all_reduce as a fusion entry (collectives/fusion.py). ``sync``: the caller
+        waits at once (see _submit): with the worker idle and nothing queued, it runs the
+        fused run of this one entry itself (the peers agree on what to fuse as from the
+        worker: the least count offered)."""
         if self._shut:
             raise RuntimeError(f"linerate: {what} on a process group that was shut down")
         desc = f"{_dts([tensor])} op={_rop(op)}"
@@ -572,8 +588,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         [tensor], stage.devices)
             work._on_wait = self._expedite
             self._flight.queued(what, seq, desc)
-            self._put(fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
-                                   self._chain))
+            entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
+                                 self._chain)
+            here = sync and self._take_turn(entry)
+            if not here:
+                self._put(entry)
+        if here:
+            try:
+                self._run_fused([entry])
+            finally:
+                self._give_turn()
         return work
 
     #: Most prioritized all_reduces running at once; more wait, in call order (which keeps

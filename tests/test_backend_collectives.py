@@ -738,8 +738,8 @@ def _ag_coalesced_fn(rank, P, lr):
 
 
 def _where_ops_run(rank, P, lr):
-    """Which thread ran each op: a synchronous call with the worker idle runs in the caller's
-    thread; an async one, and a synchronous one queued behind it, on the worker, in order.
+    """Which thread ran each op: a synchronous call with the worker idle (a small all_reduce,
+    a fusion entry, too) runs in the caller's thread; an async one, and a synchronous one queued behind it, on the worker, in order.
     (The barrier may go either way: the worker clears its turn just after it completes the
     broadcast's Work.)"""
     import threading
@@ -751,7 +751,16 @@ def _where_ops_run(rank, P, lr):
         ran.append((item[0], threading.current_thread().name))
         execute(item)
 
-    pg._execute = spy
+    run_fused = pg._run_fused
+
+    def spy_fused(entries):
+        ran.append(("all_reduce", threading.current_thread().name))
+        run_fused(entries)
+
+    pg._execute, pg._run_fused = spy, spy_fused
+    s = torch.full((3,), float(rank))
+    dist.all_reduce(s, group=lr)  # a small one (a fusion entry): synchronous, here too
+    assert torch.equal(s, torch.full((3,), float(sum(range(P)))))
     x = torch.full((1000,), float(rank))
     dist.broadcast(x, 1, group=lr)  # synchronous, nothing queued: here
     assert torch.equal(x, torch.full((1000,), 1.0))
@@ -765,7 +774,7 @@ def _where_ops_run(rank, P, lr):
     assert [o[0].item() for o in outs] == [float(q) for q in range(P)]
     assert torch.equal(y, torch.zeros(5))
     dist.barrier(group=lr)
-    pg._execute = execute
+    pg._execute, pg._run_fused = execute, run_fused
     return ran
 
 
@@ -774,8 +783,9 @@ def _where_ops_run(rank, P, lr):
 def test_synchronous_calls_run_in_the_callers_thread_in_order(env):
     for rank, ran in enumerate(run_ranks(_where_ops_run, 3, backend="gloo", env=env, timeout=90)):
         ops = [op for op, _ in ran]
-        assert ops == ["broadcast", "all_gather", "broadcast", "barrier"], ran
-        threads = [t for _, t in ran]
+        assert ops == ["all_reduce", "broadcast", "all_gather", "broadcast", "barrier"], ran
+        assert not ran[0][1].startswith("linerate-coll"), ran
+        threads = [t for _, t in ran[1:]]
         assert not threads[0].startswith("linerate-coll"), ran
         assert threads[1].startswith("linerate-coll"), ran
         if rank:
