@@ -396,7 +396,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.end()
             self._flight.completed(seq, comm.algorithm)
             work._complete()
-            if metrics.enabled():  # after the caller was released: off its critical path
+            if metrics.enabled():  # after the Work completed (on the worker: off the
+                # caller's critical path; in a synchronous caller's thread, before it returns)
                 if nbytes is None:
                     nbytes = stats.message_bytes(op, result, self.size())
                 stats.record(op, comm.algorithm, nbytes, seconds, self.size())

@@ -357,9 +357,12 @@ class Engine:
         comm = self.comm
         while True:
             if time.monotonic() > comm.deadline:
+                stuck = [self.gr[q] for q in (who or range(self.P))
+                         if q != self.r and int(ctrl[q, _SEQ]) == 0]
                 raise OpTimeout(f"rank {self.me}: {comm._desc} did not complete within the "
-                                f"{comm.timeout:.1f}s timeout: a rank's control row stayed "
-                                f"unreadable (shared memory)")
+                                f"{comm.timeout:.1f}s timeout: ranks {stuck} never finished "
+                                f"beginning their next op (shared memory; their sequence "
+                                f"number stayed 0)")
             os.sched_yield()
             if not self._check(t, who, ctrl):
                 return

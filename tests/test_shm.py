@@ -744,3 +744,23 @@ def test_pid_watch_sees_exited_processes_zombie_or_reaped_and_closes_its_descrip
         for p in (a, b):
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.timeout(30)
+def test_peer_that_never_finishes_beginning_is_named_at_the_timeout():
+    """A rank at this op's tick whose sequence number stays 0 (it died inside begin()): the
+    waiter does not spin past the op's timeout, and names the rank."""
+    from linerate.collectives.comm import OpTimeout
+    (e0, e1), (c0, c1) = _two_engines()
+    e1.begin(_Call(c1, 1, 1, "broadcast", 111))
+    e1.publish()
+    e1.ctrl[1, 1] = 0  # _SEQ, and it stays so
+    call = _Call(c0, 0, 1, "broadcast", 111)
+    call.timeout = 0.5
+    call.deadline = time.monotonic() + 0.5
+    e0.begin(call)
+    e0.publish()
+    t0 = time.monotonic()
+    with pytest.raises(OpTimeout, match=r"ranks \[1\] never finished beginning"):
+        e0.wait(e0.tick)
+    assert time.monotonic() - t0 < 3
