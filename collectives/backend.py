@@ -183,9 +183,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         if self._options.flight_entries > 0 else flight.Off())
         if isinstance(self._flight, flight.Recorder):
             flight.watch(self._ctx, self._flight)
-        self._worker = threading.Thread(target=self._run_worker, name=f"linerate-coll-{rank}",
-                                        daemon=True)
-        self._worker.start()
+        #: The worker thread, started by the first call that needs it (_put): a group whose
+        #: calls are all waited on at once runs them in the callers' threads (_submit).
+        self._worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -310,6 +310,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _put(self, item) -> None:
         with self._qcond:
             self._queue.append(item)
+            if self._worker is None and item is not None:
+                # Started under the lock: shutdown's join never sees it unstarted.
+                self._worker = threading.Thread(target=self._run_worker, daemon=True,
+                                                name=f"linerate-coll-{self.rank()}")
+                self._worker.start()
             w = self._fuse_wait
             if w is not None and type(item) is fusion.Entry and item.opname == w[2]:
                 # The worker waits for its open fusion run to fill or its cycle to end: this
@@ -1207,8 +1212,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return
         self._shut = True
         self._put(None)
-        if threading.current_thread() is not self._worker:
-            self._worker.join(timeout=self._timeout)
+        worker = self._worker
+        if worker is not None and threading.current_thread() is not worker:
+            worker.join(timeout=self._timeout)
         if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
             self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
         if self._plan is not None:

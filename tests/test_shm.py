@@ -701,6 +701,34 @@ def test_segment_is_private_and_authenticated():
         os.unlink(path)
 
 
+@pytest.mark.timeout(60)
+def test_setup_bell_ends_a_store_wait_without_waiting_for_the_next_poll():
+    """A rank waiting for a set-up key in the store sleeps between polls on the offered
+    segment's bell, which the co-located rank that sets the key rings after the set. The ring
+    ends the wait at once: here nobody sets the key, so only the ring (at 0.2 s) can end a wait
+    whose polls (at most 60 s apart) would otherwise run into the 120 s deadline."""
+    from linerate.transport import rendezvous, shm
+    if shm._SYS_FUTEX is None:
+        pytest.skip("no futex system call number for this machine: the bell is a plain sleep")
+    name, path, token, buf = shm._create(2)
+    try:
+        rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 120, 120.0, "t/")
+        other = shm.SetupBell(buf)  # as the other rank's mapping would ring it
+        timer = threading.Timer(0.2, other.ring)
+        t0 = time.monotonic()
+        timer.start()
+        rv.wait_set("never/set", max_delay=60.0, bell=shm.SetupBell(buf))
+        took = time.monotonic() - t0
+        timer.join()
+        assert 0.15 < took < 10, took
+        # Without a ring the deadline still holds, naming the key.
+        rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 0.3, 0.3, "t/")
+        with pytest.raises(rendezvous.TransportError, match="never/set"):
+            rv.wait_set("never/set", max_delay=0.05, bell=shm.SetupBell(buf))
+    finally:
+        os.unlink(path)
+
+
 def test_pid_watch_sees_exited_processes_zombie_or_reaped_and_closes_its_descriptors():
     """PidWatch (the co-located ranks' liveness): a running process is alive; one killed but
     not reaped (a zombie, as a SIGKILLed rank is until torchrun reaps it) and one reaped are

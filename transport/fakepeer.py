@@ -78,9 +78,6 @@ class FakePeer:
         base = f"{_STORE_PREFIX}shm/{generation}/host/"
         store.set(base + "1",
                   json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto")}))
-        if callable(getattr(store, "add", None)):  # counted in, as shm._gather does
-            if store.add(base + "all/count", 1) >= 2:
-                store.set(base + "all/all", b"1")
         (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
         self.sock = socket.create_connection((host, port), timeout=10)
         handshake.connect_side(self.sock, secret, 1, 0, 0, 1)

@@ -75,10 +75,15 @@ class Rendezvous:
 
     def _check(self, key: str) -> bool | None:
         """Whether the key is set; None if this store cannot say without blocking."""
+        return self._check_all([key])
+
+    def _check_all(self, keys: list[str]) -> bool | None:
+        """Whether every key is set (one request); None if this store cannot say without
+        blocking."""
         if not self._can_check:
             return None
         try:
-            return bool(self._store.check([key]))
+            return bool(self._store.check(keys))
         except RuntimeError as e:  # torch's DistNetworkError and kin
             raise TransportError(
                 f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
@@ -91,21 +96,51 @@ class Rendezvous:
     def set(self, key: str, value) -> None:
         self._store.set(key, value)
 
-    def get(self, key: str, max_delay: float = 0.1) -> bytes:
+    def get(self, key: str, max_delay: float = 0.1, bell=None) -> bytes:
+        """The key's value once it is set (``wait_set``)."""
+        self.wait_set(key, max_delay, bell)
+        return store_get(self._store, key)
+
+    def wait_set(self, keys, max_delay: float = 0.1, bell=None) -> bool:
+        """Return once every key of ``keys`` (a key or a list) is set: True if they all were
+        at the first look. Polls with ``check`` (one request for all keys), first quickly, then
+        up to ``max_delay`` apart; once the first few looks failed, each also asks whether a rank
+        reported a set-up failure. ``bell`` (transport/shm.py's SetupBell): between polls this
+        rank sleeps on it; a co-located rank rings it once it saw every key set, so a ring
+        ends the wait without another look."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
         delay = 0.00025  # a peer a moment behind: first checks come quickly
+        waited = 0.0
         while True:
-            have = self._check(key)
-            if have is None:
-                return store_get(self._store, key)
+            seen = bell.value() if bell is not None else 0  # read before the check: no lost ring
+            have = self._check_all(keys)
+            if have is None:  # no check(): blocking gets
+                for k in keys:
+                    store_get(self._store, k)
+                return False
             if have:
-                return store_get(self._store, key)
-            self.raise_if_failed(f"while waiting for {key!r} in the store")
+                return waited == 0.0
+            if waited >= 0.002:  # one more round trip per look: not in the first quick ones
+                self.raise_if_failed(f"while waiting for {self._name(keys)} in the store")
             if time.monotonic() >= self._deadline:
-                raise TransportError(f"rank {self._rank}: {key!r} did not appear in the store "
-                                     f"within {self._timeout:.0f}s (LINERATE_CONNECT_TIMEOUT): "
-                                     f"a rank of the group has not got that far; is it running?")
-            time.sleep(delay)
+                raise TransportError(f"rank {self._rank}: {self._name(keys)} did not appear in "
+                                     f"the store within {self._timeout:.0f}s "
+                                     f"(LINERATE_CONNECT_TIMEOUT): a rank of the group has not "
+                                     f"got that far; is it running?")
+            if bell is not None:
+                bell.wait(seen, delay)
+                if bell.value() != seen:
+                    return False
+            else:
+                time.sleep(delay)
+            waited += delay
             delay = min(delay * 2, max_delay)
+
+    def _name(self, keys: list[str]) -> str:
+        """The keys not set yet, for a message."""
+        missing = [k for k in keys if self._check(k) is False] if len(keys) > 1 else keys
+        shown = ", ".join(repr(k) for k in (missing or keys)[:4])
+        return shown + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
 
     def raise_if_failed(self, doing: str) -> None:
         if self.generation is None or not self._check(self._fail_key()):
@@ -163,11 +198,12 @@ class Rendezvous:
         The counter lies under this incarnation's ``generation``."""
         pre = self.prefix
         gen = f"{pre}addr/{self.generation}/"
-        n = self._store.add(gen + "count", 1)
-        if n >= size:
+        last = self._store.add(gen + "count", 1) >= size
+        if last:
             self.set(gen + "all", b"1")
         try:
-            self.get(gen + "all", max_delay=0.02)  # the whole group waits on the last rank
+            if not last:
+                self.wait_set(gen + "all", max_delay=0.02)  # the group waits on the last rank
         except PeerSetupFailed:
             raise
         except TransportError:

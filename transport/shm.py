@@ -68,6 +68,7 @@ BYTES_PER_RANK = 4 << 20
 _MAGIC = b"LRSHM\x00\x02\x00"
 _HEADER = 4096            # magic, sizes, token; then one bell per rank
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
+_SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBell)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
 
@@ -257,16 +258,22 @@ def p2p_layout(size: int) -> tuple[int, int, int, int]:
     return base, rings, slot, rings + size * size * slot
 
 
+_boot_id: str | None = None
+
+
 def host_id() -> str:
     """What ranks that can share memory have in common: the kernel boot, the host name, the
     /dev/shm file system (a container with its own /dev/shm has another device number) and the
     network namespace: ranks in separate network namespaces are treated as separate hosts
     (netlab's emulated hosts are namespaces of one machine; they must talk over their links)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
+    global _boot_id
+    if _boot_id is None:  # the same for the process's life: read once
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
+        except OSError:
+            _boot_id = "?"
+    boot = _boot_id
     ids = []
     for path in (SHM_DIR, "/proc/self/ns/net"):
         try:
@@ -292,6 +299,47 @@ _OP_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_add_wake(lib, addr: ctypes.c_void_p) -> None:
+    """Add 1 to the int32 at ``addr`` (atomically: also a full memory barrier) and wake every
+    thread of any process sleeping on it (``lib``: _futex_lib())."""
+    lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, 0x7FFFFFFF, ctypes.c_void_p(0), addr, _OP_ADD_ONE)
+
+
+def _futex_wait(lib, addr: ctypes.c_void_p, seen: int, timeout: float) -> None:
+    """Sleep while the int32 at ``addr`` still holds ``seen``, at most ``timeout`` seconds."""
+    ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
+    lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_int(seen), ctypes.byref(ts),
+                ctypes.c_void_p(0), 0)
+
+
+class SetupBell:
+    """A futex word in the header of a group's offered segment (``_SETUP_BELL_OFF``): while
+    the group is being set up, a rank waiting for a store key that a co-located rank sets
+    sleeps on it instead of between polls, and that rank rings it after the set
+    (``Rendezvous.get``'s ``bell``). Only a wake-up: the store stays what is waited for (a
+    rank that cannot ring, on another host or without the mapping, is seen at the next poll)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self._buf = buf  # the mapping stays while the bell is used
+        self._word = buf.numpy()[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
+        self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
+        self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+
+    def value(self) -> int:
+        return int(self._word[0])
+
+    def wait(self, seen: int, timeout: float) -> None:
+        if self._lib is None:
+            import time
+            time.sleep(timeout)
+        elif timeout > 0:
+            _futex_wait(self._lib, self._addr, seen, timeout)
+
+    def ring(self) -> None:
+        if self._lib is not None:
+            _futex_add_wake(self._lib, self._addr)
 
 
 def _futex_lib():
@@ -373,9 +421,7 @@ class Segment:
     def ring(self, q: int) -> None:
         """Bump rank q's bell (an atomic add: also a full memory barrier) and wake it."""
         if self._lib is not None:
-            addr = self._bell_addrs[q]
-            self._lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, 0x7FFFFFFF, ctypes.c_void_p(0),
-                              addr, _OP_ADD_ONE)
+            _futex_add_wake(self._lib, self._bell_addrs[q])
         else:  # no futex number for this machine: sleepers poll (sleep() below)
             self.bells[q] += 1
 
@@ -393,9 +439,7 @@ class Segment:
             import time
             time.sleep(min(timeout, 0.0005))
             return
-        ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
-        self._lib.syscall(_SYS_FUTEX, self._bell_addrs[self.rank], _FUTEX_WAIT, ctypes.c_int(seen),
-                          ctypes.byref(ts), ctypes.c_void_p(0), 0)
+        _futex_wait(self._lib, self._bell_addrs[self.rank], seen, timeout)
 
     def close(self) -> None:
         """Drop this rank's mapping (it goes when the last view of it is gone)."""
@@ -578,10 +622,13 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
                 me["offer"] = "ok"
             except ShmRefused as e:
                 me["offer"] = str(e)
+    # The ranks that mapped the offered segment wake each other through it (SetupBell): the
+    # last one in rings, instead of each waiting out its next poll of the store.
+    bell = SetupBell(spec) if spec is not None else None
     try:
         store.set(f"{base}host/{rank}", json.dumps(me))
         peers = [me if r == rank else _loads(raw, r)
-                 for r, raw in enumerate(_gather(store, f"{base}host/", range(size), "all"))]
+                 for r, raw in enumerate(_gather(store, f"{base}host/", range(size), bell=bell))]
     finally:
         if mine_offer is not None:  # every rank on this host has mapped it, or given up
             mine_offer.close()
@@ -652,7 +699,7 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 store.set(f"{base}seg/{creator}", json.dumps({
                     "error": f"rank {creator}: cannot create a segment in {SHM_DIR}: {e}"}))
             results = {creator: "ok" if buf is not None else "no segment"}
-            for r, raw in zip(mine[1:], _gather(store, f"{base}ok/", mine[1:], f"of{creator}", own=False)):
+            for r, raw in zip(mine[1:], _gather(store, f"{base}ok/", mine[1:], own=False)):
                 results[r] = bytes(raw).decode(errors="replace")
             if path is not None:
                 _unlink(path)  # every rank has mapped it (or given up): the name goes now
@@ -670,8 +717,6 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 except ShmRefused as e:
                     why = str(e)
             store.set(f"{base}ok/{rank}", why)
-            if _counts(store):
-                _count_in(store, f"{base}ok/of{creator}/", n - 1)
             name = str(seg.get("name", "?"))
     finally:
         if path is not None:
@@ -679,31 +724,17 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
     return buf, name
 
 
-def _gather(store, key: str, ranks, tally: str, own: bool = True) -> list:
-    """The records ``key<r>`` of ``ranks``, once all are there: with ``own`` this rank counts
-    itself in ``key<tally>/count`` first (else the writers count themselves); whoever makes
-    the count complete sets ``key<tally>/all``; then one ``multi_get`` where the store has it.
-    A few round trips per rank instead of one polled ``get`` per rank (at 32 ranks those kept
-    the store busy for most of the set-up: 36 gets and 47 checks per rank)."""
-    ranks = list(ranks)
+def _gather(store, key: str, ranks, own: bool = True, bell: SetupBell | None = None) -> list:
+    """The records ``key<r>`` of ``ranks`` (``own``: this rank's among them, set already),
+    once all are there: the rendezvous store is polled with one ``check`` of every key (at 32
+    ranks, a polled ``get`` per rank had kept the store busy for most of the set-up: 36 gets
+    and 47 checks per rank), then read with one ``multi_get`` where the store has it. With
+    ``bell``: this rank sleeps on it between polls, and rings it when its own record made
+    the set complete (found so at the first look), so that the others need not look again."""
     keys = [f"{key}{r}" for r in ranks]
-    if not _counts(store):  # a user's Store with set and get only: one waiting get per key
-        return [store.get(k) for k in keys]
-    if own:
-        _count_in(store, f"{key}{tally}/", len(ranks))
-    store.get(f"{key}{tally}/all", max_delay=0.02)
+    if store.wait_set(keys, max_delay=0.02, bell=bell) and own and bell is not None:
+        bell.ring()
     return multi_get(store, keys)
-
-
-def _counts(store) -> bool:
-    """Whether the store has ``add`` (every torch Store; a user's may not)."""
-    return callable(getattr(store, "add", None))
-
-
-def _count_in(store, key: str, total: int) -> None:
-    """One more of ``total`` writers is in: the last sets ``key + "all"``."""
-    if store.add(key + "count", 1) >= total:
-        store.set(key + "all", b"1")
 
 
 def _loads(raw, peer: int):
