@@ -702,29 +702,43 @@ def test_segment_is_private_and_authenticated():
 
 
 @pytest.mark.timeout(60)
-def test_setup_bell_ends_a_store_wait_without_waiting_for_the_next_poll():
-    """A rank waiting for a set-up key in the store sleeps between polls on the offered
-    segment's bell, which the co-located rank that sets the key rings after the set. The ring
-    ends the wait at once: here nobody sets the key, so only the ring (at 0.2 s) can end a wait
-    whose polls (at most 60 s apart) would otherwise run into the 120 s deadline."""
+def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segment():
+    """Ranks that mapped rank 0's offered segment post on it that they did (and their
+    LINERATE_SHM) and ring it; a rank waiting for the group's host records sleeps on it between
+    polls of the store. A post ends the wait at once: here nothing is ever set in the store, so
+    only the post (at 0.2 s) can end a wait whose polls (at most 60 s apart) would otherwise run
+    into the 120 s deadline. A rank that could not map the segment is read from the store."""
     from linerate.transport import rendezvous, shm
     if shm._SYS_FUTEX is None:
-        pytest.skip("no futex system call number for this machine: the bell is a plain sleep")
-    name, path, token, buf = shm._create(2)
+        pytest.skip("no futex system call number for this machine: the board is polled")
+    name, path, token, buf = shm._create(3)
     try:
+        mine, theirs = shm.SetupBoard(buf, 3), shm.SetupBoard(buf, 3)  # ranks 1 and 0
+        mine.post(1, "auto")
+        keys = [f"t/host/{r}" for r in range(3)]
         rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 120, 120.0, "t/")
-        other = shm.SetupBell(buf)  # as the other rank's mapping would ring it
-        timer = threading.Timer(0.2, other.ring)
+        timer = threading.Timer(0.2, theirs.post, (0, "auto"))
         t0 = time.monotonic()
         timer.start()
-        rv.wait_set("never/set", max_delay=60.0, bell=shm.SetupBell(buf))
+        rv.wait_set(keys[:2], max_delay=60.0, bell=mine,
+                    pending=lambda ks: [k for r, k in enumerate(ks) if r not in mine.posted()])
         took = time.monotonic() - t0
         timer.join()
         assert 0.15 < took < 10, took
-        # Without a ring the deadline still holds, naming the key.
+        assert mine.posted() == {0: "auto", 1: "auto"}
+        # Rank 2 could not map it (another host): its record comes through the store, and
+        # every record is the one the store would hold.
+        store = dist.HashStore()
+        store.set("t/host/2", json.dumps({"host": "elsewhere", "mode": "auto"}))
+        rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "t/")
+        me = {"host": shm.host_id(), "mode": "auto", "offer": "ok"}
+        peers = shm._records_of_mappers(rv, "t/", 1, 3, me, mine)
+        assert peers == [me, me, {"host": "elsewhere", "mode": "auto"}], peers
+        assert json.loads(store.get("t/host/1")) == me  # for the ranks that cannot read the board
+        # A rank that neither posts nor publishes is named at the deadline.
         rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 0.3, 0.3, "t/")
-        with pytest.raises(rendezvous.TransportError, match="never/set"):
-            rv.wait_set("never/set", max_delay=0.05, bell=shm.SetupBell(buf))
+        with pytest.raises(rendezvous.TransportError, match="t/host/2"):
+            shm._records_of_mappers(rv, "t/", 1, 3, me, mine)
     finally:
         os.unlink(path)
 

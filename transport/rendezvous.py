@@ -96,41 +96,46 @@ class Rendezvous:
     def set(self, key: str, value) -> None:
         self._store.set(key, value)
 
-    def get(self, key: str, max_delay: float = 0.1, bell=None) -> bytes:
+    def get(self, key: str, max_delay: float = 0.1) -> bytes:
         """The key's value once it is set (``wait_set``)."""
-        self.wait_set(key, max_delay, bell)
+        self.wait_set(key, max_delay)
         return store_get(self._store, key)
 
-    def wait_set(self, keys, max_delay: float = 0.1, bell=None) -> bool:
-        """Return once every key of ``keys`` (a key or a list) is set: True if they all were
-        at the first look. Polls with ``check`` (one request for all keys), first quickly, then
-        up to ``max_delay`` apart; once the first few looks failed, each also asks whether a rank
-        reported a set-up failure. ``bell`` (transport/shm.py's SetupBell): between polls this
-        rank sleeps on it; a co-located rank rings it once it saw every key set, so a ring
-        ends the wait without another look."""
+    def wait_set(self, keys, max_delay: float = 0.1, bell=None, pending=None) -> None:
+        """Return once every key of ``keys`` (a key or a list) is set. Polls with ``check``
+        (one request for all keys), first quickly, then up to ``max_delay`` apart; once the
+        first few looks failed, each also asks whether a rank reported a set-up failure.
+
+        ``bell`` and ``pending`` (transport/shm.py's SetupBoard): co-located ranks post their
+        part in shared memory and ring ``bell``, which this rank sleeps on between looks;
+        ``pending(keys)`` gives the keys whose part has not come that way. The wait ends when
+        none is left, or when the store has the rest (asked only once the first quick looks
+        left some: those ranks cannot ring)."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         delay = 0.00025  # a peer a moment behind: first checks come quickly
         waited = 0.0
         while True:
-            seen = bell.value() if bell is not None else 0  # read before the check: no lost ring
-            have = self._check_all(keys)
-            if have is None:  # no check(): blocking gets
-                for k in keys:
-                    store_get(self._store, k)
-                return False
-            if have:
-                return waited == 0.0
+            seen = bell.value() if bell is not None else 0  # read before looking: no lost ring
+            left = pending(keys) if pending is not None else keys
+            if not left:
+                return
+            if pending is None or waited >= 0.002:
+                have = self._check_all(left)
+                if have is None:  # no check(): blocking gets
+                    for k in left:
+                        store_get(self._store, k)
+                    return
+                if have:
+                    return
             if waited >= 0.002:  # one more round trip per look: not in the first quick ones
-                self.raise_if_failed(f"while waiting for {self._name(keys)} in the store")
+                self.raise_if_failed(f"while waiting for {self._name(left)} in the store")
             if time.monotonic() >= self._deadline:
-                raise TransportError(f"rank {self._rank}: {self._name(keys)} did not appear in "
+                raise TransportError(f"rank {self._rank}: {self._name(left)} did not appear in "
                                      f"the store within {self._timeout:.0f}s "
                                      f"(LINERATE_CONNECT_TIMEOUT): a rank of the group has not "
                                      f"got that far; is it running?")
             if bell is not None:
                 bell.wait(seen, delay)
-                if bell.value() != seen:
-                    return False
             else:
                 time.sleep(delay)
             waited += delay

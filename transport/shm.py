@@ -314,23 +314,42 @@ def _futex_wait(lib, addr: ctypes.c_void_p, seen: int, timeout: float) -> None:
                 ctypes.c_void_p(0), 0)
 
 
-class SetupBell:
-    """A futex word in the header of a group's offered segment (``_SETUP_BELL_OFF``): while
-    the group is being set up, a rank waiting for a store key that a co-located rank sets
-    sleeps on it instead of between polls, and that rank rings it after the set
-    (``Rendezvous.get``'s ``bell``). Only a wake-up: the store stays what is waited for (a
-    rank that cannot ring, on another host or without the mapping, is seen at the next poll)."""
+class SetupBoard:
+    """The offered segment's header while the group is set up (``establish``). A rank that
+    mapped the segment posts there that it did, and its LINERATE_SHM: an int32 slot per rank in
+    the unused part of its bell's cache line (``_BELL_OFF + 64 q + 8``), then rings a futex word
+    (``_SETUP_BELL_OFF``) that the ranks waiting for the others' posts sleep on between their
+    polls of the store. Ranks of one host then learn of each other through the segment: no
+    round trip through the store, no wait for another process's next poll."""
 
-    def __init__(self, buf: torch.Tensor):
-        self._buf = buf  # the mapping stays while the bell is used
-        self._word = buf.numpy()[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
+    _MODES = {"auto": 1, "1": 2}
+
+    def __init__(self, buf: torch.Tensor, size: int):
+        self._buf = buf  # the mapping stays while the board is used
+        raw = buf.numpy()
+        self._word = raw[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
+        self._slots = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[2::16]
         self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
         self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+
+    def post(self, rank: int, mode: str) -> None:
+        """This rank mapped the segment (with LINERATE_SHM ``mode``): say so, and wake the
+        waiting ranks (the futex add is a full barrier: the post is seen before the ring)."""
+        self._slots[rank] = self._MODES.get(mode, 3)
+        self.ring()
+
+    def posted(self) -> dict[int, str]:
+        """{rank: its LINERATE_SHM} of the ranks that posted so far ("?" for a value no
+        rank of this version writes)."""
+        names = {v: k for k, v in self._MODES.items()}
+        return {int(r): names.get(int(v), "?") for r in np.flatnonzero(self._slots)
+                for v in (self._slots[r],)}
 
     def value(self) -> int:
         return int(self._word[0])
 
     def wait(self, seen: int, timeout: float) -> None:
+        """Sleep until the futex word differs from ``seen`` or ``timeout`` seconds passed."""
         if self._lib is None:
             import time
             time.sleep(timeout)
@@ -340,6 +359,8 @@ class SetupBell:
     def ring(self) -> None:
         if self._lib is not None:
             _futex_add_wake(self._lib, self._addr)
+        else:
+            self._word[0] += 1
 
 
 def _futex_lib():
@@ -622,13 +643,13 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
                 me["offer"] = "ok"
             except ShmRefused as e:
                 me["offer"] = str(e)
-    # The ranks that mapped the offered segment wake each other through it (SetupBell): the
-    # last one in rings, instead of each waiting out its next poll of the store.
-    bell = SetupBell(spec) if spec is not None else None
     try:
-        store.set(f"{base}host/{rank}", json.dumps(me))
-        peers = [me if r == rank else _loads(raw, r)
-                 for r, raw in enumerate(_gather(store, f"{base}host/", range(size), bell=bell))]
+        if spec is None:
+            store.set(f"{base}host/{rank}", json.dumps(me))
+            peers = [me if r == rank else _loads(raw, r)
+                     for r, raw in enumerate(_gather(store, f"{base}host/", range(size)))]
+        else:
+            peers = _records_of_mappers(store, base, rank, size, me, SetupBoard(spec, size))
     finally:
         if mine_offer is not None:  # every rank on this host has mapped it, or given up
             mine_offer.close()
@@ -699,7 +720,7 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                 store.set(f"{base}seg/{creator}", json.dumps({
                     "error": f"rank {creator}: cannot create a segment in {SHM_DIR}: {e}"}))
             results = {creator: "ok" if buf is not None else "no segment"}
-            for r, raw in zip(mine[1:], _gather(store, f"{base}ok/", mine[1:], own=False)):
+            for r, raw in zip(mine[1:], _gather(store, f"{base}ok/", mine[1:])):
                 results[r] = bytes(raw).decode(errors="replace")
             if path is not None:
                 _unlink(path)  # every rank has mapped it (or given up): the name goes now
@@ -724,16 +745,36 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
     return buf, name
 
 
-def _gather(store, key: str, ranks, own: bool = True, bell: SetupBell | None = None) -> list:
-    """The records ``key<r>`` of ``ranks`` (``own``: this rank's among them, set already),
-    once all are there: the rendezvous store is polled with one ``check`` of every key (at 32
-    ranks, a polled ``get`` per rank had kept the store busy for most of the set-up: 36 gets
-    and 47 checks per rank), then read with one ``multi_get`` where the store has it. With
-    ``bell``: this rank sleeps on it between polls, and rings it when its own record made
-    the set complete (found so at the first look), so that the others need not look again."""
+def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
+                        board: SetupBoard) -> list:
+    """Every rank's host record, on a rank that mapped the offered segment: the ranks that
+    mapped it too post on its ``board`` (their record is then this rank's host, their
+    LINERATE_SHM, "ok"); the others' records come from the store. This rank posts first, then
+    publishes its record in the store as well (for ranks that could not map the segment)."""
+    board.post(rank, str(me["mode"]))
+    store.set(f"{base}host/{rank}", json.dumps(me))
+    keys = [f"{base}host/{r}" for r in range(size)]
+
+    def pending(ks):
+        got = board.posted()
+        return [k for r, k in enumerate(ks) if r not in got]
+
+    store.wait_set(keys, max_delay=0.02, bell=board, pending=pending)
+    got = board.posted()
+    rest = [r for r in range(size) if r not in got]
+    raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest]))) if rest else {}
+    return [me if r == rank else
+            {"host": me["host"], "mode": got[r], "offer": "ok"} if r in got else
+            _loads(raws[r], r) for r in range(size)]
+
+
+def _gather(store, key: str, ranks) -> list:
+    """The records ``key<r>`` of ``ranks`` once all are there: the rendezvous store is polled
+    with one ``check`` of every key (at 32 ranks, a polled ``get`` per rank had kept the store
+    busy for most of the set-up: 36 gets and 47 checks per rank), then read with one
+    ``multi_get`` where the store has it."""
     keys = [f"{key}{r}" for r in ranks]
-    if store.wait_set(keys, max_delay=0.02, bell=bell) and own and bell is not None:
-        bell.ring()
+    store.wait_set(keys, max_delay=0.02)
     return multi_get(store, keys)
 
 
