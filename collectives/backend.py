@@ -117,6 +117,11 @@ def _incarnation() -> str:
     return f"attempt{int(count)}" if count.isdigit() else ""
 
 
+#: A group's worker thread ends after this many seconds without a call to run (the next call
+#: that needs it starts another): threads per rank follow the groups in use, not all groups.
+WORKER_IDLE_S = 10.0
+
+
 class ProcessGroupLinerate(dist.ProcessGroup):
     """A torch.distributed process group over linerate's striped TCP transport."""
 
@@ -341,7 +346,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         with self._qcond:
             while True:
                 while not self._queue or self._inline:
-                    self._qcond.wait()
+                    if not self._qcond.wait(WORKER_IDLE_S) and not self._queue:
+                        # Idle this long: the thread ends (the next call that needs one
+                        # starts another, _put), so threads follow the groups in use.
+                        self._worker = None
+                        return None
                 head = self._queue[0]
                 if not isinstance(head, fusion.Entry):
                     self._running = head is not None

@@ -288,12 +288,14 @@ _ALL = [
        "(probed once per group; else the copies through the segment): auto tries both and "
        "takes the one measured faster, 1 always (where every rank has 1), 0 never (one rank "
        "with 0 turns it off for its host)", "transport"),
-    _S("LINERATE_IO", _word, _one_of(("shared", "threads")), "threads", "threads",
-       "shared or threads",
-       "who drives the TCP connections: shared (a process-wide pool of LINERATE_IO_THREADS "
-       "epoll threads for every link of every group) or threads (a sender and a receiver "
-       "thread per connection); TLS links always use threads; ranks may differ",
-       "transport", "transport.io"),
+    _S("LINERATE_IO", _word, _one_of(("auto", "shared", "threads")), "auto", "auto",
+       "auto, shared or threads",
+       "who drives the TCP connections: threads (a sender and a receiver thread per "
+       "connection), shared (a process-wide pool of LINERATE_IO_THREADS epoll threads for "
+       "every link of every group), or auto: threads for the process's first links, up to 8 "
+       "such threads (a ring's two neighbours with 2 connections each), the shared pool for "
+       "every link beyond (threads per rank stay bounded); TLS links always use threads; "
+       "ranks may differ", "transport", "transport.io"),
     _S("LINERATE_IO_THREADS", _int, _int_in(1, 65), 2, "2", "an integer from 1 to 64",
        "I/O threads of the process-wide pool that drives the TCP connections under "
        "LINERATE_IO=shared (read when the first link starts)", "transport"),

@@ -737,6 +737,32 @@ def _ag_coalesced_fn(rank, P, lr):
     return fails
 
 
+def _worker_comes_and_goes(rank, P, lr):
+    """A group's worker starts with its first async call and ends once idle for
+    WORKER_IDLE_S; the next async call starts another, and results stay right."""
+    import linerate.collectives.backend as backend
+    backend.WORKER_IDLE_S = 0.3
+    pg = lr._get_backend(torch.device("cpu"))
+    x = torch.full((1000,), float(rank))
+    dist.all_reduce(x, group=lr, async_op=True).wait()
+    assert torch.equal(x, torch.full((1000,), float(sum(range(P)))))
+    first = pg._worker
+    assert first is not None
+    time.sleep(1.5)
+    gone = pg._worker is None and not first.is_alive()
+    y = torch.full((100_000,), float(rank))
+    dist.broadcast(y, 1, group=lr, async_op=True).wait()
+    assert torch.equal(y, torch.full((100_000,), 1.0))
+    again = pg._worker is not None and pg._worker is not first and pg._worker.is_alive()
+    return gone, again
+
+
+@pytest.mark.timeout(120)
+def test_idle_worker_thread_ends_and_comes_back():
+    for r in run_ranks(_worker_comes_and_goes, 3, backend="gloo", timeout=90):
+        assert r == (True, True), r
+
+
 def _where_ops_run(rank, P, lr):
     """Which thread ran each op: a synchronous call with the worker idle (a small all_reduce,
     a fusion entry, too) runs in the caller's thread; an async one, and a synchronous one queued behind it, on the worker, in order.

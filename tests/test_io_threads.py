@@ -1,7 +1,8 @@
-"""Threads per rank stay a small constant over TCP (LINERATE_IO=shared, the default):
-every TCP link of every group of a process is driven by the process-wide pool of
-LINERATE_IO_THREADS epoll threads (transport/ioloop.py, transport/sharedlink.py), not by a
-sender and a receiver thread per connection.
+"""Threads per rank stay a small constant over TCP. LINERATE_IO=shared: every TCP link of
+every group of a process is driven by the process-wide pool of LINERATE_IO_THREADS epoll
+threads (transport/ioloop.py, transport/sharedlink.py), not by a sender and a receiver thread
+per connection; auto (the default): the process's first links keep those threads, up to
+tcp.AUTO_IO_THREADS, and the pool drives the rest.
 
 8 ranks without shared memory (LINERATE_SHM=0): a small all_reduce and an all_to_all link
 every peer, then 20 two-rank subgroups are created and each used once. Each rank counts its
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from _harness import run_ranks
+from linerate.transport.tcp import AUTO_IO_THREADS
 
 P = 8
 SUBGROUPS = 20
@@ -47,10 +50,19 @@ def _many_links(rank, size, lr):
             "names": names}
 
 
-def test_threads_per_rank_bounded():
-    res = run_ranks(_many_links, P, timeout=180, backend="linerate",
-                    env={"LINERATE_SHM": "0", "LINERATE_IO": "shared"})
+@pytest.mark.parametrize("io", ["shared", "auto"])
+def test_threads_per_rank_bounded(io):
+    """``shared``: no thread per connection at all; ``auto`` (the default): the first links'
+    connections have their threads, at most tcp.AUTO_IO_THREADS of them, the rest go to the
+    loops."""
+    env = {"LINERATE_SHM": "0"}
+    if io != "auto":
+        env["LINERATE_IO"] = io
+    res = run_ranks(_many_links, P, timeout=180, backend="linerate", env=env)
     for rank, r in enumerate(res):
-        assert r["per_connection"] == 0, (rank, r["names"])
+        if io == "shared":
+            assert r["per_connection"] == 0, (rank, r["names"])
+        else:
+            assert 2 <= r["per_connection"] <= AUTO_IO_THREADS, (rank, r["names"])
         assert 1 <= r["io"] <= 2, (rank, r["names"])
         assert r["all"] <= 16, (rank, r["all"], r["names"])

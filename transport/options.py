@@ -90,9 +90,10 @@ class TransportOptions:
     #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
     #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
     #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection
-    #: (link.StreamLink), the default until shared is measured no slower everywhere (README
-    #: "Scale"). TLS links always use threads. Need not be agreed: both interoperate.
-    io: str = "threads"
+    #: (link.StreamLink), measured faster in some CPU-bound cases (README "Scale"); ``auto``
+    #: (default): threads for the process's first links, up to tcp.AUTO_IO_THREADS threads, the
+    #: shared pool beyond. TLS links always use threads. Need not be agreed: both interoperate.
+    io: str = "auto"
     #: Shared memory between the ranks of one host (transport/shm.py): ``auto`` (where every
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.

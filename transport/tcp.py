@@ -41,6 +41,7 @@ import selectors
 import socket
 import threading
 import time
+import weakref
 
 from . import handshake, tls
 from .link import StreamLink
@@ -51,6 +52,21 @@ log = logging.getLogger("linerate.transport")
 
 #: Default of LINERATE_LINK_TIMEOUT (seconds; see tune).
 LINK_TIMEOUT_DEFAULT = 60.0
+
+#: LINERATE_IO=auto: most sender and receiver threads that this process's plain TCP links
+#: may hold (a ring's two neighbours with 2 connections each); links beyond go to the shared
+#: I/O loops, so threads per rank stay bounded however many peers and groups it has.
+AUTO_IO_THREADS = 8
+_threaded: "weakref.WeakSet[TcpLink]" = weakref.WeakSet()  # auto: links given threads
+_threaded_lock = threading.Lock()
+
+
+def _room_for_threads(n: int) -> bool:
+    """(_threaded_lock held) LINERATE_IO=auto: whether a link of ``n`` connections may have
+    its own threads (2 each) within AUTO_IO_THREADS; a link that began closing or went down
+    (its threads end) gives its share back."""
+    held = sum(2 * link.nstreams for link in list(_threaded) if not link.ending)
+    return held + 2 * n <= AUTO_IO_THREADS
 
 
 class TcpLink(StreamLink):
@@ -63,6 +79,11 @@ class TcpLink(StreamLink):
         self.tls = tls_on
         # Each connection's TLS version ("TLSv1.3"), or None for plain TCP.
         self._tls_versions = [getattr(s, "version", None) if tls_on else None for s in socks]
+
+    @property
+    def ending(self) -> bool:
+        """Whether the link began closing or went down: its threads end."""
+        return self._closing or self._down is not None
 
     def stats(self) -> dict:
         """``Link.stats()``, plus ``tls`` (on or off) and each connection's TLS version."""
@@ -310,12 +331,19 @@ class TcpMesh:
         opts = self.options
         rails = set(self._rails.get(p, range(self.nrails)))
         speed = interface_speed_bps(self.addresses[min(rails)]) if len(rails) == 1 else None
-        cls = TcpLink
-        if self.tls is None and getattr(opts, "io", "threads") == "shared":
-            cls = SharedTcpLink  # the process's I/O loops drive it (TLS keeps the threads)
-        return cls(p, ss, tls_on=self.tls is not None, rank=self.rank,
-                   chunk_bytes=opts.chunk_bytes, checksum=opts.checksum,
-                   credit_bytes=opts.credit_bytes, speed_bps=speed)
+        kw = dict(tls_on=self.tls is not None, rank=self.rank, chunk_bytes=opts.chunk_bytes,
+                  checksum=opts.checksum, credit_bytes=opts.credit_bytes, speed_bps=speed)
+        io = getattr(opts, "io", "threads")
+        if self.tls is not None or io == "threads":  # TLS links always have their threads
+            return TcpLink(p, ss, **kw)
+        if io == "shared":
+            return SharedTcpLink(p, ss, **kw)  # the process's I/O loops drive it
+        with _threaded_lock:  # auto: threads while this process's budget lasts
+            if _room_for_threads(len(ss)):
+                link = TcpLink(p, ss, **kw)
+                _threaded.add(link)
+                return link
+        return SharedTcpLink(p, ss, **kw)
 
     def abort(self) -> None:
         """Set-up failed: stop accepting, close what was connected."""
