@@ -411,6 +411,13 @@ assert len(SETTINGS) == len(_ALL)
 
 
 # ============================================================================ reading
+def env_values() -> tuple:
+    """The value (or None) of every setting's variable in this process's environment: equal
+    tuples mean equal options (Options.from_env reuses its last parse on them)."""
+    get = os.environ.get
+    return tuple(get(s.name) for s in _ALL)
+
+
 def raw(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """The text of a declared variable in ``env`` (default: this process's environment), or
     None where it is not set."""

@@ -288,3 +288,27 @@ def test_pg_options_object_is_used_instead_of_the_environment(tmp_path):
                          capture_output=True, text=True, timeout=80, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK True ring [0.0, 1.0, 2.0, 3.0]" in out.stdout, out.stdout
+
+
+def test_options_from_the_environment_follow_its_changes(monkeypatch):
+    """Options.from_env() reuses its last parse of the environment only while no LINERATE_*
+    variable changed, and hands out copies (changing one changes no other)."""
+    from linerate import Options
+    monkeypatch.delenv("LINERATE_SMALL_BYTES", raising=False)
+    monkeypatch.delenv("LINERATE_NSOCKS", raising=False)
+    a = Options.from_env()
+    b = Options.from_env()
+    assert a == b and a is not b and a.transport is not b.transport
+    a.small_bytes = 1
+    a.transport.nsocks = 7
+    assert Options.from_env() == b
+    monkeypatch.setenv("LINERATE_SMALL_BYTES", "8K")
+    monkeypatch.setenv("LINERATE_NSOCKS", "3")
+    c = Options.from_env()
+    assert c.small_bytes == 8192 and c.transport.nsocks == 3
+    monkeypatch.setenv("LINERATE_NSOCKS", "many")
+    with pytest.raises(ValueError, match="LINERATE_NSOCKS"):
+        Options.from_env()
+    monkeypatch.delenv("LINERATE_NSOCKS")
+    monkeypatch.delenv("LINERATE_SMALL_BYTES")
+    assert Options.from_env() == b
