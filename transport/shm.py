@@ -68,7 +68,7 @@ BYTES_PER_RANK = 4 << 20
 _MAGIC = b"LRSHM\x00\x02\x00"
 _HEADER = 4096            # magic, sizes, token; then one bell per rank
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
-_SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBell)
+_SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBoard)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
 
