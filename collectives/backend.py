@@ -288,15 +288,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if not here:
                 self._put(item)
         if here:
-            try:
-                self._execute(item)
-            finally:
-                self._give_turn()
+            self._run_on_turn(self._execute, item)
         return work
 
     def _take_turn(self, entry=None) -> bool:
         """(seq lock held) Whether the worker is idle with nothing queued; if so the caller
-        holds its turn (the worker waits) until _give_turn. ``entry``: a fusion entry to queue
+        holds its turn (the worker waits) until _run_on_turn gives it back. ``entry``: a fusion entry to queue
         meanwhile (the fused run pops it)."""
         with self._qcond:
             if self._queue or self._running or self._inline:
@@ -306,11 +303,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._queue.append(entry)
             return True
 
-    def _give_turn(self) -> None:
-        with self._qcond:  # calls queued meanwhile (other threads) go to the worker
-            self._inline = False
-            if self._queue:
-                self._qcond.notify()
+    def _run_on_turn(self, fn, arg) -> None:
+        """``fn(arg)`` in the caller's thread, which holds the worker's turn (_take_turn);
+        the turn is given back however it ends."""
+        try:
+            fn(arg)
+        finally:
+            with self._qcond:  # calls queued meanwhile (other threads) go to the worker
+                self._inline = False
+                if self._queue:
+                    self._qcond.notify()
 
     def _put(self, item) -> None:
         with self._qcond:
@@ -609,10 +611,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if not here:
                 self._put(entry)
         if here:
-            try:
-                self._run_fused([entry])
-            finally:
-                self._give_turn()
+            self._run_on_turn(self._run_fused, [entry])
         return work
 
     #: Most prioritized all_reduces running at once; more wait, in call order (which keeps

@@ -342,8 +342,7 @@ class SetupBoard:
         """{rank: its LINERATE_SHM} of the ranks that posted so far ("?" for a value no
         rank of this version writes)."""
         names = {v: k for k, v in self._MODES.items()}
-        return {int(r): names.get(int(v), "?") for r in np.flatnonzero(self._slots)
-                for v in (self._slots[r],)}
+        return {int(r): names.get(int(self._slots[r]), "?") for r in np.flatnonzero(self._slots)}
 
     def value(self) -> int:
         return int(self._word[0])
