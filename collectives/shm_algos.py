@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -190,7 +191,10 @@ class Engine:
         self.words = self.np_data.view(np.int64)
         self.free = [0] * nareas
         self.cursor = 0
-        self.comm: Comm | None = None
+        #: The running op's Comm, weakly (its caller holds it for the op; comm.shm is this
+        #: engine: a strong reference made a cycle that kept a destroyed group's objects
+        #: until the garbage collector ran).
+        self._comm = None
         self._checked = True
         # Liveness without TCP: with lazy connections co-located ranks may never open one
         # (whose reset used to tell a waiter that a peer died); a waiter checks the pids.
@@ -208,6 +212,15 @@ class Engine:
         self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
         self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
         seg.on_close.append(self._release)
+
+    @property
+    def comm(self) -> Comm | None:
+        ref = self._comm
+        return ref() if ref is not None else None
+
+    @comm.setter
+    def comm(self, comm: Comm | None) -> None:
+        self._comm = weakref.ref(comm) if comm is not None else None
 
     def _release(self) -> None:
         """The group closed: drop every view of the segment (its mapping goes now)."""
@@ -391,9 +404,12 @@ class Engine:
         return watchable_pid(int(ctrl[q, _PID]), int(ctrl[q, _PIDNS]), self._pidns)
 
     def _closed(self) -> None:
-        why = getattr(self.comm.ctx, "_close_error", None)
+        comm = self.comm
+        if comm is None:
+            raise TransportError(f"rank {self.me}: the process group was closed")
+        why = getattr(comm.ctx, "_close_error", None)
         raise TransportError(str(why) if why is not None else
-                             f"rank {self.me}: {self.comm._desc}: the process group was closed")
+                             f"rank {self.me}: {comm._desc}: the process group was closed")
 
     def _check(self, t: int, who, ctrl) -> bool:
         """A peer in this op with another call, or past this op without this rank, or at this

@@ -318,11 +318,18 @@ def _segment_state(rank, P, lr):
     g = dist.new_group(backend="linerate")
     gname = g._ctx.shm.name
     dist.all_reduce(x, group=g)
-    dist.destroy_process_group(g)
+    # The mapping goes with destroy_process_group itself: while the user still holds the
+    # group object, and before the garbage collector has run (a destroyed group's objects
+    # had stayed mapped, and its /dev/shm space in use, until the collector freed them).
+    gc.disable()
+    try:
+        dist.destroy_process_group(g)
+        sub_mapped = _mapped(gname)
+    finally:
+        gc.enable()
     del g
-    gc.collect()
     return {"name": name, "present": present, "mapped": mapped, "sub": gname,
-            "sub_mapped_after_destroy": _mapped(gname), "sum": x[0].item()}
+            "sub_mapped_after_destroy": sub_mapped, "sum": x[0].item()}
 
 
 def _mapped(name: str) -> bool:
@@ -347,15 +354,18 @@ def test_nothing_left_in_dev_shm_after_exit_and_destroy():
 def _thousand_groups(rank, P, lr, count):
     names = set()
     x = torch.ones(3)
-    for _ in range(count):
-        g = dist.new_group(backend="linerate")
-        names.add(g._ctx.shm.name)
-        dist.all_reduce(x, group=g)
-        dist.destroy_process_group(g)
-        del g
-    gc.collect()
-    with open("/proc/self/maps") as f:
-        left = sum(1 for line in f if "/linerate-" in line)
+    gc.disable()  # what is left mapped must not depend on when the collector runs
+    try:
+        for _ in range(count):
+            g = dist.new_group(backend="linerate")
+            names.add(g._ctx.shm.name)
+            dist.all_reduce(x, group=g)
+            dist.destroy_process_group(g)
+            del g
+        with open("/proc/self/maps") as f:
+            left = sum(1 for line in f if "/linerate-" in line)
+    finally:
+        gc.enable()
     return sorted(names), left, x[0].item()
 
 
@@ -475,7 +485,12 @@ class _Ctx:
 
 
 class _Call:
+    #: The engine keeps an op's Comm weakly (its caller holds it while the op runs): so do
+    #: these tests, for every call they begin.
+    live: list = []
+
     def __init__(self, ctx, rank, seq, op, digest):
+        _Call.live.append(self)
         self.ctx, self.rank, self.size, self.seq, self.op = ctx, rank, 2, seq, op
         self.call, self.call_text, self._desc = digest, "x", f"{op} #{seq}"
         self.timeout = 5.0
@@ -735,6 +750,15 @@ def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segmen
         peers = shm._records_of_mappers(rv, "t/", 1, 3, me, mine)
         assert peers == [me, me, {"host": "elsewhere", "mode": "auto"}], peers
         assert json.loads(store.get("t/host/1")) == me  # for the ranks that cannot read the board
+        # Every rank posted: the records come from the board alone, none goes to the store.
+        store = dist.HashStore()
+        board = shm.SetupBoard(buf, 2)
+        board.post(0, "auto")
+        board.post(1, "auto")
+        rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "u/")
+        assert shm._records_of_mappers(rv, "u/", 1, 2, me, board) == [
+            {"host": me["host"], "mode": "auto", "offer": "ok"}, me]
+        assert not store.check(["u/host/1"]), "a record no rank reads went to the store"
         # A rank that neither posts nor publishes is named at the deadline.
         rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 0.3, 0.3, "t/")
         with pytest.raises(rendezvous.TransportError, match="t/host/2"):

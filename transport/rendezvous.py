@@ -226,8 +226,31 @@ class Rendezvous:
         return getattr(self._store, name)
 
 
+#: torch's own Stores, whose check() is native: (module, class name).
+_NATIVE_STORES = {("torch._C._distributed_c10d", n) for n in ("TCPStore", "FileStore", "HashStore")}
+_NATIVE_PREFIX = {("torch._C._distributed_c10d", "PrefixStore"),
+                  ("torch.distributed.distributed_c10d", "PrefixStore")}
+
+
+def _native(store) -> bool:
+    """Whether ``store`` is one of torch's own Stores, or PrefixStores over one: their check()
+    works, so no probe is needed (a probe is a round trip to the process hosting the store,
+    which a small group's set-up waits on: one of its few hand-offs between processes)."""
+    for _ in range(16):
+        kind = (type(store).__module__, type(store).__qualname__)
+        if kind in _NATIVE_STORES:
+            return True
+        if kind not in _NATIVE_PREFIX:
+            return False
+        store = getattr(store, "underlying_store", None)
+    return False
+
+
 def _has_check(store) -> bool:
-    """Whether ``store.check`` works (one probe of a key nobody sets)."""
+    """Whether ``store.check`` works (torch's Stores: known; others: one probe of a key nobody
+    sets)."""
+    if _native(store):
+        return True
     try:
         store.check([STORE_PREFIX + "probe"])
     except (AttributeError, NotImplementedError, RuntimeError) as e:

@@ -51,6 +51,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -314,6 +315,13 @@ def _futex_wait(lib, addr: ctypes.c_void_p, seen: int, timeout: float) -> None:
                 ctypes.c_void_p(0), 0)
 
 
+#: Seconds after which a rank that mapped the offered segment, still waiting for some rank's
+#: post, publishes its own host record in the store too (``_records_of_mappers``): a rank that
+#: cannot map the segment (another host's, or a refused one) needs it there. Ranks of one host
+#: that arrive together never ask the store.
+PUBLISH_AFTER_S = 0.002
+
+
 class SetupBoard:
     """The offered segment's header while the group is set up (``establish``). A rank that
     mapped the segment posts there that it did, and its LINERATE_SHM: an int32 slot per rank in
@@ -350,7 +358,6 @@ class SetupBoard:
     def wait(self, seen: int, timeout: float) -> None:
         """Sleep until the futex word differs from ``seen`` or ``timeout`` seconds passed."""
         if self._lib is None:
-            import time
             time.sleep(timeout)
         elif timeout > 0:
             _futex_wait(self._lib, self._addr, seen, timeout)
@@ -456,7 +463,6 @@ class Segment:
         if timeout <= 0:
             return
         if self._lib is None:
-            import time
             time.sleep(min(timeout, 0.0005))
             return
         _futex_wait(self._lib, self._bell_addrs[self.rank], seen, timeout)
@@ -748,20 +754,37 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
                         board: SetupBoard) -> list:
     """Every rank's host record, on a rank that mapped the offered segment: the ranks that
     mapped it too post on its ``board`` (their record is then this rank's host, their
-    LINERATE_SHM, "ok"); the others' records come from the store. This rank posts first, then
-    publishes its record in the store as well (for ranks that could not map the segment)."""
+    LINERATE_SHM, "ok"); the others' records come from the store. This rank posts; it publishes
+    its record in the store as well (for ranks that cannot read the board: they read every
+    record from the store) only once some rank has not posted within PUBLISH_AFTER_S, or had
+    not when the wait ended. When every rank posted by then, this rank asks nothing of the
+    store here: a store request is a hand-off to the process that hosts it, and a small
+    group's set-up on a busy host is a chain of such hand-offs."""
     board.post(rank, str(me["mode"]))
-    store.set(f"{base}host/{rank}", json.dumps(me))
     keys = [f"{base}host/{r}" for r in range(size)]
+    published = False
+    since = time.monotonic()
+
+    def publish() -> None:
+        nonlocal published
+        store.set(keys[rank], json.dumps(me))
+        published = True
 
     def pending(ks):
         got = board.posted()
-        return [k for r, k in enumerate(ks) if r not in got]
+        left = [k for r, k in enumerate(ks) if r not in got]
+        if left and not published and time.monotonic() - since >= PUBLISH_AFTER_S:
+            publish()  # a rank of another host, or a late one: it may need this record
+        return left
 
     store.wait_set(keys, max_delay=0.02, bell=board, pending=pending)
     got = board.posted()
     rest = [r for r in range(size) if r not in got]
-    raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest]))) if rest else {}
+    raws = {}
+    if rest:
+        if not published:
+            publish()
+        raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest])))
     return [me if r == rank else
             {"host": me["host"], "mode": got[r], "offer": "ok"} if r in got else
             _loads(raws[r], r) for r in range(size)]
