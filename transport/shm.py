@@ -168,6 +168,16 @@ class PidWatch:
     def alive(self, pid: int) -> bool:
         return not self.exited((pid,))
 
+    def fds(self) -> list[int]:
+        """The pidfds of the processes watched now (readable once one exits)."""
+        with self._lock:
+            return [] if self._closed else list(self._fds.values())
+
+    def polled(self) -> bool:
+        """Whether some process is watched without a pidfd (``pid_alive``: must be asked)."""
+        with self._lock:
+            return bool(self._slow) and not self._closed
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
