@@ -235,7 +235,7 @@ class _Engine:
     def _watch_run(self) -> None:
         """The death watch: sleeps in poll() until a watched peer's process exits (its pidfd
         turns readable; a closed one reads as POLLNVAL), then has the progress thread look
-        (``_look``, and a ring of every port's bell) and waits until it did (the look closes a
+        (``_look``, and a ring of one port's bell) and waits until it did (the look closes a
         dead process's pidfd, so the same exit is not seen again)."""
         rfd = self._pipe[0]
         while True:
