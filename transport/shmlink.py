@@ -201,11 +201,25 @@ class _Engine:
         self._pipe: tuple[int, int] | None = None
         self._look = False                 # a peer's process may have exited: check_peers
         self._looked = threading.Event()   # the progress thread did
+        #: The engine's own futex word (private memory), in every sleep of the progress thread
+        #: beside the ports' bells: add and remove bump it, so a new group's port is served at
+        #: once (its own bell is not among those the thread sleeps on yet).
+        self._word = np.zeros(1, dtype=np.int32)
+        self._word_addr = self._word.ctypes.data
+
+    def _wake(self) -> None:
+        """Bump the engine's word and wake the progress thread sleeping on it."""
+        if shm._SYS_FUTEX is not None:
+            addr = ctypes.c_void_p(self._word_addr)
+            shm._futex_lib().syscall(shm._SYS_FUTEX, addr, shm._FUTEX_WAKE_OP, 0x7FFFFFFF,
+                                     ctypes.c_void_p(0), addr, shm._OP_ADD_ONE)
 
     def add(self, port: _Port) -> None:
         with self._lock:
             if port not in self._ports:
                 self._ports.append(port)
+                if self._thread is not None:
+                    self._wake()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="linerate-shm-progress",
                                                 daemon=True)
@@ -274,6 +288,7 @@ class _Engine:
         with self._lock:
             if port in self._ports:
                 self._ports.remove(port)
+        self._wake()
         self._poke()  # its pidfds are no longer watched
 
     def threads(self) -> int:
@@ -292,6 +307,7 @@ class _Engine:
         #: address, without keeping a destroyed group's mapping.
         quiet: dict[int, tuple] = {}
         while True:
+            word = int(self._word[0])  # before the ports: an add after this ends the sleep
             with self._lock:
                 ports = list(self._ports)
                 if not ports:
@@ -335,35 +351,39 @@ class _Engine:
                 self._looked.set()
             port = link = None  # a destroyed group's mapping must not wait for the next round
             if not busy:
-                self._sleep(ports, seen, every)
+                self._sleep(ports, seen, every, word)
             ports = None
 
-    def _sleep(self, ports: list, seen: list, timeout: float) -> None:
+    def _sleep(self, ports: list, seen: list, timeout: float, word: int) -> None:
+        """Until a port's bell or the engine's word (``word``: its value before the ports
+        were read) changes, or ``timeout`` seconds."""
         lib = ports[0]._lib
         if lib is None:
             time.sleep(0.0005)
             return
-        if len(ports) > 1 and self._waitv and len(ports) <= 128:
-            key = tuple(p.bell_addr for p in ports)
+        if self._waitv and len(ports) < 128:
+            key = (self._word_addr,) + tuple(p.bell_addr for p in ports)
             if key != self._waitv_key:
-                arr = (_Waitv * len(ports))()
-                for i, p in enumerate(ports):
-                    arr[i].uaddr = p.bell_addr
+                arr = (_Waitv * len(key))()
+                for i, addr in enumerate(key):
+                    arr[i].uaddr = addr
                     arr[i].flags = _FUTEX_32
                 self._waitv_key, self._waitv_arr = key, arr
             arr = self._waitv_arr
+            arr[0].val = word & 0xFFFFFFFF
             for i, v in enumerate(seen):
-                arr[i].val = v & 0xFFFFFFFF
+                arr[i + 1].val = v & 0xFFFFFFFF
             end = time.monotonic() + timeout
             ts = _Timespec(int(end), int((end % 1.0) * 1e9))
-            r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(ports), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
+            r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(key), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
             # EFAULT: a destroyed group's bell, unmapped since the ports were read
             if r == -1 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR,
                                                       errno.EFAULT):
                 self._waitv = False  # not available (ENOSYS) or refused: never spin on it
             return
-        if len(ports) > 1:  # no futex_waitv: one bell, briefly, then look at all
-            timeout = min(timeout, 0.002)
+        # No futex_waitv: one bell, then look at all (and at the ports: a new one's bell is
+        # not this one), briefly where there are several.
+        timeout = min(timeout, 0.002 if len(ports) > 1 else POLL_S)
         ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
         lib.syscall(shm._SYS_FUTEX, ctypes.c_void_p(ports[0].bell_addr), shm._FUTEX_WAIT,
                     ctypes.c_int(seen[0]), ctypes.byref(ts), ctypes.c_void_p(0), 0)
