@@ -297,6 +297,7 @@ class _Engine:
     def _run(self) -> None:
         last_check = 0.0
         checked: tuple = ()   # the ports (ids) whose pidfds the death watch has
+        every = POLL_S        # between looks at the peers: IDLE_S once the death watch has them
         #: Each port's bell as read before its links were last served, for the ports whose
         #: links were all idle then (id(port) -> value). Everything that gives a link work
         #: rings its port's bell (a peer's write or read, a local send, close, a new link), so
@@ -335,15 +336,17 @@ class _Engine:
                     calm[key] = (bell, weakref.ref(port))
             quiet = calm
             now = time.monotonic()
-            watched = self._watching() and not any(p.seg.watch.polled() for p in ports)
-            every = IDLE_S if watched else POLL_S
             key = tuple(id(p) for p in ports)
             if self._look or key != checked or now - last_check >= every:
                 self._look = False
                 last_check = now
-                before = sum(len(p.seg.watch.fds()) for p in ports) if watched else 0
+                before = sum(len(p.seg.watch.fds()) for p in ports)
                 for port in ports:
                     port.check_peers()  # opens the pidfds of new peers, closes the dead's
+                # Whether the death watch sees every peer (asked here, not on every round:
+                # it changes only when check_peers opens or closes pidfds).
+                watched = self._watching() and not any(p.seg.watch.polled() for p in ports)
+                every = IDLE_S if watched else POLL_S
                 if watched and (key != checked or
                                 sum(len(p.seg.watch.fds()) for p in ports) != before):
                     self._poke()
