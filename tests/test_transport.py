@@ -584,6 +584,36 @@ def test_peer_close_fails_pending_receives(transport):
         _close_all(ctxs)
 
 
+@pytest.mark.timeout(60)
+def test_peer_close_after_a_failure_says_why(transport):
+    """Rank 0's collectives broke (a report from a rank that rank 1 has not heard yet, say
+    the neighbour of a rank that died); rank 0 gives up and closes. Rank 1, still waiting on
+    rank 0 in the collective, learns the cause ahead of the CLOSE, not "rank 0 closed its
+    process group" (seen in an 8-rank kill test under load)."""
+    ctxs = make_mesh(3, nsocks=2)
+    try:
+        c0, c1, c2 = ctxs
+        for c in (c0, c2):  # links 0-1 and 2-1 are up, as between ring neighbours
+            r = c1.irecv(c.rank, memoryview(bytearray(2)), CHANNEL_P2P, 9)
+            c.isend(1, memoryview(b"up"), CHANNEL_P2P, 9).wait(10)
+            r.wait(10)
+        coll = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 0)
+        c0._set_broken(TransportError("rank 2 reported an error: rank 5 died"), only_collective=True)
+        c0.close()
+        with pytest.raises(TransportError) as ei:
+            coll.wait(5)
+        assert "rank 5 died" in str(ei.value) and "rank 0" in str(ei.value), str(ei.value)
+        assert "closed its process group" not in str(ei.value)
+        # a healthy close still says just that
+        p2p = c1.irecv(2, memoryview(bytearray(8)), CHANNEL_P2P, 1)
+        c2.close()
+        with pytest.raises(PeerFailure) as ei:
+            p2p.wait(5)
+        assert "rank 2 closed its process group" in str(ei.value)
+    finally:
+        _close_all(ctxs)
+
+
 # --------------------------------------------------------------------------- 8. handshake
 SECRET = bytes(range(32))
 OTHER_SECRET = bytes(range(1, 33))

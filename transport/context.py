@@ -56,12 +56,14 @@ REPORT_LINK_WAIT_S = 2.0
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
-    __slots__ = ("rank", "link", "failure", "pending")
+    __slots__ = ("rank", "link", "failure", "pending", "told")
 
     def __init__(self, rank: int):
         self.rank = rank
         self.link = None
         self.failure: BaseException | None = None
+        #: An ERROR frame went (or is queued) to this peer: it knows why our collectives broke.
+        self.told = False
         #: Lazy links: sends (Requests) and control frames ((kind, payload, value)) posted
         #: before the link was up, in order (guarded by the Context's lock).
         self.pending: list = []
@@ -294,8 +296,11 @@ class Context(LinkSink):
                 p.pending.append((kind, payload, value))
         if link is None:
             self._tcp.want(p.rank)
+            p.told = p.told or kind == KIND_ERROR
             return True
-        return link.send_control(kind, payload, value)
+        sent = link.send_control(kind, payload, value)
+        p.told = p.told or (sent and kind == KIND_ERROR)
+        return sent
 
     def _use_rails(self, nrails: int) -> None:
         """Another transport's number of rails (RDMA: ports), before any link exists."""
@@ -682,6 +687,16 @@ class Context(LinkSink):
         if self._closing:
             return
         deadline = time.monotonic() + timeout
+        why = self.broken
+        if why is not None:
+            # Our collectives broke (a peer died, or one reported an error) and we give up: a
+            # linked peer that has not heard why yet must not take our CLOSE, which it may see
+            # before the report of whoever saw the failure first, for the cause ("rank 1
+            # closed its process group while ..."). The ERROR frame goes ahead of the CLOSE.
+            payload = str(why).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+            for p in self.peers.values():
+                if p.link is not None and not p.told and p.failure is None:
+                    self._control_to(p, KIND_ERROR, payload)
         stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
         with self._lock:  # a lazy link made from now on is closed at once (_link_made)
