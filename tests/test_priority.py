@@ -37,9 +37,13 @@ def _pair(**kw):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["shm", "tcp-threads", "tcp-shared"])
 @pytest.mark.parametrize("urgent", [True, False])
-def test_urgent_message_overtakes_queued_ones(urgent):
-    c0, c1 = _pair(credit_bytes=64 << 10)
+def test_urgent_message_overtakes_queued_ones(urgent, kind):
+    """On every link kind: shared memory, and TCP with a link's own sender threads or with
+    the process's shared I/O loops (LINERATE_IO)."""
+    kw = {} if kind == "shm" else {"shm": "0", "io": kind.split("-")[1]}
+    c0, c1 = _pair(credit_bytes=64 << 10, **kw)
     try:
         big = np.zeros(64 << 20, np.uint8)
         small = np.ones(256 << 10, np.uint8)
@@ -49,13 +53,22 @@ def test_urgent_message_overtakes_queued_ones(urgent):
         r2 = c1.irecv(0, memoryview(rsmall), CHANNEL_P2P, 2)
         r1.add_done_callback(lambda r: done.append("big"))
         r2.add_done_callback(lambda r: done.append("small"))
-        # Both ranks are threads of this process, linked by shared memory (transport/shmlink):
-        # one progress thread moves every ring. Held between the two sends, it cannot move all
-        # 64 MB (its 2 MiB ring) before the second is queued, however long the scheduler keeps
-        # this thread off a core between them (CI once saw "big" first after such a pause).
+        # Held between the two sends, the sending side cannot move all 64 MB before the
+        # second is queued, however long the scheduler keeps this thread off a core between
+        # them (CI once saw "big" first after such a pause). Shared memory: one progress
+        # thread moves every ring (2 MiB each); TCP: a sender that wrote a chunk (64 KiB)
+        # counts it under the link's done-lock, so at most one chunk of "big" goes meanwhile.
         from linerate.transport import shmlink
-        assert type(c0.peers[1].link).__name__ == "ShmLink"
-        with shmlink._ENGINE._lock:
+        # With shared memory the link is made with the group; over TCP (lazy) at the first
+        # message: one goes before the test.
+        w = c1.irecv(0, memoryview(bytearray(1)), CHANNEL_P2P, 3)
+        c0.isend(1, memoryview(b"w"), CHANNEL_P2P, 3).wait(30)
+        w.wait(30)
+        link = c0.peers[1].link
+        want = {"shm": "ShmLink", "tcp-threads": "TcpLink", "tcp-shared": "SharedTcpLink"}
+        assert type(link).__name__ == want[kind], type(link).__name__
+        hold = shmlink._ENGINE._lock if kind == "shm" else link._done_lock
+        with hold:
             s1 = c0.isend(1, memoryview(big), CHANNEL_P2P, 1, priority=5)
             s2 = c0.isend(1, memoryview(small), CHANNEL_P2P, 2, priority=0 if urgent else 5)
         for r in (s1, s2, r1, r2):
