@@ -3,9 +3,9 @@
     results = run_ranks(fn, world_size, *args, timeout=60, env=None)
 
 starts ``world_size`` processes (forked from a server that imported torch once, each with
-the test's environment and directory as a spawned process would have them). Each rank sets MASTER_ADDR=127.0.0.1 and
-MASTER_PORT (the port of a TCPStore this process hosts, so no port can be taken by someone else
-between choosing and binding it), calls ``dist.init_process_group(backend, rank=..,
+the test's environment and directory as a spawned process would have them). Each rank sets
+MASTER_ADDR=127.0.0.1 and MASTER_PORT (the port of a TCPStore this process hosts, so no port
+can be taken by someone else between choosing and binding it), calls ``dist.init_process_group(backend, rank=..,
 world_size=..)`` (``backend`` defaults to "gloo"), creates ``lr = dist.new_group(backend=
 "linerate")`` (or uses the default group when ``backend == "linerate"``), runs
 ``fn(rank, world_size, lr, *args)`` and destroys the groups. ``fn`` must be a module-level
