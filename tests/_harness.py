@@ -5,10 +5,10 @@
 starts ``world_size`` processes (forked from a server that imported torch once, each with
 the test's environment and directory as a spawned process would have them). Each rank sets
 MASTER_ADDR=127.0.0.1 and MASTER_PORT (the port of a TCPStore this process hosts, so no port
-can be taken by someone else between choosing and binding it), calls ``dist.init_process_group(backend, rank=..,
-world_size=..)`` (``backend`` defaults to "gloo"), creates ``lr = dist.new_group(backend=
-"linerate")`` (or uses the default group when ``backend == "linerate"``), runs
-``fn(rank, world_size, lr, *args)`` and destroys the groups. ``fn`` must be a module-level
+can be taken by someone else between choosing and binding it), calls
+``dist.init_process_group(backend, rank=.., world_size=..)`` (``backend`` defaults to "gloo"),
+creates ``lr = dist.new_group(backend="linerate")`` (or uses the default group when
+``backend == "linerate"``), runs ``fn(rank, world_size, lr, *args)`` and destroys the groups. ``fn`` must be a module-level
 function (it is pickled by reference).
 
 ``run_ranks`` returns the list of the ranks' return values (pickled with the standard pickler;
