@@ -8,8 +8,8 @@ MASTER_ADDR=127.0.0.1 and MASTER_PORT (the port of a TCPStore this process hosts
 can be taken by someone else between choosing and binding it), calls
 ``dist.init_process_group(backend, rank=.., world_size=..)`` (``backend`` defaults to "gloo"),
 creates ``lr = dist.new_group(backend="linerate")`` (or uses the default group when
-``backend == "linerate"``), runs ``fn(rank, world_size, lr, *args)`` and destroys the groups. ``fn`` must be a module-level
-function (it is pickled by reference).
+``backend == "linerate"``), runs ``fn(rank, world_size, lr, *args)`` and destroys the
+groups. ``fn`` must be a module-level function (it is pickled by reference).
 
 ``run_ranks`` returns the list of the ranks' return values (pickled with the standard pickler;
 return tensors or plain data). An exception in a rank is re-raised here as ``RankError`` naming
