@@ -461,7 +461,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
             if comm is not None:
-                e = self._annotate(e, "all_reduce", head.seq, head.desc)
+                # A peer's report may end the agreement before this rank compared: its error
+                # then shows every call of its run (the one that differs among them).
+                e = (self._annotate(e, "all_reduce", f"{head.seq}..#{taken[-1].seq}",
+                                    f"fused: {fusion.summary(taken)}") if len(taken) > 1
+                     else self._annotate(e, "all_reduce", head.seq, head.desc))
                 comm.end()
             self._pop_entries(len(taken))
             Work._complete_many([entry.work for entry in taken], e)
@@ -477,7 +481,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if metrics.enabled():
             stats.record("all_reduce", comm.algorithm, nbytes, seconds, self.size())
 
-    def _annotate(self, e: BaseException, op: str, seq: int, desc: str) -> BaseException:
+    def _annotate(self, e: BaseException, op: str, seq: int | str, desc: str) -> BaseException:
         """A transport failure (often a peer's report) with what this rank called beside it,
         so that every rank's error shows its own arguments (the peer names its own)."""
         if not desc or not isinstance(e, TransportError) or desc in str(e):
