@@ -463,9 +463,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if comm is not None:
                 # A peer's report may end the agreement before this rank compared: its error
                 # then shows every call of its run (the one that differs among them).
-                e = (self._annotate(e, "all_reduce", f"{head.seq}..#{taken[-1].seq}",
-                                    f"fused: {fusion.summary(taken)}") if len(taken) > 1
-                     else self._annotate(e, "all_reduce", head.seq, head.desc))
+                seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
+                             if len(taken) > 1 else (head.seq, head.desc))
+                e = self._annotate(e, "all_reduce", seq, desc)
                 comm.end()
             self._pop_entries(len(taken))
             Work._complete_many([entry.work for entry in taken], e)

@@ -53,6 +53,11 @@ _STALL_S = 2.0
 REPORT_LINK_WAIT_S = 2.0
 
 
+def _error_payload(message: str) -> bytes:
+    """An ERROR frame's payload: the message in UTF-8, cut to what a frame carries."""
+    return message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+
+
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
@@ -560,7 +565,7 @@ class Context(LinkSink):
                 # Tell the others why (an ERROR frame goes before this rank's CLOSE frames):
                 # a rank that has not yet seen p die must not take our closing, once we give
                 # up, for the cause ("rank 1 closed its process group ...").
-                payload = str(err).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+                payload = _error_payload(str(err))
                 for q in self.peers.values():
                     if q is not p and q.failure is None:
                         self._control_to(q, KIND_ERROR, payload)
@@ -601,7 +606,7 @@ class Context(LinkSink):
 
     def report_error(self, message: str) -> None:
         """Tell every peer that this rank failed the current collective (an ERROR frame)."""
-        payload = message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+        payload = _error_payload(message)
         self._set_broken(TransportError(message), only_collective=True)
         for p in self.peers.values():
             if p.failure is None:
@@ -693,7 +698,7 @@ class Context(LinkSink):
             # linked peer that has not heard why yet must not take our CLOSE, which it may see
             # before the report of whoever saw the failure first, for the cause ("rank 1
             # closed its process group while ..."). The ERROR frame goes ahead of the CLOSE.
-            payload = str(why).encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
+            payload = _error_payload(str(why))
             for p in self.peers.values():
                 if p.link is not None and not p.told and p.failure is None:
                     self._control_to(p, KIND_ERROR, payload)
