@@ -460,12 +460,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for entry in taken:
                 self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
+            # A peer's report may end the agreement before this rank compared, or before its
+            # run began (the group already broken): its error then shows every call of its
+            # run, the one that differs among them.
+            seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
+                         if len(taken) > 1 else (head.seq, head.desc))
+            e = self._annotate(e, "all_reduce", seq, desc)
             if comm is not None:
-                # A peer's report may end the agreement before this rank compared: its error
-                # then shows every call of its run (the one that differs among them).
-                seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
-                             if len(taken) > 1 else (head.seq, head.desc))
-                e = self._annotate(e, "all_reduce", seq, desc)
                 comm.end()
             self._pop_entries(len(taken))
             Work._complete_many([entry.work for entry in taken], e)

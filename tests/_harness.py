@@ -78,7 +78,8 @@ def _rank_main(fn, rank, world_size, port, env, backend, timeout, stack_file, co
             else:
                 lr = dist.new_group(backend="linerate")
             result = fn(rank, world_size, lr, *args)
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a test may have destroyed every group itself
+                dist.destroy_process_group()
             payload = pickle.dumps(result)
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         try:

@@ -351,6 +351,27 @@ def test_nothing_left_in_dev_shm_after_exit_and_destroy():
         assert re.fullmatch(r"linerate-[0-9a-f]{32}", n), n
 
 
+def _threads_after_destroy(rank, P, lr):
+    sub = dist.new_group(backend="linerate")
+    for g in (lr, sub):
+        x = torch.ones(100_003)
+        dist.all_reduce(x, group=g)
+        dist.all_gather_into_tensor(torch.empty(x.numel() * P), x, group=g)
+    dist.destroy_process_group()  # every group: the script's last line, as users write it
+    # No sleep: what is still running now runs on into interpreter finalization.
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("linerate-"))
+
+
+@pytest.mark.timeout(120)
+def test_no_shm_thread_outlives_destroy_process_group():
+    # A daemon thread still running when the interpreter finalizes dies in torch's C++ code
+    # (taking the GIL back calls pthread_exit through noexcept frames): the process aborts,
+    # "terminate called without an active exception". destroy_process_group waits for the
+    # shared-memory engine's threads, which end with the last group's segment.
+    for rank, names in enumerate(run_ranks(_threads_after_destroy, 3, timeout=90)):
+        assert names == [], f"rank {rank}: {names}"
+
+
 def _thousand_groups(rank, P, lr, count):
     names = set()
     x = torch.ones(3)

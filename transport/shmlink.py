@@ -62,6 +62,8 @@ POLL_S = 0.05
 #: a pidfd (_Engine._watch_run wakes it when one exits): an idle rank wakes about once a second
 #: instead of 20 times (32 idle ranks on one host: 640 wake-ups a second, ~200 us of CPU each).
 IDLE_S = 1.0
+#: The longest wait, when a group's last port is removed, for the engine's threads to end.
+JOIN_S = 2.0
 _HDR = HEADER_SIZE
 _CHUNK_MAX = 512 << 10
 _MIN_PART = 4096            # a chunk cut short to fit the ring's free space: at least this
@@ -288,8 +290,18 @@ class _Engine:
         with self._lock:
             if port in self._ports:
                 self._ports.remove(port)
+            last = [] if self._ports else [t for t in (self._thread, self._watcher) if t is not None]
         self._wake()
         self._poke()  # its pidfds are no longer watched
+        # The last port gone, the threads end: wait for them. The progress thread may be in
+        # a pass over this port (a link's copy into a tensor, the last reference to one); a
+        # process that exits right after destroy_process_group would otherwise finalize the
+        # interpreter under it, and a daemon thread in torch's C++ code then aborts the
+        # process ("terminate called without an active exception", SIGABRT).
+        me = threading.current_thread()
+        for t in last:
+            if t is not me:
+                t.join(JOIN_S)
 
     def threads(self) -> int:
         return (self._thread is not None) + (self._watcher is not None)
