@@ -29,13 +29,26 @@ from . import (algorithms, chain, direct, doubling, flight, fusion, halving, rin
                timeline, two_level)
 from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
 from .options import Options
-from .reduce_ops import check_dtype, check_op, finish_avg, op_name, op_type
+from .reduce_ops import RedOpType, check_dtype, check_op, finish_avg, op_name, op_type
 from .work import Work
 
 log = logging.getLogger("linerate")
 
 BACKEND_NAME = "linerate"
 _MAX_TAG = (1 << 63) - 1
+#: A two-level all_reduce of at least this many bytes may be chained to the next one queued
+#: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
+CHAIN_MIN_BYTES = 1 << 20
+#: The ops whose result is final when the algorithm returns (AVG divides after it).
+_CHAIN_OPS = (RedOpType.SUM, RedOpType.MIN, RedOpType.MAX, RedOpType.PRODUCT)
+
+
+class _WorkerView:
+    """What the algorithm table reads of a Comm (_choose) when no op runs yet."""
+    worker = True
+
+
+_WORKER = _WorkerView()
 
 
 class _Stage:
@@ -171,9 +184,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._urgent = False   # someone waits on a queued fusion entry: fuse now
         self._running = False  # the worker runs an op (or a fused run)
         self._inline = False   # a synchronous caller runs an op in its own thread (_submit)
+        #: The end of a two-level all_reduce chained to the next op (two_level.all_reduce):
+        #: the worker's next op runs it once its own first phase is under way.
+        self._chained = None
         self._chain = 0        # running digest of the fusable calls (fusion.chain_digest)
         #: Tensor fusion so far: async all_reduce calls queued as entries, fused ops run.
         self.fusion_stats = {"calls": 0, "ops": 0}
+        #: Two-level all_reduces whose end ran after the next op's start (two_level.all_reduce).
+        self.chain_stats = {"ops": 0}
         self._scratch = Scratch()
         self._shut = False
         # Prioritized all_reduces (allreduce_priority) run at once, each on a thread of its
@@ -389,6 +407,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         the worker's turn was free (_submit). Either way it alone uses the engines now."""
         op, seq, fn, stage, timeout, work, result, nbytes, desc = item
         comm = None
+        prev, self._chained = self._chained, None  # the op before, chained to this one
         try:
             self._check_usable(op, seq)
             comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
@@ -397,10 +416,25 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             t0 = time.perf_counter()
             comm.set_call(desc)
             self._flight.started(seq)
+            comm.before_tail = prev
+            comm.deferred_tail = None
+            if getattr(fn, "chain_bytes", 0) >= CHAIN_MIN_BYTES:
+                # The host's ranks agree in every such op (the same calls on every rank),
+                # wherever it runs; only the worker offers to chain.
+                comm.chain_next = self._next_chainable
             fn(comm)
+            if comm.before_tail is not None:  # not run by this op's algorithm: now
+                comm.before_tail = None
+                prev(None)
+            if comm.deferred_tail is not None:  # chained: the next op ends this one
+                self._chained = self._finisher(item, comm, comm.deferred_tail, t0)
+                self.chain_stats["ops"] += 1
+                return
             stage.finish()
             seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Work, and the peers
+            if prev is not None and (comm is None or comm.before_tail is not None):
+                prev(None)  # the op before ends (it fails on the broken group, or completes)
             # recorded (a timeout: dumped) before anyone hears
             self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
             self._report_failure(e, op, seq)
@@ -409,14 +443,52 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 comm.end()
             work._complete(e)
         else:
-            comm.end()
-            self._flight.completed(seq, comm.algorithm)
-            work._complete()
-            if metrics.enabled():  # after the Work completed (on the worker: off the
-                # caller's critical path; in a synchronous caller's thread, before it returns)
-                if nbytes is None:
-                    nbytes = stats.message_bytes(op, result, self.size())
-                stats.record(op, comm.algorithm, nbytes, seconds, self.size())
+            self._completed(item, comm, t0, seconds)
+
+    def _completed(self, item, comm: Comm, t0: float, seconds: float) -> None:
+        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+        comm.end()
+        self._flight.completed(seq, comm.algorithm)
+        work._complete()
+        if metrics.enabled():  # after the Work completed (on the worker: off the
+            # caller's critical path; in a synchronous caller's thread, before it returns)
+            if nbytes is None:
+                nbytes = stats.message_bytes(op, result, self.size())
+            stats.record(op, comm.algorithm, nbytes, seconds, self.size())
+
+    def _finisher(self, item, comm: Comm, tail, t0: float):
+        """The end of a chained op (its ``tail(loc)``, then what _execute does after an op),
+        for the next op to run: ``finish(loc)`` never raises (a failure goes to its Work)."""
+        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+
+        def finish(loc) -> None:
+            try:
+                tail(loc)
+                stage.finish()
+                seconds = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - to this op's Work, and the peers
+                self._flight.failed(seq, e, comm.algorithm)
+                self._report_failure(e, op, seq)
+                e = self._annotate(e, op, seq, desc)
+                comm.end()
+                work._complete(e)
+                return
+            self._completed(item, comm, t0, seconds)
+
+        return finish
+
+    def _next_chainable(self) -> bool:
+        """Whether the worker's next op is queued and is an all_reduce that a two-level
+        all_reduce can chain to (two_level.all_reduce). Never from a synchronous caller's
+        thread: the worker runs what is queued."""
+        if threading.current_thread() is not self._worker:
+            return False
+        with self._qcond:
+            head = self._queue[0] if self._queue else None
+        if type(head) is not tuple or head[0] != "all_reduce":
+            return False
+        nb = getattr(head[2], "chain_bytes", 0)
+        return nb >= CHAIN_MIN_BYTES and self._choose(_WORKER, "all_reduce", nb) == "two_level"
 
     def _run_fused(self, offered: list) -> None:
         """Agree with the peers how many of the offered entries to fuse, then run them."""
@@ -590,6 +662,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for b in bufs:
                 self._allreduce_flat(comm, _flat(b), op, algo)
 
+        if len(bufs) == 1 and op in _CHAIN_OPS:
+            run.chain_bytes = bufs[0].numel() * bufs[0].element_size()
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts)
 

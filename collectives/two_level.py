@@ -49,6 +49,7 @@ from linerate.transport import TransportError
 from . import chain, direct, ring, shm_algos
 from .algorithms import MAX_COLUMNS
 from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
+from .reduce_ops import RedOpType
 
 #: SubComm tag of a host's ranks (local phases: shared memory, no slots used); the inter-host
 #: groups take 1 + first column (contiguous columns; + MAX_COLUMNS for the all_reduce
@@ -187,13 +188,25 @@ def _wait_futures(comm, futures) -> None:
 
 # ---------------------------------------------------------------------------- all_reduce
 def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: int) -> None:
-    """In place on a contiguous 1-D tensor; AVG sums (the caller divides)."""
+    """In place on a contiguous 1-D tensor; AVG sums (the caller divides).
+
+    Chaining (large tensors; the worker offers it, Comm ``chain_next`` / ``before_tail``):
+    once this op's local reduce-scatters ran and its inter-host phases are queued on the
+    helper threads, the host's ranks agree (on the segment) whether each has the next op,
+    another chainable all_reduce, queued already. If all have, this op returns with its tail
+    (waiting for the inter-host phases, the local all-gathers) left in ``comm.deferred_tail``:
+    the next op runs its own local reduce-scatters and queues its inter-host phases first, then
+    runs this tail (``before_tail``), so the host's links carry the next op's first chunks while
+    this op's last ones are gathered (the pipeline's ends no longer leave the links idle
+    between the ops: DDP's buckets). Every rank of a host runs the same local phases in the same
+    order: the tail runs on the segment under the next op's local view."""
     comm.algorithm = "two_level"
     loc = _local(comm, plan, engine)
     n = flat.numel()
     es = flat.element_size()
     subs = [(c0, c1, comm.sub(members, c0 + 1)) for c0, c1, members in plan.runs]
     if n * es <= small_bytes:
+        _run_before_tail(comm, loc)
         if loc is not None:
             shm_algos.all_reduce(loc, flat, op)
         # The host's sum (the same bits on each of its ranks), folded over hosts in host order
@@ -221,6 +234,7 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
 
     pools = plan.pools()
     futures = []
+    deferred = in_tail = False
     try:
         for k, (o, ln) in enumerate(chunks):
             x = flat[o:o + ln]
@@ -231,6 +245,36 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
                 shm_algos.reduce_scatter_v(loc, [x[a:b] for a, b in sl], [b - a for a, b in sl],
                                            x[lo:hi], op)
             futures.append(pools[k % 2].submit(inter, k))
+        _run_before_tail(comm, loc)  # the op before this one ends now (chained: see above)
+        if _agree_chain(comm, loc):
+            deferred = True
+            # (run without the next op's local view, where that op failed first: this one's)
+            comm.deferred_tail = lambda loc_now: _tail(comm, flat, chunks, mine, futures,
+                                                       loc if loc_now is None else loc_now)
+            return
+        # Not yet queued everywhere (DDP's next bucket is still being computed): asked again
+        # before the last chunk's local all-gather, which the next op may then follow.
+        in_tail = True  # which reports its own failures
+        deferred = _tail(comm, flat, chunks, mine, futures, loc, late=True)
+    except BaseException as e:
+        if futures and not in_tail and not isinstance(e, TransportError):
+            # the peers (and this rank's helper threads, whose rings wait on them) hear of it
+            # now, not after the helpers' waits ran out
+            comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
+        _wait_futures(comm, futures)
+        raise
+    finally:
+        if not deferred:  # the helpers of a deferred tail still use the scratch
+            for sc in plan.scratch:
+                sc.trim(comm.ctx.options.keep_bytes)
+
+
+def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = False) -> bool:
+    """An all_reduce's end: each chunk's inter-host phase awaited, then its local all-gather
+    (on ``loc``: this op's local view, or the chained next op's). ``late``: before the last
+    chunk's all-gather the host's ranks agree whether to chain the next op there (then it is
+    left in ``comm.deferred_tail``); returns whether it was."""
+    try:
         for k, (o, ln) in enumerate(chunks):
             left = comm.deadline - time.monotonic()
             try:
@@ -239,19 +283,40 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
                 raise OpTimeout(f"rank {comm.rank}: {comm._desc} did not complete within the "
                                 f"{comm.timeout:.1f}s timeout: its inter-host phase (chunk {k} of "
                                 f"{len(chunks)}) had not finished") from None
+            if late and k == len(chunks) - 1 and _agree_chain(comm, loc):
+                comm.deferred_tail = lambda loc_now: _tail(
+                    comm, flat, chunks[k:], mine[k:], futures[k:], loc if loc_now is None else loc_now)
+                return True
             if loc is not None:
                 x = flat[o:o + ln]
                 shm_algos.gather_v(loc, [x[a:b] for a, b in mine[k]])
     except BaseException as e:
-        if futures and not isinstance(e, TransportError):
-            # the peers (and this rank's helper threads, whose rings wait on them) hear of it
-            # now, not after the helpers' waits ran out
+        if not isinstance(e, TransportError):
             comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
         _wait_futures(comm, futures)
         raise
-    finally:
-        for sc in plan.scratch:
-            sc.trim(comm.ctx.options.keep_bytes)
+    return False
+
+
+def _run_before_tail(comm, loc) -> None:
+    """The chained previous op's tail (Comm ``before_tail``), run here on this op's local view."""
+    fn = getattr(comm, "before_tail", None)
+    if fn is not None:
+        comm.before_tail = None
+        fn(loc)
+
+
+def _agree_chain(comm, loc) -> bool:
+    """Whether every rank of this host has the next op, a chainable all_reduce, queued
+    (``comm.chain_next()``; no offer: False without a round). One small round on the
+    segment: the same answer on each of the host's ranks."""
+    offer = getattr(comm, "chain_next", None)
+    if offer is None:
+        return False
+    want = torch.tensor([1 if offer() else 0], dtype=torch.int32)
+    if loc is not None:
+        shm_algos.all_reduce(loc, want, RedOpType.MIN)
+    return bool(want[0])
 
 
 # ---------------------------------------------------------------------------- reduce_scatter

@@ -390,3 +390,121 @@ def test_rails_spread_over_local_ranks(spread, lab_name, tmp_path):
             expect = ([0, 2] if lower % 2 == 0 else [1, 3]) if spread == "auto" else [0, 1, 2, 3]
             assert rails == expect, (rank, p, o)
             assert o["conns"][str(p)] == len(expect), o
+
+
+# ----------------------------------------------------------------------------- chaining
+CHAIN_SCRIPT = r'''
+import json, os, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import linerate.collectives.backend as backend
+from linerate.collectives import two_level
+two_level.PIPE_BYTES = 256 << 10   # several pipeline chunks from 256 KiB on
+backend.CHAIN_MIN_BYTES = 64 << 10
+R = dist.ReduceOp
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+fails = []
+
+
+def values(n, dt, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, (n,), generator=g).to(dt)
+
+
+# Bursts of async all_reduces queued at once (as DDP queues its buckets): each large one may
+# chain to the next; an AVG, a small one and a two-tensor call among them are not chainable.
+calls = [(300_001, torch.float32, R.SUM), (1_000_003, torch.float32, R.SUM),
+         (70_001, torch.int32, R.MAX), (400_000, torch.float64, R.MIN),
+         (123, torch.float32, R.SUM), (250_000, torch.float32, R.AVG),
+         (500_001, torch.int32, R.PRODUCT), (600_000, torch.float32, R.SUM)]
+for rnd in range(3):
+    ins = [values(n, dt, 1000 * rnd + 10 * i + rank) for i, (n, dt, _) in enumerate(calls)]
+    if rnd == 2:  # products stay exact: +-1 and +-2
+        ins[6] = (ins[6] % 2 * 2 - 1).to(torch.int32)
+    mine = [x.clone() for x in ins]
+    works = [dist.all_reduce(x, op=op, async_op=True) for x, (_, _, op) in zip(mine, calls)]
+    if rnd == 1:  # and a call of two tensors in one work, between bursts
+        pair = [values(200_000, torch.float32, 7 + rank), values(90_000, torch.float32, 8 + rank)]
+        works.append(pg.allreduce([t for t in pair]))
+    for w in works:
+        w.wait()
+    for i, ((n, dt, op), x, y) in enumerate(zip(calls, mine, ins)):
+        want = y.clone()
+        dist.all_reduce(want, op=R.SUM if op == R.AVG else op, group=gloo)
+        if op == R.AVG:
+            want = want / P
+        if not torch.equal(x, want):
+            bad = (x != want).nonzero()
+            fails.append(f"rank {rank}: round {rnd} call {i} {dt}[{n}] {op}: {bad.numel()} "
+                         f"differ, first at {bad[0].tolist()}")
+# Synchronous calls: run in the caller's thread where the worker is idle (odd ranks wait for
+# the first call), queued behind it elsewhere: the host's ranks still agree in each.
+for rnd in range(4):
+    a, b = values(300_000, torch.float32, rnd + rank), values(300_000, torch.float32, 50 + rank)
+    a0, b0 = a.clone(), b.clone()
+    wa = dist.all_reduce(a, async_op=True)
+    if rank % 2:
+        wa.wait()
+    dist.all_reduce(b)
+    wa.wait()
+    for name, x, x0 in (("async", a, a0), ("sync", b, b0)):
+        dist.all_reduce(x0, group=gloo)
+        if not torch.equal(x, x0):
+            fails.append(f"rank {rank}: sync round {rnd}: the {name} call differs from Gloo")
+chained = pg.chain_stats["ops"]
+# A chained op followed by one whose size differs on one rank: every rank fails within the
+# timeout (no hang), naming a rank and the op.
+g = dist.new_group(backend="linerate", timeout=timedelta(seconds=15))
+errs = []
+t0 = time.monotonic()
+xs = [torch.ones(400_000), torch.ones(400_000 + (8 if rank == P - 1 else 0)), torch.ones(400_000)]
+ws = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
+for w in ws:
+    try:
+        w.wait()
+    except Exception as e:  # noqa: BLE001
+        errs.append(str(e)[:300])
+print("CH", rank, json.dumps({"fails": fails[:10], "chained": chained, "errs": errs,
+                              "secs": time.monotonic() - t0}), flush=True)
+os._exit(0)  # the broken group: no orderly teardown needed
+'''
+
+
+@needs_netlab
+@pytest.mark.timeout(150)
+def test_chained_all_reduces_match_gloo(lab_name, tmp_path):
+    """Queued two-level all_reduces chain (the next one's first phase before this one's end):
+    results equal Gloo's for every dtype and op, AVG and small calls among them; a chained
+    op's successor that differs fails every rank within the timeout."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "chain_ranks.py"
+    script.write_text(CHAIN_SCRIPT)
+    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
+    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--ranks-per-host", "2",
+                               "--name", lab_name], cwd=root, capture_output=True, text=True,
+                        timeout=60)
+    assert up.returncode == 0, up.stdout + up.stderr
+    # fusion up to 64 KiB: the large calls are ops of their own (DDP's buckets exceed 4 MiB)
+    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_FUSION_BYTES="64K")
+    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
+                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
+    out = {}
+    for line in res.stdout.splitlines():
+        words = line.split(None, 4)
+        if len(words) == 5 and words[2] == "CH":
+            out[int(words[3])] = json.loads(words[4])
+    assert sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
+    for rank, o in out.items():
+        assert not o["fails"], o["fails"]
+        assert o["chained"] > 0, o  # the bursts did chain
+        assert o["errs"], f"rank {rank} completed the differing calls"
+        assert o["secs"] < 15, o
+        assert any("all_reduce" in e for e in o["errs"]), o["errs"]
