@@ -280,6 +280,10 @@ class _Engine:
                 else:
                     died = True
             if died:
+                with self._lock:
+                    if not self._ports:  # the last group went (its pidfds closed: POLLNVAL)
+                        self._watcher = None
+                        return
                 self._looked.clear()
                 self._look = True
                 ports[0].ring(ports[0].me)  # one bell wakes it (its futex_waitv has them all)
