@@ -291,6 +291,31 @@ def netlab_reason() -> str | None:
     return _netlab["reason"]
 
 
+def run_netlab_script(lab_name: str, tmp_path, text: str, up: list, tag: str,
+                      env: dict | None = None, timeout: int = 120):
+    """``netlab up --name lab_name *up``, then ``netlab run`` of the script ``text`` with
+    ``env`` added to this process's environment (``timeout``: netlab's, plus 20 s for the
+    command). Returns the run's CompletedProcess and {rank: the JSON the rank printed after
+    ``tag``} (lines ``[rank R] TAG R {...}``)."""
+    import json
+    import subprocess
+    script = tmp_path / f"{tag.lower()}_ranks.py"
+    script.write_text(text)
+    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
+    made = subprocess.run(cli + ["up", "--name", lab_name, *up], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stdout + made.stderr
+    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", str(timeout), str(script)],
+                         cwd=REPO, capture_output=True, text=True, timeout=timeout + 20,
+                         env=dict(os.environ, **(env or {})))
+    out = {}
+    for line in res.stdout.splitlines():
+        words = line.split(None, 4)
+        if len(words) == 5 and words[2] == tag:
+            out[int(words[3])] = json.loads(words[4])
+    return res, out
+
+
 # ----------------------------------------------------------------------------- transports
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_PYVERBS = os.path.join(REPO, "tests", "fake_pyverbs")

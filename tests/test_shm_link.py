@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import RankError, run_ranks
+from _harness import RankError, run_netlab_script, run_ranks
 
 
 def _sockets() -> set:
@@ -374,27 +374,12 @@ def test_mixed_links_p2p_and_all_reduce(algo, connect, lab_name, tmp_path):
     """netlab 2 hosts x 2 ranks: the co-located peer over shared memory, the others over
     TCP, in one group; p2p every way byte-exact; all_reduce (the group's choice, and a flat
     ring over both kinds of link) equals Gloo's; lazy and eager TCP links."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    script = tmp_path / "mixed_ranks.py"
-    script.write_text(MIXED_SCRIPT)
-    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
-    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--ranks-per-host", "2,2",
-                               "--name", lab_name], cwd=root, capture_output=True, text=True,
-                        timeout=60)
-    assert up.returncode == 0, up.stdout + up.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_CONNECT=connect)
+    env = {"OMP_NUM_THREADS": "1", "LINERATE_CONNECT": connect}
     if algo != "auto":
         env["LINERATE_ALLREDUCE_ALGO"] = algo
-    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
-                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
-    out = {}
-    for line in res.stdout.splitlines():
-        words = line.split(None, 4)
-        if len(words) == 5 and words[2] == "MX":
-            out[int(words[3])] = json.loads(words[4])
+    res, out = run_netlab_script(
+        lab_name, tmp_path, MIXED_SCRIPT,
+        ["--hosts", "2", "--rate", "none", "--ranks-per-host", "2,2"], "MX", env=env)
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
     for rank, o in out.items():
         assert not o["fails"], o["fails"]

@@ -12,13 +12,11 @@
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_ranks
+from _harness import run_netlab_script, run_ranks
 
 needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
@@ -280,30 +278,15 @@ LAYOUTS = {"2x2": [2, 2], "2x4": [4, 4], "3x3": [3, 3, 3], "4+3": [4, 3]}
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_against_gloo(name, lab_name, tmp_path):
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
     counts = LAYOUTS[name]
     hosts, r = [], 0
     for c in counts:
         hosts.append(list(range(r, r + c)))
         r += c
-    root = Path(__file__).resolve().parent.parent
-    script = tmp_path / "two_level_ranks.py"
-    script.write_text(RANK_SCRIPT)
-    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
-    up = subprocess.run(cli + ["up", "--hosts", str(len(counts)), "--rate", "none",
-                               "--ranks-per-host", ",".join(map(str, counts)), "--name", lab_name],
-                        cwd=root, capture_output=True, text=True, timeout=60)
-    assert up.returncode == 0, up.stdout + up.stderr
-    env = dict(os.environ, TL_HOSTS=json.dumps(hosts), OMP_NUM_THREADS="1")
-    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
-                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
-    out = {}
-    for line in res.stdout.splitlines():
-        words = line.split(None, 4)
-        if len(words) == 5 and words[2] == "TL":
-            out[int(words[3])] = json.loads(words[4])
+    res, out = run_netlab_script(
+        lab_name, tmp_path, RANK_SCRIPT,
+        ["--hosts", str(len(counts)), "--rate", "none", "--ranks-per-host", ",".join(map(str, counts))],
+        "TL", env={"TL_HOSTS": json.dumps(hosts), "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0 and sorted(out) == list(range(sum(counts))), \
         res.stdout[-4000:] + res.stderr[-4000:]
     for rank, o in out.items():
@@ -355,30 +338,14 @@ def test_rails_spread_over_local_ranks(spread, lab_name, tmp_path):
     the rails of the lower rank's local index (local rank 0: rails 0 and 2, local rank 1: 1
     and 3), LINERATE_NSOCKS connections on each; with 0 every link stripes over all 4 rails.
     Results against Gloo either way."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from linerate.transport.tcp import spread_rails
     assert spread_rails(0, 2, 4) == [0, 2] and spread_rails(1, 2, 4) == [1, 3]
     assert spread_rails(5, 8, 4) == [1] and spread_rails(2, 3, 2) == [0]
-    root = Path(__file__).resolve().parent.parent
-    script = tmp_path / "rails_ranks.py"
-    script.write_text(RAILS_SCRIPT)
-    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
-    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--rails", "4",
-                               "--ranks-per-host", "2", "--name", lab_name],
-                        cwd=root, capture_output=True, text=True, timeout=60)
-    assert up.returncode == 0, up.stdout + up.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_RAIL_SPREAD=spread, LINERATE_NSOCKS="1")
-    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "100", str(script)],
-                         cwd=root, capture_output=True, text=True, timeout=120, env=env)
-    out = {}
-    for line in res.stdout.splitlines():
-        words = line.split(None, 4)
-        if len(words) == 5 and words[2] == "RAILS":
-            out[int(words[3])] = json.loads(words[4])
+    res, out = run_netlab_script(
+        lab_name, tmp_path, RAILS_SCRIPT,
+        ["--hosts", "2", "--rate", "none", "--rails", "4", "--ranks-per-host", "2"], "RAILS",
+        env={"OMP_NUM_THREADS": "1", "LINERATE_RAIL_SPREAD": spread, "LINERATE_NSOCKS": "1"},
+        timeout=100)
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
     host = {0: 0, 1: 0, 2: 1, 3: 1}
     for rank, o in out.items():
@@ -480,27 +447,10 @@ def test_chained_all_reduces_match_gloo(lab_name, tmp_path):
     """Queued two-level all_reduces chain (the next one's first phase before this one's end):
     results equal Gloo's for every dtype and op, AVG and small calls among them; a chained
     op's successor that differs fails every rank within the timeout."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    script = tmp_path / "chain_ranks.py"
-    script.write_text(CHAIN_SCRIPT)
-    cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
-    up = subprocess.run(cli + ["up", "--hosts", "2", "--rate", "none", "--ranks-per-host", "2",
-                               "--name", lab_name], cwd=root, capture_output=True, text=True,
-                        timeout=60)
-    assert up.returncode == 0, up.stdout + up.stderr
     # fusion up to 64 KiB: the large calls are ops of their own (DDP's buckets exceed 4 MiB)
-    env = dict(os.environ, OMP_NUM_THREADS="1", LINERATE_FUSION_BYTES="64K")
-    res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", "120", str(script)],
-                         cwd=root, capture_output=True, text=True, timeout=140, env=env)
-    out = {}
-    for line in res.stdout.splitlines():
-        words = line.split(None, 4)
-        if len(words) == 5 and words[2] == "CH":
-            out[int(words[3])] = json.loads(words[4])
+    res, out = run_netlab_script(
+        lab_name, tmp_path, CHAIN_SCRIPT, ["--hosts", "2", "--rate", "none", "--ranks-per-host", "2"],
+        "CH", env={"OMP_NUM_THREADS": "1", "LINERATE_FUSION_BYTES": "64K"})
     assert sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
     for rank, o in out.items():
         assert not o["fails"], o["fails"]
