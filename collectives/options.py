@@ -35,6 +35,9 @@ class Options:
     small_bytes: int = 64 * 1024
     #: Pipeline granularity of ring and chain algorithms (4 MiB measured best, README).
     piece_bytes: int = 4 << 20
+    #: Two-level all_reduces of more than 16 MiB: "1" pipelined, "0" one chunk, "auto"
+    #: measured (collectives/two_level.py PipeChoice).
+    pipeline: str = "auto"
     #: Tensor fusion (collectives/fusion.py): all_reduces of one tensor of up to this many
     #: bytes are packed into fused all_reduces of at most this many bytes; 0 turns it off.
     fusion_bytes: int = 4 << 20

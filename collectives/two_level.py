@@ -63,10 +63,108 @@ PIPE_BYTES = 8 << 20
 MAX_CHUNKS = 16
 
 
+class PipeChoice:
+    """Whether a large two-level all_reduce runs pipelined (chunks of PIPE_BYTES: the inter-host
+    phase of one chunk on a helper thread beside the local phases of the others) or as one chunk
+    (local reduce-scatter, inter-host all-reduce, local all-gather, one after the other), per
+    group (``LINERATE_PIPELINE``: ``1`` always pipelined, ``0`` never, ``auto`` measured).
+
+    The pipeline hides the local phases behind the links where the links are the bottleneck (2
+    hosts x 4 ranks at 1 Gbit/s: 586-620 ms per 64 MB against 703 as one chunk). Where they
+    are not, its helper threads and hand-offs only add CPU (2 x 2 ranks on unshaped links, both
+    CPU-bound: 105-123 ms per 64 MB against 75-83 ms as one chunk, user CPU per rank 31-33
+    against 18-19 ms). ``auto``: an all_reduce that would have more than 2 chunks is *eligible*;
+    the first ``GATE_AT`` run pipelined. Then the group's ranks agree (``exchange``: every
+    rank's value summed over the group, the same bits everywhere) on the pipelined time per
+    byte: a group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound and stays
+    pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries both: the next
+    ``EXPLORE`` ops run in the modes listed there, then the ranks agree on the faster (summed
+    best of each rank's last ``KEEP`` times per byte; an op right after one of the other mode is not counted:
+    ``next_op``), and before every ``RETRY``-th op two run in the other mode and they agree
+    again. Every rank runs the same eligible ops in the same order (a failed
+    collective breaks the group's collectives), so every rank takes the same decisions at the
+    same ops: only agreed sums decide."""
+
+    GATE_AT = 2
+    FAST_BPS = 250e6
+    EXPLORE = (False, False, False, True, True)   # pipelined?
+    RETRY = 32
+    RECHECK = 64
+    KEEP = 3
+
+    def __init__(self, setting: str = "auto"):
+        if setting not in ("auto", "0", "1"):
+            raise ValueError(f"LINERATE_PIPELINE must be auto, 0 or 1, got {setting!r}")
+        self.setting = setting
+        self.m = 0                    # eligible all_reduces so far
+        self.state = "gate"           # gate -> explore -> chosen | pipe
+        self.at = self.GATE_AT        # the op at which the next exchange is made
+        self.pipe = True              # the agreed mode (chosen / pipe states)
+        self.times = {True: [], False: []}
+        self.last = True              # the mode of the last eligible op begun
+        #: Eligible ops run in each mode (pipelined, one chunk), and exchanges made.
+        self.used = {True: 0, False: 0}
+        self.exchanges = 0
+
+    def _mine(self, pipe: bool) -> list[float]:
+        """This rank's part of an exchange about one mode: its best kept time per byte, and
+        1 (0, 0 where it has none yet: an op whose end was chained to the next one)."""
+        t = self.times[pipe]
+        return [min(t), 1.0] if t else [0.0, 0.0]
+
+    def next_op(self, exchange) -> tuple[bool, bool]:
+        """Whether this eligible op runs pipelined, and whether its time counts (not the first
+        op, nor one whose predecessor ran the other mode: it pays the page faults of scratch
+        grown anew and a cold cache, 1.3-1.4 ns per byte against 1.0 in a run of its mode);
+        ``exchange(values)`` returns the list of ``values`` summed over the group's ranks
+        (called at the same ops on every rank)."""
+        m = self.m
+        self.m += 1
+        if self.setting != "auto":
+            pipe = self.setting != "0"
+        elif self.state == "explore":
+            k = m - self.at
+            if k < len(self.EXPLORE):
+                pipe = self.EXPLORE[k]
+            else:
+                pipe = self._decide(exchange, m)
+        elif m < self.at:
+            probe = self.state == "chosen" and m >= self.at - 2  # two: the first is a switch
+            pipe = self.pipe != probe
+        elif self.state == "chosen":
+            pipe = self._decide(exchange, m)
+        else:  # gate, pipe: pipelined until the group is shown fast enough to try both
+            self.exchanges += 1
+            t, n = exchange(self._mine(True))
+            if t > 0 and n / t >= self.FAST_BPS:  # the ranks' mean time per byte, inverted
+                self.state, self.at = "explore", m + 1
+            else:
+                self.state, self.at = "pipe", m + self.RECHECK
+            pipe = True
+        self.used[pipe] += 1
+        counted = m > 0 and pipe == self.last
+        self.last = pipe
+        return pipe, counted
+
+    def _decide(self, exchange, m: int) -> bool:
+        self.exchanges += 1
+        tp, np_, to, no = exchange(self._mine(True) + self._mine(False))
+        self.state, self.at = "chosen", m + self.RETRY
+        # one chunk only where both were measured and it was faster on the ranks' mean
+        self.pipe = not (np_ > 0 and no > 0 and to / no < tp / np_)
+        return self.pipe
+
+    def note(self, pipe: bool, per_byte: float) -> None:
+        """A counted op of this mode ended, taking ``per_byte`` seconds per byte of its tensor."""
+        kept = self.times[pipe]
+        kept.append(per_byte)
+        del kept[:-self.KEEP]
+
+
 class Plan:
     """A group's two-level layout, seen from one rank (the same columns on every rank)."""
 
-    def __init__(self, hosts, rank: int):
+    def __init__(self, hosts, rank: int, pipeline: str = "auto"):
         self.hosts = tuple(tuple(h) for h in hosts)
         self.H = len(self.hosts)
         self.n = [len(h) for h in self.hosts]
@@ -88,6 +186,8 @@ class Plan:
         self.runs = self._runs(self.h, self.j)
         # reduce_scatter / all_gather: column i, owner i % n_h
         self.cols = [i for i in range(self.L) if i % self.n[self.h] == self.j]
+        #: Pipelined or one chunk, for this group's large all_reduces (PipeChoice).
+        self.pipe = PipeChoice(pipeline)
 
     # ------------------------------------------------------------------ columns
     def owner(self, g: int, c: int) -> int:
@@ -217,6 +317,16 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
             direct.all_reduce(sub, flat if k == 0 else host_sum.clone(), op)
         return
     chunks = _chunks(n, es)
+    done = None
+    if len(chunks) > 2:  # the pipeline's or one chunk (PipeChoice)
+        pipe, counted = plan.pipe.next_op(lambda vals: _exchange(loc, subs, vals))
+        if not pipe:
+            chunks = [(0, n)]
+        t0 = time.perf_counter()
+
+        def done() -> None:
+            if counted:
+                plan.pipe.note(pipe, (time.perf_counter() - t0) / (n * es))
     mine = []   # per chunk: this rank's slices of it
     # Chunk k's inter-host phase runs on helper thread k % 2 with the column groups of that
     # parity: the end of one chunk's rings overlaps the start of the next one's.
@@ -250,12 +360,13 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
             deferred = True
             # (run without the next op's local view, where that op failed first: this one's)
             comm.deferred_tail = lambda loc_now: _tail(comm, flat, chunks, mine, futures,
-                                                       loc if loc_now is None else loc_now)
+                                                       loc if loc_now is None else loc_now,
+                                                       done=done)
             return
         # Not yet queued everywhere (DDP's next bucket is still being computed): asked again
         # before the last chunk's local all-gather, which the next op may then follow.
         in_tail = True  # which reports its own failures
-        deferred = _tail(comm, flat, chunks, mine, futures, loc, late=True)
+        deferred = _tail(comm, flat, chunks, mine, futures, loc, late=True, done=done)
     except BaseException as e:
         if futures and not in_tail and not isinstance(e, TransportError):
             # the peers (and this rank's helper threads, whose rings wait on them) hear of it
@@ -269,11 +380,13 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
                 sc.trim(comm.ctx.options.keep_bytes)
 
 
-def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = False) -> bool:
+def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = False,
+          done=None) -> bool:
     """An all_reduce's end: each chunk's inter-host phase awaited, then its local all-gather
     (on ``loc``: this op's local view, or the chained next op's). ``late``: before the last
     chunk's all-gather the host's ranks agree whether to chain the next op there (then it is
-    left in ``comm.deferred_tail``); returns whether it was."""
+    left in ``comm.deferred_tail``); returns whether it was. ``done()``: called once the
+    all_reduce's last all-gather ran."""
     try:
         for k, (o, ln) in enumerate(chunks):
             left = comm.deadline - time.monotonic()
@@ -285,7 +398,8 @@ def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = Fal
                                 f"{len(chunks)}) had not finished") from None
             if late and k == len(chunks) - 1 and _agree_chain(comm, loc):
                 comm.deferred_tail = lambda loc_now: _tail(
-                    comm, flat, chunks[k:], mine[k:], futures[k:], loc if loc_now is None else loc_now)
+                    comm, flat, chunks[k:], mine[k:], futures[k:],
+                    loc if loc_now is None else loc_now, done=done)
                 return True
             if loc is not None:
                 x = flat[o:o + ln]
@@ -295,7 +409,22 @@ def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = Fal
             comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
         _wait_futures(comm, futures)
         raise
+    if done is not None:
+        done()
     return False
+
+
+def _exchange(loc, subs, vals: list[float]) -> list[float]:
+    """``vals`` summed over the group's ranks (the host's ranks on the segment, then the hosts
+    over each of this rank's column groups, as the small all_reduce: the same bits on every
+    rank). Within an all_reduce, before its first chunk: PipeChoice's agreements."""
+    t = torch.tensor(vals, dtype=torch.float64)
+    if loc is not None:
+        shm_algos.all_reduce(loc, t, RedOpType.SUM)
+    host_sum = t.clone() if len(subs) > 1 else None
+    for k, (_, _, sub) in enumerate(subs):
+        direct.all_reduce(sub, t if k == 0 else host_sum.clone(), RedOpType.SUM)
+    return t.tolist()
 
 
 def _run_before_tail(comm, loc) -> None:

@@ -335,6 +335,12 @@ _ALL = [
     _S("LINERATE_PIECE_BYTES", parse_size, _int_in(4096, 1 << 62), 4 << 20, "4M",
        f"{_SIZE}, at least 4K", "pipeline granularity of the ring and chain algorithms",
        "collectives", "piece_bytes"),
+    _S("LINERATE_PIPELINE", _word, _one_of(("auto", "0", "1")), "auto", "auto", "auto, 0 or 1",
+       "two-level all_reduces of more than 16 MiB: 1 pipelined (8 MiB chunks, each one's "
+       "inter-host phase beside the others' local phases), 0 one chunk (local, inter-host, "
+       "local in turn), auto pipelined where the group is link-bound (under 250 MB/s of tensor "
+       "per second), else both tried and the faster kept (measured, agreed by every rank); "
+       "every rank must agree", "collectives", "pipeline"),
     _S("LINERATE_SMALL_BYTES", parse_size, _int_in(0, 1 << 62), 64 << 10, "64K",
        f"{_SIZE}, 0 or more", "messages up to this size use the one-round algorithms under auto",
        "collectives", "small_bytes"),

@@ -147,6 +147,54 @@ def test_table_overrides():
         choose("all_reduce_twice", 1, two)
 
 
+def test_pipe_choice():
+    """LINERATE_PIPELINE: 1 and 0 fixed; auto pipelined while link-bound (asked again every
+    RECHECK ops), else both tried and the faster kept, the other tried again every RETRY ops;
+    decisions only from exchanged values; an op right after a switch is not counted."""
+    from linerate.collectives.two_level import PipeChoice as PC
+    with pytest.raises(ValueError, match="LINERATE_PIPELINE"):
+        PC("yes")
+    asked = []
+
+    def run(choice, per_byte, ops):
+        modes = []
+        for _ in range(ops):
+            pipe, counted = choice.next_op(lambda vals: asked.append(list(vals)) or list(vals))
+            modes.append(pipe)
+            if counted:
+                choice.note(pipe, per_byte[pipe])
+        return modes
+
+    for setting, want in (("1", True), ("0", False)):
+        assert run(PC(setting), {True: 1.0, False: 1.0}, 50) == [want] * 50
+    assert asked == []
+    # link-bound (1 Gbit/s: 8 ns per byte): pipelined throughout, the gate asked at op 2 and
+    # again RECHECK ops later
+    slow = PC("auto")
+    assert run(slow, {True: 8e-9, False: 1e-9}, 2 + PC.RECHECK + 1) == [True] * (PC.RECHECK + 3)
+    assert asked == [[8e-9, 1.0], [8e-9, 1.0]] and slow.state == "pipe"
+    asked.clear()
+    # fast (unshaped: 1.5 ns per byte pipelined, 1.0 as one chunk): explore, then one chunk,
+    # with two pipelined probes before each RETRY-th op
+    fast = PC("auto")
+    modes = run(fast, {True: 1.5e-9, False: 1.0e-9}, 3 + len(PC.EXPLORE) + 1 + PC.RETRY + 1)
+    k = 3 + len(PC.EXPLORE)
+    assert modes[:k] == [True, True, True, *PC.EXPLORE]
+    assert modes[k:k + PC.RETRY - 2] == [False] * (PC.RETRY - 2)
+    assert modes[k + PC.RETRY - 2:k + PC.RETRY] == [True, True]  # the probes
+    assert modes[k + PC.RETRY] is False  # still one chunk after agreeing again
+    assert asked[0] == [1.5e-9, 1.0]
+    assert asked[1] == [1.5e-9, 1.0, 1.0e-9, 1.0] and len(asked) == 3
+    assert fast.used == {True: 3 + 2 + 2, False: len(modes) - 7} and fast.exchanges == 3
+    # where one chunk was measured slower, the explored group goes back to the pipeline
+    asked.clear()
+    back = PC("auto")
+    modes = run(back, {True: 1.0e-9, False: 1.5e-9}, 3 + len(PC.EXPLORE) + 5)
+    assert modes[3 + len(PC.EXPLORE):] == [True] * 5 and back.pipe is True
+    # a rank whose last op's end was chained into the next one has no time yet: it counts 0
+    assert PC("auto")._mine(True) == [0.0, 0.0]
+
+
 def test_plan_columns():
     """Every local rank owns a column; columns of a rank are contiguous; owners per column."""
     from linerate.collectives.two_level import Plan
@@ -369,6 +417,9 @@ import linerate.collectives.backend as backend
 from linerate.collectives import two_level
 two_level.PIPE_BYTES = 256 << 10   # several pipeline chunks from 256 KiB on
 backend.CHAIN_MIN_BYTES = 64 << 10
+if os.environ.get("EXPLORE_EVERY"):  # one chunk and pipelined in turn, agreed often
+    two_level.PipeChoice.FAST_BPS = 0.0
+    two_level.PipeChoice.RETRY = int(os.environ["EXPLORE_EVERY"])
 R = dist.ReduceOp
 dist.init_process_group("linerate")
 rank, P = dist.get_rank(), dist.get_world_size()
@@ -423,6 +474,9 @@ for rnd in range(4):
         if not torch.equal(x, x0):
             fails.append(f"rank {rank}: sync round {rnd}: the {name} call differs from Gloo")
 chained = pg.chain_stats["ops"]
+choice = pg._plan.pipe
+pipe = {"used": [choice.used[True], choice.used[False]], "exchanges": choice.exchanges,
+        "state": choice.state, "pipe": choice.pipe, "m": choice.m}
 # A chained op followed by one whose size differs on one rank: every rank fails within the
 # timeout (no hang), naming a rank and the op.
 g = dist.new_group(backend="linerate", timeout=timedelta(seconds=15))
@@ -436,22 +490,34 @@ for w in ws:
     except Exception as e:  # noqa: BLE001
         errs.append(str(e)[:300])
 print("CH", rank, json.dumps({"fails": fails[:10], "chained": chained, "errs": errs,
-                              "secs": time.monotonic() - t0}), flush=True)
+                              "secs": time.monotonic() - t0, "pipe": pipe}), flush=True)
 os._exit(0)  # the broken group: no orderly teardown needed
 '''
 
 
 @needs_netlab
 @pytest.mark.timeout(150)
-def test_chained_all_reduces_match_gloo(lab_name, tmp_path):
+@pytest.mark.parametrize("pipeline", ["auto", "explore"])
+def test_chained_all_reduces_match_gloo(pipeline, lab_name, tmp_path):
     """Queued two-level all_reduces chain (the next one's first phase before this one's end):
     results equal Gloo's for every dtype and op, AVG and small calls among them; a chained
-    op's successor that differs fails every rank within the timeout."""
+    op's successor that differs fails every rank within the timeout. ``explore``: the large
+    ones run pipelined and as one chunk in turn (LINERATE_PIPELINE=auto made to try both
+    and to agree every 4 ops): chained across the two modes, still Gloo's results, and every
+    rank took the same decisions."""
     # fusion up to 64 KiB: the large calls are ops of their own (DDP's buckets exceed 4 MiB)
+    env = {"OMP_NUM_THREADS": "1", "LINERATE_FUSION_BYTES": "64K"}
+    if pipeline == "explore":
+        env["EXPLORE_EVERY"] = "4"
     res, out = run_netlab_script(
         lab_name, tmp_path, CHAIN_SCRIPT, ["--hosts", "2", "--rate", "none", "--ranks-per-host", "2"],
-        "CH", env={"OMP_NUM_THREADS": "1", "LINERATE_FUSION_BYTES": "64K"})
+        "CH", env=env)
     assert sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
+    if pipeline == "explore":
+        first = out[0]["pipe"]
+        assert all(o["pipe"] == first for o in out.values()), [o["pipe"] for o in out.values()]
+        assert first["used"][0] > 0 and first["used"][1] > 0, first  # both modes ran
+        assert first["exchanges"] >= 3, first
     for rank, o in out.items():
         assert not o["fails"], o["fails"]
         assert o["chained"] > 0, o  # the bursts did chain
