@@ -853,6 +853,12 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) 
     reduce_scatter_v(comm, segs, [out.numel()] * comm.size, out, op)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class Cat:
     """Byte ranges of several contiguous tensors read or written as one (the two-level
     algorithms' shares: one column from each host, scattered in the caller's tensors)."""
@@ -896,6 +902,15 @@ def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor,
     E = _engine(comm)
     P, r = E.P, E.r
     es, dt = out.element_size(), out.dtype
+    # This rank's own share folds straight from its tensor, not staged in its slot (one copy
+    # of 1/P of its input less), unless it overlaps ``out`` where the fold would overwrite
+    # it before reading it (ranks from 2 on: the first fold writes out).
+    own = srcs[r]
+    if not (isinstance(own, torch.Tensor) and own.is_contiguous() and own.dtype == dt
+            and own.numel() == lens[r]) or (r >= 2 and _overlap(own, out)):
+        own = None
+    else:
+        own = own.view(-1)
     srcs = [_cat(x) for x in srcs]
     m = max(1, (E.C // P) // es // 16 * 16)  # elements per rank's sub-block
     nch = max(1, max(-(-ln // m) for ln in lens))  # the same on every rank
@@ -908,7 +923,8 @@ def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor,
             ln = max(0, min(m, lens[r] - o))
             b = sets[i]
             if ln:
-                srcs_q = [E.view(E.S(b, q), dt, P * m, es)[r * m:r * m + ln] for q in range(P)]
+                srcs_q = [own[o:o + ln] if q == r and own is not None else
+                          E.view(E.S(b, q), dt, P * m, es)[r * m:r * m + ln] for q in range(P)]
                 _fold(out[o:o + ln], srcs_q, op)
             reads = [E.S(b, q) for q in range(P)]
         if ph < nch:
@@ -918,7 +934,7 @@ def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor,
             base = E.addr[a]
             for q in range(P):
                 ln = max(0, min(m, lens[q] - o))
-                if ln:
+                if ln and (q != r or own is None):
                     srcs[q].read(base + q * m * es, o * es, ln * es)
         E.publish(reads)
         if ph < nch:
