@@ -557,14 +557,18 @@ def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
             E.wait_free(E.R(b))
             if hi > lo:
                 _fold(E.view(E.R(b), dt, ln, es)[lo:hi],
-                      [E.view(E.S(b, q), dt, ln, es)[lo:hi] for q in range(P)], op)
+                      [flat[o + lo:o + hi] if q == r else E.view(E.S(b, q), dt, ln, es)[lo:hi]
+                       for q in range(P)], op)
             reads += [E.S(b, q) for q in range(P)]
-        i = ph  # copy chunk i in
+        i = ph  # copy chunk i in, but for this rank's own share (folded from flat)
         if i < nch:
             o, ln = chunks[i]
             a = E.S(sets[i], r)
+            lo, hi = _share(ln, P, r)
             E.wait_free(a)
-            _copy(E.view(a, dt, ln, es), flat[o:o + ln])
+            slot = E.view(a, dt, ln, es)
+            _copy(slot[:lo], flat[o:o + lo])
+            _copy(slot[hi:], flat[o + hi:o + ln])
         E.publish(reads)
         if ph < nch + 1:
             E.wait(E.tick)
