@@ -235,7 +235,9 @@ _ALL = [
     _S("LINERATE_NSOCKS", _nsocks, _int_in(0, 65), 0, "auto",
        "an integer from 1 to 64, or auto (or 0)",
        "TCP connections per peer per interface; auto: 2 with one interface, 1 per interface "
-       "with several", "transport", "transport.nsocks"),
+       "with several, and 1 to a rank of another host where hosts hold several ranks of the "
+       "group (two-level: their columns already run side by side)", "transport",
+       "transport.nsocks"),
     _S("LINERATE_SOCKET_IFNAME", _text, _is_str, "", "(route to `MASTER_ADDR`)",
        "comma-separated interface names (empty: the interface that routes to MASTER_ADDR)",
        "comma-separated interfaces to use; several = multi-rail", "transport",

@@ -752,6 +752,64 @@ def test_handshake_rejects_bad_hello(case):
     assert isinstance(res.get("err"), handshake.HandshakeError), res
 
 
+def test_one_connection_per_link_across_hosts_with_auto_nsocks():
+    """LINERATE_NSOCKS auto, one rail: 2 connections per peer, but 1 to a rank of another
+    host once the layout shows hosts of several ranks (their columns run side by side); a set
+    LINERATE_NSOCKS is kept; before the plan the count is unknown (None) only where it may
+    change."""
+    from linerate.transport.options import TransportOptions
+    from linerate.transport.tcp import TcpMesh
+    opts = TransportOptions(nsocks=2)
+    for auto, layout, want in ((True, ((0, 1), (2, 3)), {1: 2, 2: 1, 3: 1}),
+                               (False, ((0, 1), (2, 3)), {1: 2, 2: 2, 3: 2}),
+                               (True, ((0,), (1,), (2,), (3,)), {1: 2, 2: 2, 3: 2}),
+                               (True, None, {1: 2, 2: 2, 3: 2})):
+        mesh = TcpMesh(0, 4, SECRET, opts, ["127.0.0.1"], None, 5.0, nsocks_auto=auto)
+        assert mesh._nconns(2, False) == (None if auto else 2)
+        mesh.plan_rails(layout)
+        assert {p: mesh._nconns(p) for p in (1, 2, 3)} == want, (auto, layout)
+
+
+@pytest.mark.timeout(30)
+def test_handshake_checks_unplanned_nconns_once_authenticated():
+    """Where this rank's connections per peer are not planned yet (TcpMesh.plan_rails waits
+    for the group's layout), a HELLO is answered, and the count checked (waiting for the plan)
+    only once the peer proved the secret: a stranger never holds the acceptor up."""
+    calls = []
+
+    def nconns(peer, wait):
+        calls.append((peer, wait))
+        return 1 if wait else None
+
+    a, b = socket.socketpair()
+    with a:  # a stranger with the job id: its CHALLENGE, then dropped at AUTH
+        t, res = _accept_async(b, nconns=nconns)
+        a.settimeout(5)
+        a.sendall(_hello(nconns=1))
+        assert handshake.recv_exact(a, handshake.CHALLENGE.size)[:4] == handshake.MAGIC
+        a.sendall(os.urandom(handshake.AUTH_SIZE))
+        assert _drained(a) == b""
+        res = _accept_result(t, res)
+    assert isinstance(res.get("err"), handshake.HandshakeError), res
+    assert calls == [(1, False)]
+    for theirs, ok in ((1, True), (2, False)):  # a peer of the job: the planned count decides
+        calls.clear()
+        a, b = socket.socketpair()
+        with a:
+            t, res = _accept_async(b, nconns=nconns)
+            a.settimeout(5)
+            try:
+                handshake.connect_side(a, SECRET, 1, 0, 0, theirs)
+            except handshake.HandshakeError:
+                pass
+            res = _accept_result(t, res)
+        assert calls == [(1, False), (1, True)]
+        if ok:
+            assert res.get("ok") == (1, 0), res
+        else:
+            assert "connections per peer" in str(res.get("err")), res
+
+
 @pytest.mark.timeout(30)
 def test_handshake_wrong_secret_connect_side():
     a, b = socket.socketpair()

@@ -475,6 +475,9 @@ for rnd in range(4):
             fails.append(f"rank {rank}: sync round {rnd}: the {name} call differs from Gloo")
 chained = pg.chain_stats["ops"]
 choice = pg._plan.pipe
+# LINERATE_NSOCKS auto: one connection per link to another host (the columns run side by side)
+streams = sorted({peer.link.nstreams for peer in pg._ctx.peers.values()
+                  if peer.link is not None and peer.link.kind == "tcp"})
 pipe = {"used": [choice.used[True], choice.used[False]], "exchanges": choice.exchanges,
         "state": choice.state, "pipe": choice.pipe, "m": choice.m}
 # A chained op followed by one whose size differs on one rank: every rank fails within the
@@ -490,7 +493,8 @@ for w in ws:
     except Exception as e:  # noqa: BLE001
         errs.append(str(e)[:300])
 print("CH", rank, json.dumps({"fails": fails[:10], "chained": chained, "errs": errs,
-                              "secs": time.monotonic() - t0, "pipe": pipe}), flush=True)
+                              "secs": time.monotonic() - t0, "pipe": pipe,
+                              "streams": streams}), flush=True)
 os._exit(0)  # the broken group: no orderly teardown needed
 '''
 
@@ -520,6 +524,7 @@ def test_chained_all_reduces_match_gloo(pipeline, lab_name, tmp_path):
         assert first["exchanges"] >= 3, first
     for rank, o in out.items():
         assert not o["fails"], o["fails"]
+        assert o["streams"] == [1], o  # one TCP connection to each rank of the other host
         assert o["chained"] > 0, o  # the bursts did chain
         assert o["errs"], f"rank {rank} completed the differing calls"
         assert o["secs"] < 15, o

@@ -106,6 +106,9 @@ class Context(LinkSink):
         rails = self.options.ifnames
         self._addresses: list[str] | None = None  # found when first needed (a TCP listener)
         self.nrails = len(rails) or 1  # listen_addresses: one per named interface, else one
+        #: LINERATE_NSOCKS auto: the TCP mesh may narrow it once the layout is known
+        #: (TcpMesh.plan_rails).
+        self._nsocks_auto = not self.options.nsocks
         if not self.options.nsocks:  # auto: resolved once the rails are known
             self.options = dataclasses.replace(
                 self.options, nsocks=sockets_per_rail(0, self.nrails))
@@ -250,7 +253,8 @@ class Context(LinkSink):
         """Open this rank's TCP listeners and publish their addresses (lazy links: accept from
         that moment on, connect to nobody yet)."""
         mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
-                                       self.addresses, self._tls, self.link_timeout)
+                                       self.addresses, self._tls, self.link_timeout,
+                                       nsocks_auto=self._nsocks_auto)
         listening = mesh.listen()
         if opts.connect == "lazy":
             self._lazy = True

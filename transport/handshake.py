@@ -115,10 +115,18 @@ def connect_side(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: in
         raise HandshakeError(f"rank {dst_rank} did not acknowledge the handshake")
 
 
+def _check_nconns(src: int, theirs: int, index: int, nconns: int) -> None:
+    if theirs != nconns or not 0 <= index < nconns:
+        raise HandshakeError(f"rank {src} uses {theirs} connections per peer, this rank "
+                             f"{nconns} (index {index}): set the same LINERATE_NSOCKS and "
+                             f"LINERATE_SOCKET_IFNAME count on every rank")
+
+
 def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: int,
                 nconns, decide=None) -> tuple[int, int]:
     """Run the acceptor's half; return (peer rank, connection index) of an authenticated peer.
-    ``nconns``: connections per peer, or ``nconns(peer)`` where they differ by peer.
+    ``nconns``: connections per peer, or ``nconns(peer, wait)`` where they differ by peer
+    (None where not known yet and ``wait`` is false).
     ``decide(peer, index)``, once the peer is authenticated, answers ``ACK`` (go on),
     ``DECLINE`` (raises ``Declined``) or ``GONE`` (raises ``Gone``)."""
     hello = recv_exact(sock, HELLO.size)
@@ -133,18 +141,20 @@ def accept_side(sock: socket.socket, secret: bytes, my_rank: int, world_size: in
         raise HandshakeError(f"connection meant for rank {dst} reached rank {my_rank}")
     if not 0 <= src < world_size or src == my_rank:
         raise HandshakeError(f"invalid source rank {src} (world size {world_size})")
-    if callable(nconns):  # connections per peer differ (rails spread over local ranks)
-        nconns = nconns(src)
-    if their_nconns != nconns or not 0 <= conn_index < nconns:
-        raise HandshakeError(f"rank {src} uses {their_nconns} connections per peer, this rank "
-                             f"{nconns} (index {conn_index}): set the same LINERATE_NSOCKS and "
-                             f"LINERATE_SOCKET_IFNAME count on every rank")
+    # Connections per peer: checked now where known; where they differ by peer and this
+    # rank's plan of its links is not made yet (TcpMesh.plan_rails), only once the peer is
+    # authenticated (waiting for the plan): a stranger's HELLO must not hold the acceptor up.
+    want = nconns(src, False) if callable(nconns) else nconns
+    if want is not None:
+        _check_nconns(src, their_nconns, conn_index, want)
     server_nonce = os.urandom(16)
     sock.sendall(CHALLENGE.pack(MAGIC, VERSION, STATUS_OK, server_nonce,
                                 _mac(secret, b"acceptor", hello, server_nonce)))
     auth = recv_exact(sock, AUTH_SIZE)
     if not hmac.compare_digest(auth, _mac(secret, b"connector", hello, server_nonce)):
         raise HandshakeError(f"claimed rank {src} failed authentication (wrong job secret)")
+    if want is None:
+        _check_nconns(src, their_nconns, conn_index, nconns(src, True))
     answer = ACK if decide is None else decide(src, conn_index)
     if answer == DECLINE:
         sock.sendall(DECLINE)
