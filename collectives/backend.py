@@ -153,7 +153,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._group_desc = ""
         shm.take_layout()  # a stale one (a group whose creation failed) is dropped
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
-                            label=group_name or "", scope=_incarnation())
+                            label=group_name or "", scope=_incarnation(),
+                            agreed={"LINERATE_PIPELINE": self._options.pipeline})
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
         #: Where the group's ranks are (transport/shm.py: hosts' group ranks, whether each

@@ -149,14 +149,21 @@ except Exception as e:
 """
 
 
-def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(tmp_path):
+@pytest.mark.parametrize("setting, mine, rank0", [
+    ("LINERATE_NSOCKS", "1", "2"),
+    ("LINERATE_NSOCKS", "2", "auto"),       # auto may narrow links to other hosts
+    ("LINERATE_PIPELINE", "0", "auto"),     # a collectives setting, agreed the same way
+])
+def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(setting, mine, rank0,
+                                                                      tmp_path):
     res = run_ranks_script(tmp_path, _SETUP, 4, timeout=60,
-                           per_rank_env={3: {"LINERATE_NSOCKS": "1"}}, env={"LINERATE_NSOCKS": "2"})
+                           per_rank_env={3: {setting: mine}}, env={setting: rank0})
+    shown = "auto (2)" if setting == "LINERATE_NSOCKS" and rank0 == "auto" else rank0
     for r, (code, text) in enumerate(res):
         m = re.search(r"FAILED ([0-9.]+) (.*)", text)
         assert m and code == 4, f"rank {r} ({code}):\n{text[-2000:]}"
         assert float(m.group(1)) < 10, f"rank {r} took {m.group(1)}s"
-        assert "LINERATE_NSOCKS is 1 here but 2 on rank 0" in m.group(2), (r, m.group(2))
+        assert f"{setting} is {mine} here but {shown} on rank 0" in m.group(2), (r, m.group(2))
 
 
 # ----------------------------------------------------------------------------- 4: stride 0

@@ -78,8 +78,11 @@ class Context(LinkSink):
     """The links of ``rank`` to every other rank of a group of ``size`` ranks."""
 
     def __init__(self, store, rank: int, size: int, options: TransportOptions | None = None,
-                 describe=None, label: str = "", scope: str = ""):
+                 describe=None, label: str = "", scope: str = "", agreed: dict | None = None):
         self.rank = rank
+        #: Settings of the layers above that every rank must share (name -> JSON value),
+        #: compared at rendezvous with rank 0's beside the transport's own.
+        self._agreed_extra = dict(agreed or {})
         #: Every rendezvous key of this group lies under this prefix. ``scope`` names one
         #: incarnation of the job (e.g. torchrun's restart count): a store that outlives a
         #: failed attempt (torchrun keeps its TCPStore across restarts) still holds that
@@ -163,7 +166,10 @@ class Context(LinkSink):
             return offer.record if offer is not None else None
 
         try:
-            self._secret = rv.agree(rendezvous.agreed_settings(self.options, self.nrails),
+            shared = rendezvous.agreed_settings(self.options, self.nrails)
+            if self._nsocks_auto:  # auto may narrow links to other hosts: not a set 2
+                shared["LINERATE_NSOCKS"] = f"auto ({self.options.nsocks})"
+            self._secret = rv.agree({**shared, **self._agreed_extra},
                                     make_offer if self.rank == 0 else None)
             mesh, later, agreed, opts = self._meet(rv, opts, offer)
         finally:  # the offered segment's name goes once every rank has read the records
