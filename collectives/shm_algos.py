@@ -63,11 +63,17 @@ _CMA_PTR, _CMA_ADDR, _CMA_NONCE, _CMA_OK, _CMA_TIMES = 56, 57, 58, 59, 60
 #: LINERATE_CMA=auto tries both and keeps taking the one that measured faster (_cma_choice).
 #: Pieces of 1 MB measured best (256 KB: 11.4-12.8, 4 MB: 11.3 ms).
 CMA_BYTES = 1 << 20
-#: LINERATE_CMA=auto: the first CMA_EXPLORE large all_reduces alternate the paths (the first
-#: of each is not counted: it pays the page faults of fresh buffers); then every CMA_RETRY-th
-#: takes the path that measured slower, so that a change of conditions is seen. A path's time
-#: is the best of its last CMA_KEEP times per byte (noise only ever adds time).
-CMA_EXPLORE = 6
+#: LINERATE_CMA=auto: the first CMA_EXPLORE large all_reduces try the paths in the order
+#: CMA_TRIAL (True: CMA; the first of each is not counted: it pays the page faults of fresh
+#: buffers): CMA's ops over by the third op, op 5 the first that both paths' counted times
+#: reach (each rank publishes op m's times in slot m % 2, read at op m + 2). The first order,
+#: alternating over six ops, put CMA's ops 3 and 5 among the timed ops of a 10-op benchmark
+#: after 3 warm-ups (4 ranks: CMA 39-41 ms, the segment 29.5-29.8: 2.85-2.88x Gloo with
+#: auto, 3.1x with the segment alone). Then every CMA_RETRY-th takes the path that measured
+#: slower, so that a change of conditions is seen. A path's time is the best of its last
+#: CMA_KEEP times per byte (noise only ever adds time).
+CMA_TRIAL = (False, True, True, False, False)
+CMA_EXPLORE = len(CMA_TRIAL)
 CMA_RETRY = 16
 CMA_KEEP = 3
 #: The pieces that a rank reduces its share in (each peer's piece is read into a scratch
@@ -632,7 +638,7 @@ def _cma_choice(E: Engine, m: int) -> bool:
     needs this rank's ticks of op m); the path whose time per byte summed over the ranks is
     lower wins, every CMA_RETRY-th op the other one."""
     if m < CMA_EXPLORE:
-        return m % 2 == 1
+        return CMA_TRIAL[m]
     slot = _CMA_TIMES + 2 * (m % 2)
     cma, seg = E.ctrl[:, slot], E.ctrl[:, slot + 1]
     if not cma.all() or not seg.all():  # a path without a time on some rank: measure it
