@@ -169,7 +169,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         #: What the algorithm table (collectives/algorithms.py) knows of the group.
         self._shape = algorithms.Shape(size, self._layout.hosts, self._layout.shared)
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
-        self._plan = two_level.Plan(self._layout.hosts, rank, self._options.pipeline) if self._shape.two_level_ok else None
+        self._plan = (two_level.Plan(self._layout.hosts, rank, self._options.pipeline)
+                      if self._shape.two_level_ok else None)
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size

@@ -22,9 +22,10 @@ are empty).
   when small), local all-gather in shared memory. Large tensors are cut into chunks of
   PIPE_BYTES: the inter-host phase of chunk k runs on helper thread k mod 2 (two, so that one
   chunk's rings end while the next one's start) while the worker does the local phases of the
-  chunks before and after it. Up to ``small_bytes``: a shared-memory
-  all_reduce of the whole tensor (every rank of a host gets the host's sum), then each rank
-  all-reduces it directly with its column's owners (no local all-gather).
+  chunks before and after it; or run as one chunk where that measured faster (PipeChoice).
+  Up to ``small_bytes``: a shared-memory all_reduce of the whole tensor (every rank of a host
+  gets the host's sum), then each rank all-reduces it directly with its column's owners (no
+  local all-gather).
 - reduce_scatter / all_gather: column i is local rank i's segment on every host that has one
   (owner ``i % n_h``, so each rank's own segment is in its own column); inter-host ring
   reduce-scatter / all-gather per column; local phases through shared memory.
@@ -77,13 +78,13 @@ class PipeChoice:
     the first ``GATE_AT`` run pipelined. Then the group's ranks agree (``exchange``: every
     rank's value summed over the group, the same bits everywhere) on the pipelined time per
     byte: a group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound and stays
-    pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries both: the next
-    ``EXPLORE`` ops run in the modes listed there, then the ranks agree on the faster (summed
-    best of each rank's last ``KEEP`` times per byte; an op right after one of the other mode is not counted:
-    ``next_op``), and before every ``RETRY``-th op two run in the other mode and they agree
-    again. Every rank runs the same eligible ops in the same order (a failed
-    collective breaks the group's collectives), so every rank takes the same decisions at the
-    same ops: only agreed sums decide."""
+    pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries one chunk: the
+    next ``EXPLORE`` ops run in the modes listed there, then the ranks agree on the faster
+    (summed best of each rank's last ``KEEP`` times per byte; an op right after one of the
+    other mode is not counted: ``next_op``), and before every ``RETRY``-th op two run in the
+    other mode and they agree again. Every rank runs the same eligible ops in the same order
+    (a failed collective breaks the group's collectives), so every rank takes the same
+    decisions at the same ops: only agreed sums decide."""
 
     GATE_AT = 2
     FAST_BPS = 250e6
