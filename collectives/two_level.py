@@ -311,14 +311,7 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
     subs = [(c0, c1, comm.sub(members, c0 + 1)) for c0, c1, members in plan.runs]
     if n * es <= small_bytes:
         _run_before_tail(comm, loc)
-        if loc is not None:
-            shm_algos.all_reduce(loc, flat, op)
-        # The host's sum (the same bits on each of its ranks), folded over hosts in host order
-        # with each of this rank's column groups: the same result from each; a rank with
-        # several keeps the first.
-        host_sum = flat.clone() if len(subs) > 1 else None
-        for k, (_, _, sub) in enumerate(subs):
-            direct.all_reduce(sub, flat if k == 0 else host_sum.clone(), op)
+        _small(loc, subs, flat, op)
         return
     chunks = _chunks(n, es)
     done = None
@@ -418,16 +411,23 @@ def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = Fal
     return False
 
 
+def _small(loc, subs, flat: torch.Tensor, op) -> None:
+    """The small all_reduce, in place: a shared-memory all_reduce on the host's ranks, then
+    the host's sum (the same bits on each of its ranks) folded over hosts in host order with
+    each of this rank's column groups: the same result from each; a rank with several keeps
+    the first."""
+    if loc is not None:
+        shm_algos.all_reduce(loc, flat, op)
+    host_sum = flat.clone() if len(subs) > 1 else None
+    for k, (_, _, sub) in enumerate(subs):
+        direct.all_reduce(sub, flat if k == 0 else host_sum.clone(), op)
+
+
 def _exchange(loc, subs, vals: list[float]) -> list[float]:
-    """``vals`` summed over the group's ranks (the host's ranks on the segment, then the hosts
-    over each of this rank's column groups, as the small all_reduce: the same bits on every
+    """``vals`` summed over the group's ranks by the small all_reduce (the same bits on every
     rank). Within an all_reduce, before its first chunk: PipeChoice's agreements."""
     t = torch.tensor(vals, dtype=torch.float64)
-    if loc is not None:
-        shm_algos.all_reduce(loc, t, RedOpType.SUM)
-    host_sum = t.clone() if len(subs) > 1 else None
-    for k, (_, _, sub) in enumerate(subs):
-        direct.all_reduce(sub, t if k == 0 else host_sum.clone(), RedOpType.SUM)
+    _small(loc, subs, t, RedOpType.SUM)
     return t.tolist()
 
 

@@ -259,25 +259,20 @@ class TcpMesh:
         each only added threads and CPU (2 hosts x 2 ranks on unshaped netlab links, one-chunk
         64 MB all_reduce: 66.0 / 68.6 ms per op with one connection against 70.6 / 73.6 with
         two, user CPU per rank 13.9-14.6 against 16.2-16.6 ms)."""
-        if hosts and self._one_across and any(len(h) > 1 for h in hosts) and len(hosts) > 1:
-            where = {r: h for h in hosts for r in h}
-            mine = where.get(self.rank)
-            with self._cond:
-                for p in self._rails:
-                    if mine is not None and p in where and where[p] is not mine:
-                        self._rails[p] = [0]
-                        self._socks[p] = [None]
-        if (hosts and self.nrails > 1 and getattr(self.options, "rail_spread", "0") == "auto"
-                and any(len(h) > 1 for h in hosts)):
+        spread = self.nrails > 1 and getattr(self.options, "rail_spread", "0") == "auto"
+        if hosts and (spread or self._one_across) and any(len(h) > 1 for h in hosts):
             where = {r: (h, i) for h in hosts for i, r in enumerate(h)}
             mine = where.get(self.rank)
             with self._cond:
                 for p in self._rails:
                     if p not in where or mine is None or where[p][0] is mine[0]:
                         continue  # same host: shared memory, or no plan
-                    h, i = where[min(p, self.rank)]
-                    rails = spread_rails(i, len(h), self.nrails)
-                    self._rails[p] = [r for r in rails for _ in range(self.options.nsocks)]
+                    if spread:
+                        h, i = where[min(p, self.rank)]
+                        rails = spread_rails(i, len(h), self.nrails)
+                        self._rails[p] = [r for r in rails for _ in range(self.options.nsocks)]
+                    else:  # one rail, auto: one connection
+                        self._rails[p] = [0]
                     self._socks[p] = [None] * len(self._rails[p])
         self._planned.set()
 
