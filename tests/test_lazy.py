@@ -129,6 +129,54 @@ def test_simultaneous_first_use_makes_one_link():
         _close(ctxs)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nsocks", [1, 2])
+def test_losing_dial_refused_after_the_winner_closed_its_listener(nsocks):
+    """Both ranks dial; rank 1 accepts rank 0's winning dial, but takes its time to register
+    the connections (a loaded machine), while rank 0, holding its only link, closes its
+    listener: rank 1's own dial is then refused. That refusal is not rank 0 gone (CI saw
+    "refused: rank 0 exited, crashed or closed the group" on 2 hosts x 2 ranks): rank 1 waits
+    for the connections it accepted and the link works."""
+    c0, c1 = _contexts(2, nsocks=nsocks)
+    try:
+        m0, m1 = c0._tcp, c1._tcp
+        real_connect, real_add = m1._connect, m1._lazy_add
+        listener_closed = threading.Event()
+
+        def late_connect(*a, **kw):  # rank 1's dial: only once rank 0 stopped listening
+            end = time.monotonic() + 10
+            while any(ls.fileno() != -1 for ls in m0.listeners):
+                assert time.monotonic() < end, "rank 0 kept listening"
+                time.sleep(0.01)
+            listener_closed.set()
+            return real_connect(*a, **kw)
+
+        def slow_add(peer, index, sock):  # rank 1 registers rank 0's connections late
+            if index == nsocks - 1:
+                listener_closed.wait(10)
+                time.sleep(0.2)  # the refused dial ran meanwhile
+            return real_add(peer, index, sock)
+
+        m1._connect, m1._lazy_add = late_connect, slow_add
+        m1.want(0)  # rank 1 dials first (state "dial"), blocked until rank 0 closes
+        m0.want(1)  # rank 0's dial wins: rank 1 accepts it
+        out = bytearray(5)
+        r = c1.irecv(0, memoryview(out), CHANNEL_P2P, 4)
+        c0.isend(1, memoryview(b"hello"), CHANNEL_P2P, 4).wait(10)
+        r.wait(10)
+        assert bytes(out) == b"hello" and listener_closed.is_set()
+        back = bytearray(3)
+        r = c0.irecv(1, memoryview(back), CHANNEL_P2P, 5)
+        c1.isend(0, memoryview(b"ack"), CHANNEL_P2P, 5).wait(10)
+        r.wait(10)
+        assert bytes(back) == b"ack"
+        assert c0.broken is None and c1.broken is None
+        assert c1.peers[0].failure is None and m1._state[0] == "done"
+        assert len(c1.connection_stats()) == nsocks
+    finally:
+        _close([c0, c1])
+
+
 # ----------------------------------------------------------------------------- gone peer
 _GONE = textwrap.dedent("""
     import datetime, os, sys

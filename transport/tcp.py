@@ -446,8 +446,13 @@ class TcpMesh:
                 return handshake.GONE
             if st == "done":
                 return handshake.DECLINE
-            if st == "dial":  # both dial: the lower rank's dial wins
-                return handshake.ACK if self.rank > peer else handshake.DECLINE
+            if st == "dial" and self.rank < peer:  # both dial: the lower rank's dial wins
+                return handshake.DECLINE
+            # From "dial" too (the peer's dial wins): this rank's own dial will be declined,
+            # or refused once the peer, holding its link, closes its listener; the dial
+            # thread then waits for these connections (``_dial``), nobody else does.
+            if st == "dial":
+                self._watched.add(peer)
             self._state[peer] = "accept"
             return handshake.ACK
 
@@ -513,6 +518,11 @@ class TcpMesh:
         except BaseException as e:  # noqa: BLE001 - handed to the Context
             for s in socks:
                 _close(s)
+            with self._cond:
+                won = self._state[peer] == "accept"
+            if won:  # the peer's dial was accepted meanwhile: it may have closed its listener
+                self._await_incoming(peer, deadline)
+                return
             self._lazy_failed(peer, e)
             return
         with self._cond:
