@@ -118,27 +118,18 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
         buf = bytearray(size)
         reqs[peer] = (buf, comm.irecv(peer, torch.frombuffer(buf, dtype=torch.uint8), base))
         sends.append(comm.isend(peer, mine, base))
-    counts = []
+    got = {}
     for peer, (buf, req) in reqs.items():
         comm.wait(req)
         c, digest = _AGREE.unpack_from(buf, 0)
         if c < 1:
             raise ValueError(f"rank {who(comm, comm.rank)}: fused all_reduce #{comm.seq}: rank "
                              f"{who(comm, peer)} offered {c} calls")
-        # A peer that offered no more calls than this rank sent the digest of its first c:
-        # compare as it arrives, so that this rank names its own calls before any peer's
-        # report of the mismatch reaches it.
-        if c <= offered and digest != entries[c - 1].chain:
-            raise ValueError(
-                f"rank {who(comm, comm.rank)}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} "
-                f"(fused) differ from rank {who(comm, peer)}'s: the ranks passed other dtypes, sizes "
-                f"or reduce ops, or called other operations in between; rank {who(comm, comm.rank)} called "
-                f"{summary(entries[:c])}")
-        counts.append(c)
+        got[peer] = (c, digest)
     comm.wait_all(sends)
-    # Every rank with the least count was compared above by every other rank: the k calls
-    # fused are the same everywhere.
-    k = min([offered] + counts)
+    k = min([offered] + [c for c, _ in got.values()])
+    _compare(entries, k, {peer: d for peer, (c, d) in got.items() if c == k},
+             lambda peer: who(comm, peer), who(comm, comm.rank))
     if not carry:
         return k, False
     if head.nbytes:
@@ -152,6 +143,22 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
         if avg_size != 0:
             finish_avg(flat, head.op, comm.size if avg_size is None else avg_size)
     return k, True
+
+
+def _compare(entries: list[Entry], k: int, digests: dict, name, me) -> None:
+    """Raise ValueError naming this rank's first ``k`` calls if a peer that offered exactly
+    ``k`` (the least count: what every rank fuses) sent another running digest after its
+    k-th. Peers that offered more are not compared here: their digest covers calls beyond the
+    k fused, which the next agreement compares, each rank then naming its own calls (a rank
+    whose differing call lay beyond k had fused the k and failed on a peer's report without
+    naming it). Running digests: equal after k calls means every one of them agrees."""
+    for peer, digest in digests.items():
+        if digest != entries[k - 1].chain:
+            raise ValueError(
+                f"rank {me}: all_reduce calls #{entries[0].seq}..#{entries[k - 1].seq} (fused) "
+                f"differ from rank {name(peer)}'s: the ranks passed other dtypes, sizes or "
+                f"reduce ops, or called other operations in between; rank {me} called "
+                f"{summary(entries[:k])}")
 
 
 def who(comm, r: int) -> int:

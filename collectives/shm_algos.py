@@ -104,6 +104,10 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
+def _unsigned(s: int) -> int:
+    return s & ((1 << 64) - 1)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -1064,7 +1068,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     and the running digest of its calls; a head entry of at most ``carry_bytes`` goes along and
     is folded here in rank order (an AVG head divided by ``avg_size``, default the ranks here;
     0: not divided). Raises ValueError naming the calls when they differ."""
-    from .fusion import summary
+    from .fusion import _compare
     E = _engine(comm)
     P, r = E.P, E.r
     head = entries[0]
@@ -1082,7 +1086,6 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
         _copy(E.areas[E.S(b, r)][64:64 + n * es], _bytes(flat))
     E.publish()
     E.wait(E.tick)
-    counts = []
     # Every rank's count and digest in two NumPy reads (a tensor view per rank was most of
     # a small all_reduce's CPU at 32 ranks).
     first = E.S(b, 0) * (E.C // 8)
@@ -1090,19 +1093,12 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     cs = E.words[first:first + P * step:step].tolist()
     ds = E.words[first + 1:first + 1 + P * step:step].tolist()
     for q in range(P):
-        if q == r:
-            continue
-        c, digest = cs[q], ds[q]
-        if c < 1:
+        if q != r and cs[q] < 1:
             raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} offered "
-                             f"{c} calls")
-        if c <= offered and digest != _signed(entries[c - 1].chain):
-            raise ValueError(
-                f"rank {E.me}: all_reduce calls #{head.seq}..#{entries[c - 1].seq} (fused) differ "
-                f"from rank {E.gr[q]}'s: the ranks passed other dtypes, sizes or reduce ops, or "
-                f"called other operations in between; rank {E.me} called {summary(entries[:c])}")
-        counts.append(c)
-    k = min([offered] + counts)
+                             f"{cs[q]} calls")
+    k = min(cs)
+    _compare(entries, k, {q: _unsigned(ds[q]) for q in range(P) if q != r and cs[q] == k},
+             lambda q: E.gr[q], E.me)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
         npdt = _NP.get(dt)
