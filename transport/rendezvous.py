@@ -251,44 +251,44 @@ def _has_check(store) -> bool:
     sets)."""
     if _native(store):
         return True
+    return _optional(store, "check", [STORE_PREFIX + "probe"]) is not _LACKING
+
+
+#: What ``_optional`` returns when the Store does not implement the method.
+_LACKING = object()
+
+
+def _optional(store, method: str, *args):
+    """``store.<method>(*args)``, or ``_LACKING`` where the Store does not implement it: a
+    Python Store without the method (AttributeError, NotImplementedError), or a pybind Store
+    subclass without the override, whose RuntimeError says "not implemented" or, for a pure
+    virtual method such as ``check`` on torch 2.13, "pure virtual function". Any other
+    failure, a RuntimeError of a Store that stopped answering included, is raised."""
     try:
-        store.check([STORE_PREFIX + "probe"])
+        return getattr(store, method)(*args)
     except (AttributeError, NotImplementedError, RuntimeError) as e:
-        if _lacks(e):
-            return False
-        raise
-    return True
-
-
-def _lacks(e: BaseException) -> bool:
-    """Whether ``e`` says the Store lacks the method called (a Python Store without it, or a
-    pybind Store subclass without the override, whose RuntimeError says so), rather than
-    that the Store failed."""
-    return not isinstance(e, RuntimeError) or "not implemented" in str(e).lower()
+        text = str(e).lower()
+        if isinstance(e, RuntimeError) and not ("not implemented" in text
+                                                or "pure virtual" in text):
+            raise
+        return _LACKING
 
 
 def multi_get(store, keys: list[str]) -> list[bytes]:
     """The values of ``keys`` in one request where the Store has ``multi_get`` (which waits
     for them all), else one waiting ``get`` per key."""
-    try:
-        return [bytes(v) for v in store.multi_get(keys)]
-    except (AttributeError, NotImplementedError, RuntimeError) as e:
-        if not _lacks(e):
-            raise
-    return [store_get(store, k) for k in keys]
+    values = _optional(store, "multi_get", keys)
+    if values is _LACKING:
+        return [store_get(store, k) for k in keys]
+    return [bytes(v) for v in values]
 
 
 def multi_set(store, keys: list[str], values: list[bytes]) -> None:
     """``keys`` set in one request where the Store has ``multi_set``, else one ``set`` per
     key, in order (a reader waiting for the last key then finds the others there)."""
-    try:
-        store.multi_set(keys, values)
-        return
-    except (AttributeError, NotImplementedError, RuntimeError) as e:
-        if not _lacks(e):
-            raise
-    for k, v in zip(keys, values):
-        store.set(k, v)
+    if _optional(store, "multi_set", keys, values) is _LACKING:
+        for k, v in zip(keys, values):
+            store.set(k, v)
 
 
 def agreed_settings(options, nrails: int) -> dict:

@@ -446,12 +446,12 @@ class TcpMesh:
                 return handshake.GONE
             if st == "done":
                 return handshake.DECLINE
-            if st == "dial" and self.rank < peer:  # both dial: the lower rank's dial wins
-                return handshake.DECLINE
-            # From "dial" too (the peer's dial wins): this rank's own dial will be declined,
-            # or refused once the peer, holding its link, closes its listener; the dial
-            # thread then waits for these connections (``_dial``), nobody else does.
-            if st == "dial":
+            if st == "dial":  # both dial: the lower rank's dial wins
+                if self.rank < peer:
+                    return handshake.DECLINE
+                # The peer's dial wins: this rank's own dial will be declined, or refused
+                # once the peer, holding its link, closes its listener; the dial thread then
+                # waits for these connections (``_dial``), nobody else does.
                 self._watched.add(peer)
             self._state[peer] = "accept"
             return handshake.ACK
