@@ -75,18 +75,23 @@ class PipeChoice:
     are not, its helper threads and hand-offs only add CPU (2 x 2 ranks on unshaped links, both
     CPU-bound: 105-123 ms per 64 MB against 75-83 ms as one chunk, user CPU per rank 31-33
     against 18-19 ms). ``auto``: an all_reduce that would have more than 2 chunks is *eligible*;
-    the first ``GATE_AT`` run pipelined. Then the group's ranks agree (``exchange``: every
-    rank's value summed over the group, the same bits everywhere) on the pipelined time per
-    byte: a group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound and stays
-    pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries one chunk: the
-    next ``EXPLORE`` ops run in the modes listed there, then the ranks agree on the faster
-    (summed best of each rank's last ``KEEP`` times per byte; an op right after one of the
-    other mode is not counted: ``next_op``), and before every ``RETRY``-th op two run in the
-    other mode and they agree again. Every rank runs the same eligible ops in the same order
+    the first ``GATE_AT`` run pipelined. At the next, the group's ranks agree (``exchange``:
+    every rank's value summed over the group, the same bits everywhere) on the pipelined time
+    per byte, each rank's best of its counted ops so far (the first op is never counted: the
+    best of ``GATE_AT - 1``). One slow op must not decide: the process's first full garbage
+    collection, 90-125 ms on every rank with torch imported, fell into the second op of a
+    fresh group (277-298 ms against 90-100: 4.0-4.4 ns per byte for 64 MB, the bound below),
+    and the unshaped 2 x 2 group then stayed pipelined for 64 ops at 90 ms each instead of 68
+    as one chunk. A group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound
+    and stays pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries one
+    chunk: this op and the next run in the modes listed in ``EXPLORE``, then the ranks agree
+    on the faster (summed best of each rank's last ``KEEP`` times per byte; an op right after
+    one of the other mode is not counted: ``next_op``), and before every ``RETRY``-th op two
+    run in the other mode and they agree again. Every rank runs the same eligible ops in the same order
     (a failed collective breaks the group's collectives), so every rank takes the same
     decisions at the same ops: only agreed sums decide."""
 
-    GATE_AT = 2
+    GATE_AT = 3
     FAST_BPS = 250e6
     #: The trial's modes (pipelined?): one chunk only. The pipelined times are the gate's
     #: ops' (two of the three explored ops that tried the pipeline again sat in the timed ops
@@ -141,10 +146,11 @@ class PipeChoice:
             self.exchanges += 1
             t, n = exchange(self._mine(True))
             if t > 0 and n / t >= self.FAST_BPS:  # the ranks' mean time per byte, inverted
-                self.state, self.at = "explore", m + 1
+                self.state, self.at = "explore", m  # this op is the trial's first
+                pipe = self.EXPLORE[0]
             else:
                 self.state, self.at = "pipe", m + self.RECHECK
-            pipe = True
+                pipe = True
         self.used[pipe] += 1
         counted = m > 0 and pipe == self.last
         self.last = pipe

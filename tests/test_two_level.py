@@ -228,30 +228,41 @@ def test_pipe_choice():
     for setting, want in (("1", True), ("0", False)):
         assert run(PC(setting), {True: 1.0, False: 1.0}, 50) == [want] * 50
     assert asked == []
-    # link-bound (1 Gbit/s: 8 ns per byte): pipelined throughout, the gate asked at op 2 and
+    G = PC.GATE_AT
+    # link-bound (1 Gbit/s: 8 ns per byte): pipelined throughout, the gate asked at op G and
     # again RECHECK ops later
     slow = PC("auto")
-    assert run(slow, {True: 8e-9, False: 1e-9}, 2 + PC.RECHECK + 1) == [True] * (PC.RECHECK + 3)
+    n = G + PC.RECHECK + 1
+    assert run(slow, {True: 8e-9, False: 1e-9}, n) == [True] * n
     assert asked == [[8e-9, 1.0], [8e-9, 1.0]] and slow.state == "pipe"
     asked.clear()
     # fast (unshaped: 1.5 ns per byte pipelined, 1.0 as one chunk): explore, then one chunk,
     # with two pipelined probes before each RETRY-th op
     fast = PC("auto")
-    modes = run(fast, {True: 1.5e-9, False: 1.0e-9}, 3 + len(PC.EXPLORE) + 1 + PC.RETRY + 1)
-    k = 3 + len(PC.EXPLORE)
-    assert modes[:k] == [True, True, True, *PC.EXPLORE]
+    k = G + len(PC.EXPLORE)
+    modes = run(fast, {True: 1.5e-9, False: 1.0e-9}, k + 1 + PC.RETRY + 1)
+    assert modes[:k] == [True] * G + list(PC.EXPLORE)  # the gate's op is the trial's first
     assert modes[k:k + PC.RETRY - 2] == [False] * (PC.RETRY - 2)
     assert modes[k + PC.RETRY - 2:k + PC.RETRY] == [True, True]  # the probes
     assert modes[k + PC.RETRY] is False  # still one chunk after agreeing again
     assert asked[0] == [1.5e-9, 1.0]
     assert asked[1] == [1.5e-9, 1.0, 1.0e-9, 1.0] and len(asked) == 3
-    tried = 3 + PC.EXPLORE.count(True) + 2
+    tried = G + PC.EXPLORE.count(True) + 2
     assert fast.used == {True: tried, False: len(modes) - tried} and fast.exchanges == 3
+    # one slow op before the gate (a full garbage collection: 4.2 ns per byte, the bound 4.0)
+    # does not decide: the best of the counted ones does
+    asked.clear()
+    stalled = PC("auto")
+    for m in range(G + 1):
+        pipe, counted = stalled.next_op(lambda vals: asked.append(list(vals)) or list(vals))
+        if counted:
+            stalled.note(pipe, 4.2e-9 if m == 1 else 1.5e-9)
+    assert asked == [[1.5e-9, 1.0]] and stalled.state == "explore"
     # where one chunk was measured slower, the explored group goes back to the pipeline
     asked.clear()
     back = PC("auto")
-    modes = run(back, {True: 1.0e-9, False: 1.5e-9}, 3 + len(PC.EXPLORE) + 5)
-    assert modes[3 + len(PC.EXPLORE):] == [True] * 5 and back.pipe is True
+    modes = run(back, {True: 1.0e-9, False: 1.5e-9}, G + len(PC.EXPLORE) + 5)
+    assert modes[G + len(PC.EXPLORE):] == [True] * 5 and back.pipe is True
     # a rank whose last op's end was chained into the next one has no time yet: it counts 0
     assert PC("auto")._mine(True) == [0.0, 0.0]
 
