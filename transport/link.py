@@ -128,6 +128,29 @@ class LinkSink(abc.ABC):
     def link_closed(self, link) -> None: ...
 
 
+class _Detached(LinkSink):
+    """The sink of a link whose owner closed it for good (``Link.detach``): what still
+    arrives is dropped, what still happens goes unheard."""
+
+    def claim(self, link, opcode, channel, tag, msgno, total, digest, offset, length):
+        return None, None
+
+    def filled(self, link, token, channel, tag, msgno, length) -> None:
+        pass
+
+    def control(self, link, kind: int, payload: bytes, value: int) -> None:
+        pass
+
+    def link_failed(self, link, error: BaseException) -> None:
+        pass
+
+    def link_closed(self, link) -> None:
+        pass
+
+
+DETACHED = _Detached()
+
+
 class Link(abc.ABC):
     """One peer's link. See the module docstring for the contract."""
 
@@ -168,6 +191,12 @@ class Link(abc.ABC):
 
     @abc.abstractmethod
     def close(self, deadline: float) -> None: ...
+
+    def detach(self) -> None:
+        """After ``close``: let go of the sink (its owner holds this link: the cycle would
+        wait for the garbage collector, and with it the owner's buffers); whatever a thread of
+        the link still delivers is dropped (``DETACHED``)."""
+        self._sink = DETACHED
 
 
 # ----------------------------------------------------------------------------- streams

@@ -122,7 +122,13 @@ class _SStream(_Stream):
         self.pump = lambda: link._pump(self)  # for call_soon: one callable per connection
 
     def on_events(self, mask: int) -> None:
-        self.link._on_events(self, mask)
+        link = self.link
+        if link is not None:  # None: released (SharedStreamLink._release)
+            link._on_events(self, mask)
+
+
+def _nothing() -> None:
+    pass
 
 
 class SharedStreamLink(StreamLink):
@@ -591,6 +597,9 @@ class SharedStreamLink(StreamLink):
             self._cond.notify_all()
         st.rstate = _R_DONE
         st.out = st.out_req = st.rview = st.dest = st.token = st.text = st.discard = None
+        # and no way back to the link, which holds st: the cycle would wait for the garbage
+        # collector (the link's Context is freed at once, session 19; this link was not)
+        st.link, st.pump = None, _nothing
 
 
 __all__ = ["SharedStreamLink"]

@@ -434,6 +434,12 @@ class TcpMesh:
         """The Context closes: no more links (what is under way is closed as it ends)."""
         self.abort()
 
+    def release(self) -> None:
+        """The Context closed: drop its callbacks (they point back at it); a link that a dial
+        still completes is closed here."""
+        with self._cond:
+            self._on_link = self._on_fail = None
+
     def _decide(self, peer: int, index: int) -> bytes:
         """An authenticated connection from ``peer`` arrived: keep it (ACK), decline it
         because the link is made the other way (DECLINE: this rank's own dial, under way or
@@ -472,7 +478,12 @@ class TcpMesh:
     def _made(self, peer: int, socks: list) -> None:
         link = self._link(peer, socks)
         self._maybe_close()
-        self._on_link(peer, link)
+        on_link = self._on_link
+        if on_link is None:  # the Context closed and let go of this mesh (release)
+            link.begin_close()
+            link.close(time.monotonic() + 1.0)
+            return
+        on_link(peer, link)
 
     def _lazy_failed(self, peer: int, err: BaseException) -> None:
         from .request import PeerFailure
@@ -487,8 +498,9 @@ class TcpMesh:
         for s in socks:
             _close(s)
         self._maybe_close()
-        if not stopped:
-            self._on_fail(peer, PeerFailure(peer, str(err)))
+        on_fail = self._on_fail
+        if not stopped and on_fail is not None:
+            on_fail(peer, PeerFailure(peer, str(err)))
 
     def _maybe_close(self) -> None:
         """Close the listeners once no peer may still dial (every link made or failed)."""
