@@ -87,9 +87,9 @@ class PipeChoice:
     chunk: this op and the next run in the modes listed in ``EXPLORE``, then the ranks agree
     on the faster (summed best of each rank's last ``KEEP`` times per byte; an op right after
     one of the other mode is not counted: ``next_op``), and before every ``RETRY``-th op two
-    run in the other mode and they agree again. Every rank runs the same eligible ops in the same order
-    (a failed collective breaks the group's collectives), so every rank takes the same
-    decisions at the same ops: only agreed sums decide."""
+    run in the other mode and they agree again. Every rank runs the same eligible ops in the
+    same order (a failed collective breaks the group's collectives), so every rank takes the
+    same decisions at the same ops: only agreed sums decide."""
 
     GATE_AT = 3
     FAST_BPS = 250e6

@@ -166,10 +166,6 @@ class _Port:
                 with self.lock:
                     self._detach()
 
-    def detach(self) -> None:
-        """(Link.detach) Nothing to do: closing let go of the sink already (_detach), and its
-        None tells the progress thread to leave this link alone."""
-
     def _detach(self) -> None:
         """Drop every view of the segment (ShmLink._detach). The progress thread may still
         read the bell once, or sleep on its address once: a private word stands in; rings
@@ -573,6 +569,10 @@ class ShmLink(Link):
             port.drop(self)
             with self._lock:
                 self._detach()
+
+    def detach(self) -> None:
+        """(Link.detach) Nothing to do: closing let go of the sink already (_detach), and its
+        None tells the progress thread to leave this link alone."""
 
     def _detach(self) -> None:
         """Closed: keep private copies of the ring headers and no view of the segment, so that
