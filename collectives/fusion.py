@@ -128,8 +128,8 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
         got[peer] = (c, digest)
     comm.wait_all(sends)
     k = min([offered] + [c for c, _ in got.values()])
-    _compare(entries, k, {peer: d for peer, (c, d) in got.items() if c == k},
-             lambda peer: who(comm, peer), who(comm, comm.rank))
+    compare_digests(entries, k, {peer: d for peer, (c, d) in got.items() if c == k},
+                    lambda peer: who(comm, peer), who(comm, comm.rank))
     if not carry:
         return k, False
     if head.nbytes:
@@ -145,7 +145,7 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
     return k, True
 
 
-def _compare(entries: list[Entry], k: int, digests: dict, name, me) -> None:
+def compare_digests(entries: list[Entry], k: int, digests: dict, name, me) -> None:
     """Raise ValueError naming this rank's first ``k`` calls if a peer that offered exactly
     ``k`` (the least count: what every rank fuses) sent another running digest after its
     k-th. Peers that offered more are not compared here: their digest covers calls beyond the

@@ -1068,7 +1068,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     and the running digest of its calls; a head entry of at most ``carry_bytes`` goes along and
     is folded here in rank order (an AVG head divided by ``avg_size``, default the ranks here;
     0: not divided). Raises ValueError naming the calls when they differ."""
-    from .fusion import _compare
+    from .fusion import compare_digests
     E = _engine(comm)
     P, r = E.P, E.r
     head = entries[0]
@@ -1097,8 +1097,9 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
             raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} offered "
                              f"{cs[q]} calls")
     k = min(cs)
-    _compare(entries, k, {q: _unsigned(ds[q]) for q in range(P) if q != r and cs[q] == k},
-             lambda q: E.gr[q], E.me)
+    compare_digests(entries, k,
+                    {q: _unsigned(ds[q]) for q in range(P) if q != r and cs[q] == k},
+                    lambda q: E.gr[q], E.me)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
         npdt = _NP.get(dt)

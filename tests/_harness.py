@@ -242,6 +242,28 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
         tmpdir.cleanup()
 
 
+def garbage_left(fn, rounds: int) -> dict:
+    """Run ``fn()`` ``rounds`` times with the garbage collector off, after a collection; return
+    {"garbage": objects only the collector would have freed, "kinds": their count by type,
+    "rounds": rounds} (``gc.DEBUG_SAVEALL``: the collector keeps what it found)."""
+    import collections
+    import gc
+
+    gc.disable()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(rounds):
+            fn()
+        gc.collect()
+        kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    return {"garbage": sum(kinds.values()), "kinds": dict(kinds), "rounds": rounds}
+
+
 def free_port_range(n: int) -> int:
     """A base port such that base .. base+n-1 are free now, below the kernel's ephemeral range
     (ip_local_port_range), so that the sockets the ranks open later (the transport's listeners

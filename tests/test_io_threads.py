@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_ranks
+from _harness import garbage_left, run_ranks
 from linerate.transport.tcp import AUTO_IO_THREADS
 
 P = 8
@@ -71,9 +71,6 @@ def test_threads_per_rank_bounded(io):
 def _destroyed_groups(rank, size, lr):
     """Two-rank TCP groups made, used and destroyed, with the collector off: what they leave
     for it (after two first ones: the process's first links and loops are made once)."""
-    import collections
-    import gc
-
     def one():
         g = dist.new_group([0, 1], backend="linerate")
         t = torch.ones(1000)
@@ -84,18 +81,10 @@ def _destroyed_groups(rank, size, lr):
 
     one()
     one()
-    gc.disable()
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    rounds = 5
-    results = [one() for _ in range(rounds)]
-    gc.collect()
-    kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
-    gc.set_debug(0)
-    gc.garbage.clear()
-    gc.enable()
-    return {"garbage": sum(kinds.values()), "kinds": dict(kinds), "rounds": rounds,
-            "results": results}
+    results = []
+    out = garbage_left(lambda: results.append(one()), 5)
+    out["results"] = results
+    return out
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_netlab_script, run_ranks
+from _harness import garbage_left, run_netlab_script, run_ranks
 
 needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
@@ -88,8 +88,6 @@ def test_subcomm_runs_algorithms_on_subsets():
 def _no_garbage(rank, P, lr):
     """Two "hosts" of two ranks on loopback; every two-level op, and large async all_reduces
     queued back to back (pipelined, chained), with the collector off: what they leave for it."""
-    import collections
-    import gc
     from datetime import timedelta
 
     from linerate.transport import shm
@@ -113,20 +111,9 @@ def _no_garbage(rank, P, lr):
     ops()
     ops()
     assert g._shape.two_level_auto
-    gc.disable()
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    rounds = 4
-    for _ in range(rounds):
-        ops()
-    gc.collect()
-    kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
-    gc.set_debug(0)
-    gc.garbage.clear()
-    gc.enable()
-    chained = g._get_backend(torch.device("cpu")).chain_stats["ops"]
-    return {"garbage": sum(kinds.values()), "kinds": dict(kinds),
-            "rounds": rounds, "chained": chained}
+    out = garbage_left(ops, 4)
+    out["chained"] = g._get_backend(torch.device("cpu")).chain_stats["ops"]
+    return out
 
 
 @pytest.mark.timeout(120)

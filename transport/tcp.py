@@ -436,9 +436,9 @@ class TcpMesh:
 
     def release(self) -> None:
         """The Context closed: drop its callbacks (they point back at it); a link that a dial
-        still completes is closed here."""
+        still completes is closed at once, a failure is nobody's business any more."""
         with self._cond:
-            self._on_link = self._on_fail = None
+            self._on_link, self._on_fail = _close_link, _ignore_failure
 
     def _decide(self, peer: int, index: int) -> bytes:
         """An authenticated connection from ``peer`` arrived: keep it (ACK), decline it
@@ -478,12 +478,7 @@ class TcpMesh:
     def _made(self, peer: int, socks: list) -> None:
         link = self._link(peer, socks)
         self._maybe_close()
-        on_link = self._on_link
-        if on_link is None:  # the Context closed and let go of this mesh (release)
-            link.begin_close()
-            link.close(time.monotonic() + 1.0)
-            return
-        on_link(peer, link)
+        self._on_link(peer, link)
 
     def _lazy_failed(self, peer: int, err: BaseException) -> None:
         from .request import PeerFailure
@@ -498,9 +493,8 @@ class TcpMesh:
         for s in socks:
             _close(s)
         self._maybe_close()
-        on_fail = self._on_fail
-        if not stopped and on_fail is not None:
-            on_fail(peer, PeerFailure(peer, str(err)))
+        if not stopped:
+            self._on_fail(peer, PeerFailure(peer, str(err)))
 
     def _maybe_close(self) -> None:
         """Close the listeners once no peer may still dial (every link made or failed)."""
@@ -746,6 +740,16 @@ def spread_rails(index: int, local: int, nrails: int) -> list[int]:
     if local >= nrails:
         return [index % nrails]
     return list(range(index % local, nrails, local))
+
+
+def _close_link(peer: int, link) -> None:
+    """A released mesh's ``on_link``: its Context is gone, so is the link."""
+    link.begin_close()
+    link.close(time.monotonic() + 1.0)
+
+
+def _ignore_failure(peer: int, err: BaseException) -> None:
+    """A released mesh's ``on_fail``."""
 
 
 def _close(sock) -> None:
