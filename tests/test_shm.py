@@ -788,6 +788,55 @@ def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segmen
         os.unlink(path)
 
 
+class _CountingStore(dist.Store):
+    """A Python Store with ``check``, counting the keys each request asks about."""
+
+    def __init__(self):
+        super().__init__()
+        self.data, self.checked = {}, []
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        self.checked.append(list(keys))
+        return all(k in self.data for k in keys)
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_records_asks_the_store_about_each_key_only_to_name_a_failure():
+    """While ranks wait for others' records, each look after the first quick ones asks the store
+    two things: are all the keys there, and did a rank report a failure. Which keys are
+    missing (one request per key: 31 of them per look at 32 ranks) is asked only to name
+    them in an error: at the deadline, or once a rank reported a failure."""
+    from linerate.transport import rendezvous
+    keys = [f"t/host/{r}" for r in range(8)]
+    store = _CountingStore()
+    store.set(keys[3], b"{}")
+    rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 0.2, 0.2, "t/")
+    rv.generation = "g"
+    with pytest.raises(rendezvous.TransportError, match="did not appear") as e:
+        rv.wait_set(keys, max_delay=0.01)
+    assert "t/host/0" in str(e.value) and "t/host/3" not in str(e.value)
+    looks = [c for c in store.checked if len(c) > 1]
+    singles = [c for c in store.checked if len(c) == 1]
+    assert looks, store.checked
+    # One fail-key check per look after the first 2 ms, and the naming at the deadline (7 keys).
+    assert len(singles) <= len(looks) + 7, (len(singles), len(looks))
+    assert sum(1 for c in singles if c == ["t/setup_failed/g"]) >= len(looks) - 4
+    # A rank reported a failure: the wait ends with its message and names the missing keys.
+    store = _CountingStore()
+    store.set("t/setup_failed/g", b"rank 5: no good")
+    rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "t/")
+    rv.generation = "g"
+    with pytest.raises(rendezvous.PeerSetupFailed, match="rank 5: no good") as e:
+        rv.wait_set(keys, max_delay=0.01)
+    assert "'t/host/0'" in str(e.value) and "(and 4 more)" in str(e.value), e.value
+
+
 def test_pid_watch_sees_exited_processes_zombie_or_reaped_and_closes_its_descriptors():
     """PidWatch (the co-located ranks' liveness): a running process is alive; one killed but
     not reaped (a zombie, as a SIGKILLed rank is until torchrun reaps it) and one reaped are

@@ -128,7 +128,8 @@ class Rendezvous:
                 if have:
                     return
             if waited >= 0.002:  # one more round trip per look: not in the first quick ones
-                self.raise_if_failed(f"while waiting for {self._name(left)} in the store")
+                # Named only if a rank did fail: naming asks the store about each key.
+                self.raise_if_failed(lambda: f"while waiting for {self._name(left)} in the store")
             if time.monotonic() >= self._deadline:
                 raise TransportError(f"rank {self._rank}: {self._name(left)} did not appear in "
                                      f"the store within {self._timeout:.0f}s "
@@ -147,10 +148,15 @@ class Rendezvous:
         shown = ", ".join(repr(k) for k in (missing or keys)[:4])
         return shown + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
 
-    def raise_if_failed(self, doing: str) -> None:
+    def raise_if_failed(self, doing) -> None:
+        """Raise PeerSetupFailed if a rank of this group reported a set-up failure.
+        ``doing``: what this rank was doing, for the message (a string, or a callable that
+        makes it: called only when there is a failure to report)."""
         if self.generation is None or not self._check(self._fail_key()):
             return
         why = store_get(self._store, self._fail_key()).decode(errors="replace")
+        if callable(doing):
+            doing = doing()
         raise PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
                               f"connections were being set up ({doing}): {why}")
 

@@ -349,6 +349,7 @@ class SetupBoard:
         self._slots = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[2::16]
         self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
         self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+        self._got: dict[int, str] = {}   # posted(), as last read
 
     def post(self, rank: int, mode: str) -> None:
         """This rank mapped the segment (with LINERATE_SHM ``mode``): say so, and wake the
@@ -358,9 +359,13 @@ class SetupBoard:
 
     def posted(self) -> dict[int, str]:
         """{rank: its LINERATE_SHM} of the ranks that posted so far ("?" for a value no
-        rank of this version writes)."""
-        names = {v: k for k, v in self._MODES.items()}
-        return {int(r): names.get(int(self._slots[r]), "?") for r in np.flatnonzero(self._slots)}
+        rank of this version writes). A slot is written once: read again only when the
+        count of posts changed (a wait polls this while 32 ranks post one by one)."""
+        if np.count_nonzero(self._slots) != len(self._got):
+            names = {v: k for k, v in self._MODES.items()}
+            self._got = {int(r): names.get(int(self._slots[r]), "?")
+                         for r in np.flatnonzero(self._slots)}
+        return self._got
 
     def value(self) -> int:
         return int(self._word[0])
