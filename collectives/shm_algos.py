@@ -172,6 +172,25 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
             f(d, x[lo:hi], out=d)
 
 
+class _Areas:
+    """The segment's areas (2P + 2 of C bytes) as uint8 tensor views, each made when first used:
+    a group's creation had made every one (66 at 32 ranks), where its small ops use a few."""
+
+    __slots__ = ("_data", "_C", "_views")
+
+    def __init__(self, data: torch.Tensor, C: int, n: int):
+        self._data, self._C, self._views = data, C, [None] * n
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        v = self._views[i]
+        if v is None:
+            v = self._views[i] = self._data[i * self._C:(i + 1) * self._C]
+        return v
+
+
 class Engine:
     """A group's view of its shared segment: slots, counters, waiting. Used by one thread
     (the group's worker) at a time."""
@@ -193,8 +212,9 @@ class Engine:
         self.base = 0
         nareas = 2 * P + 2
         self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
-        self.areas = [seg.data[i * self.C:(i + 1) * self.C] for i in range(nareas)]
-        self.addr = [t.data_ptr() for t in self.areas]  # for memmove without tensor views
+        self.areas = _Areas(seg.data, self.C, nareas)
+        base = seg.data.data_ptr()  # for memmove without tensor views
+        self.addr = [base + i * self.C for i in range(nareas)]
         #: The areas as one NumPy array (bytes, and int64 words): what every rank put in its
         #: slot is read for all ranks at once (agree), not through a tensor view per rank.
         self.np_data = seg.data[:nareas * self.C].numpy()

@@ -235,6 +235,64 @@ def test_nothing_left_in_dev_shm_after_groups_and_exit():
         assert not os.path.exists(f"/dev/shm/{n}")
 
 
+def _shm_threads() -> dict:
+    return {t.name: t.ident for t in threading.enumerate() if t.name.startswith("linerate-shm")}
+
+
+def _send_one(rank, g, n=70_000):
+    t = torch.arange(n, dtype=torch.float32)
+    if rank == 0:
+        dist.send(t, 1, group=g)
+        return True
+    got = torch.empty_like(t)
+    dist.recv(got, 0, group=g)
+    return torch.equal(got, t)
+
+
+def _linger(rank, P, lr):
+    from linerate.transport import shmlink
+    out = {"ok": [_send_one(rank, lr)]}
+    first = _shm_threads()
+    dist.destroy_process_group(lr)
+    # The last group that used shared memory is gone: its threads stay, idle, and the next
+    # group of the process is served by the same ones (no Thread.start in its creation).
+    out["after_destroy"] = _shm_threads() == first and shmlink.progress_threads() == len(first)
+    g = dist.new_group(backend="linerate")
+    out["ok"].append(_send_one(rank, g))
+    out["same_threads"] = _shm_threads() == first
+    # A forked child does not take the parent's lingering threads for its own.
+    pid = os.fork()
+    if pid == 0:
+        code = 0 if shmlink.progress_threads() == 0 and not shmlink._ENGINE._ports else 1
+        os._exit(code)
+    out["child"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    shmlink.LINGER_S = 0.3
+    dist.destroy_process_group(g)
+    end = time.monotonic() + 5.0
+    while (_shm_threads() or shmlink.progress_threads()) and time.monotonic() < end:
+        time.sleep(0.05)
+    out["ended"] = (not _shm_threads(), shmlink.progress_threads())
+    # And they start again for the next group.
+    g = dist.new_group(backend="linerate")
+    out["ok"].append(_send_one(rank, g, 3_000_001))  # more than a pair's ring: the thread works
+    out["restarted"] = bool(_shm_threads())
+    dist.destroy_process_group(g)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_progress_threads_linger_after_the_last_group_then_end():
+    """The progress thread and the death watch outlive the process's last shared-memory group
+    by shmlink.LINGER_S, idle: the next group reuses them; then they end, and start again
+    with the next group; a forked child starts with none."""
+    for out in run_ranks(_linger, 2, timeout=90):
+        assert all(out["ok"]), out
+        assert out["after_destroy"] and out["same_threads"], out
+        assert out["child"] == 0, out
+        assert out["ended"] == (True, 0), out
+        assert out["restarted"], out
+
+
 def _idle_recv(rank, P, lr):
     x = torch.ones(10)
     dist.all_reduce(x, group=lr)  # both up

@@ -35,6 +35,7 @@ reordered with stores nor loads with loads; elsewhere a fence (an atomic add) go
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import errno
@@ -62,8 +63,15 @@ POLL_S = 0.05
 #: a pidfd (_Engine._watch_run wakes it when one exits): an idle rank wakes about once a second
 #: instead of 20 times (32 idle ranks on one host: 640 wake-ups a second, ~200 us of CPU each).
 IDLE_S = 1.0
-#: The longest wait, when a group's last port is removed, for the engine's threads to end.
+#: The longest wait, when a group's last port is removed, for the progress thread to be done
+#: with it (_Engine.remove).
 JOIN_S = 2.0
+#: Seconds the progress thread and the death watch stay, idle, after the last group of the
+#: process that used shared memory went: the next group's creation does not start them again
+#: (each Thread.start waits until the new thread has run, a wait for a core where ranks
+#: outnumber cores). Idle, they hold nothing of any group and run no torch code; at the
+#: interpreter's exit they end first (``_Engine.end_idle``, an atexit handler).
+LINGER_S = 10.0
 _HDR = HEADER_SIZE
 _CHUNK_MAX = 512 << 10
 _MIN_PART = 4096            # a chunk cut short to fit the ring's free space: at least this
@@ -188,12 +196,18 @@ class _Port:
 # ----------------------------------------------------------------------------- the thread
 class _Engine:
     """The progress thread of this process: serves every port's links (see the module
-    docstring). It runs while some port has links, and ends when none has."""
+    docstring), with the death watch beside it. Both start with the first port that has
+    links, and end LINGER_S after the last such port went (idle meanwhile)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._ports: list[_Port] = []
         self._thread: threading.Thread | None = None
+        #: Rounds of the progress thread begun (each starts by reading the ports): one begun
+        #: after a port's removal means the thread is done with that port (_done_with).
+        self._rounds = 0
+        self._round_cv = threading.Condition(self._lock)
+        self._ending = False  # the interpreter exits: idle threads end now (end_idle)
         self._waitv = True
         self._waitv_key = None
         self._waitv_arr = None
@@ -218,6 +232,7 @@ class _Engine:
 
     def add(self, port: _Port) -> None:
         with self._lock:
+            self._ending = False
             if port not in self._ports:
                 self._ports.append(port)
                 if self._thread is not None:
@@ -254,19 +269,26 @@ class _Engine:
         (``_look``, and a ring of one port's bell) and waits until it did (the look closes a
         dead process's pidfd, so the same exit is not seen again)."""
         rfd = self._pipe[0]
+        idle_since = None
         while True:
             with self._lock:
                 ports = list(self._ports)
-                if not ports:
-                    self._watcher = None
-                    return
+                if ports:
+                    idle_since = None
+                else:  # no group: linger (LINGER_S), then end
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= LINGER_S or self._ending:
+                        self._watcher = None
+                        return
             fds = [fd for port in ports for fd in port.seg.watch.fds()]
+            ports = None  # no group's port is held while asleep
             poller = select.poll()
             poller.register(rfd, select.POLLIN)
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             try:
-                events = poller.poll()
+                events = poller.poll(None if fds else LINGER_S * 1000)
             except OSError:  # EINTR and kin: look again
                 events = []
             died = False
@@ -281,31 +303,58 @@ class _Engine:
                     died = True
             if died:
                 with self._lock:
-                    if not self._ports:  # the last group went (its pidfds closed: POLLNVAL)
-                        self._watcher = None
-                        return
-                self._looked.clear()
-                self._look = True
-                ports[0].ring(ports[0].me)  # one bell wakes it (its futex_waitv has them all)
-                self._looked.wait(POLL_S)
-            ports = None
+                    # (none left: the last group went, its pidfds closed: POLLNVAL)
+                    first = self._ports[0] if self._ports else None
+                if first is not None:
+                    self._looked.clear()
+                    self._look = True
+                    first.ring(first.me)  # one bell wakes it (its futex_waitv has them all)
+                    first = None
+                    self._looked.wait(POLL_S)
 
     def remove(self, port: _Port) -> None:
         with self._lock:
             if port in self._ports:
                 self._ports.remove(port)
-            last = [] if self._ports else [t for t in (self._thread, self._watcher) if t is not None]
+            last = not self._ports
+            thread, rounds = self._thread, self._rounds
         self._wake()
+        port.ring(port.me)  # where there is no futex_waitv, the thread may sleep on its bell
         self._poke()  # its pidfds are no longer watched
-        # The last port gone, the threads end: wait for them. The progress thread may be in
-        # a pass over this port (a link's copy into a tensor, the last reference to one); a
-        # process that exits right after destroy_process_group would otherwise finalize the
-        # interpreter under it, and a daemon thread in torch's C++ code then aborts the
-        # process ("terminate called without an active exception", SIGABRT).
-        me = threading.current_thread()
-        for t in last:
-            if t is not me:
-                t.join(JOIN_S)
+        # The last port gone, the threads linger idle (LINGER_S), but the progress thread may
+        # still be in a pass over this port (a link's copy into a tensor, the last reference
+        # to one): wait until it began another round. A process that exits right after
+        # destroy_process_group would otherwise finalize the interpreter under that pass,
+        # and a daemon thread in torch's C++ code then aborts the process ("terminate called
+        # without an active exception", SIGABRT).
+        if last and thread is not None and thread is not threading.current_thread():
+            self._done_with(rounds, thread)
+
+    def end_idle(self) -> None:
+        """(atexit) End the threads now if no group uses them, and wait for them: no thread of
+        ours runs on into the interpreter's finalization, where a daemon thread taking the GIL
+        back is ended by pthread_exit. (A group still up at exit keeps them, as before.)"""
+        with self._lock:
+            if self._ports:
+                return
+            self._ending = True
+            threads = [t for t in (self._thread, self._watcher) if t is not None]
+        self._wake()
+        self._poke()
+        for t in threads:
+            t.join(JOIN_S)
+
+    def _done_with(self, rounds: int, thread: threading.Thread) -> None:
+        """Wait (up to JOIN_S) until the progress thread began a round after ``rounds``, or
+        ended."""
+        end = time.monotonic() + JOIN_S
+        with self._round_cv:
+            while self._rounds == rounds and thread.is_alive():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                # ends without a notify if the thread ends: looked at again every 50 ms
+                self._round_cv.wait(min(left, 0.05))
 
     def threads(self) -> int:
         return (self._thread is not None) + (self._watcher is not None)
@@ -323,14 +372,24 @@ class _Engine:
         #: two cores while idle). A weak reference tells a port from a later one at the same
         #: address, without keeping a destroyed group's mapping.
         quiet: dict[int, tuple] = {}
+        idle_since = None
         while True:
             word = int(self._word[0])  # before the ports: an add after this ends the sleep
             with self._lock:
                 ports = list(self._ports)
-                if not ports:
-                    self._thread = None
-                    self._poke()  # the death watch ends too
-                    return
+                self._rounds += 1
+                self._round_cv.notify_all()
+                if not ports:  # no group: linger (LINGER_S), then end
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= LINGER_S or self._ending:
+                        self._thread = None
+                        return
+            if not ports:
+                quiet.clear()
+                self._sleep_word(word, LINGER_S - (time.monotonic() - idle_since))
+                continue
+            idle_since = None
             seen = [int(p.bell[0]) for p in ports]
             busy = False
             calm: dict[int, tuple] = {}
@@ -373,6 +432,15 @@ class _Engine:
                 self._sleep(ports, seen, every, word)
             ports = None
 
+    def _sleep_word(self, word: int, timeout: float) -> None:
+        """Until the engine's word changes from ``word`` (a port added, or removed), or
+        ``timeout`` seconds."""
+        timeout = max(0.0, timeout)
+        if shm._SYS_FUTEX is None:
+            time.sleep(min(timeout, POLL_S))
+        else:
+            shm._futex_wait(shm._futex_lib(), ctypes.c_void_p(self._word_addr), word, timeout)
+
     def _sleep(self, ports: list, seen: list, timeout: float, word: int) -> None:
         """Until a port's bell or the engine's word (``word``: its value before the ports
         were read) changes, or ``timeout`` seconds."""
@@ -409,6 +477,23 @@ class _Engine:
 
 
 _ENGINE = _Engine()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads, and its groups are not the child's:
+    a fresh engine (the parent's lingering threads would otherwise be taken for running)."""
+    global _ENGINE
+    old, _ENGINE = _ENGINE, _Engine()
+    for fd in old._pipe or ():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(lambda: _ENGINE.end_idle())
 
 
 def progress_threads() -> int:
