@@ -530,8 +530,12 @@ class ShmLink(Link):
         self._lock = threading.Lock()      # the send side: queue, head, the out ring
         self._rlock = threading.Lock()     # the receive side (the progress thread)
         self._queue: collections.deque = collections.deque()
-        self._head = int(self._oh[_HEAD])
-        self._tail_in = int(self._ih[_TAIL])
+        # Where this link's positions start: 0. Each group's segment is new (zero-filled), and
+        # these two words are written by this link only. (Reading them here touched both ring
+        # header pages of every pair at group creation: a page fault each, most of a link's
+        # cost, for pairs that may never talk.)
+        self._head = 0
+        self._tail_in = 0
         self._closing = False
         self._close_sent = False
         self._down: str | None = None
