@@ -117,8 +117,10 @@ class _Port:
         self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
         self.bell_addr = ptr + base + blk * self.me
         self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
-        self.pids = [self.raw[base + blk * q + _PID_OFF: base + blk * q + _PID_OFF + 16].view(np.int64)
-                     for q in range(n)]
+        # Every rank's (pid, pid namespace) as the rows of one strided view (a view per rank
+        # cost 1.5 us each at every group's creation).
+        self.pids = np.ndarray((n, 2), dtype=np.int64, buffer=self.raw,
+                               offset=base + _PID_OFF, strides=(blk, 8))
         self._pidns = shm.pidns()
         self.pids[self.me][1] = self._pidns
         self.pids[self.me][0] = os.getpid()
@@ -181,7 +183,7 @@ class _Port:
         self.raw = None
         self.bell = np.zeros(1, dtype=np.int32)
         self.bell_addr = self.bell.ctypes.data
-        self.pids = [np.zeros(2, dtype=np.int64) for _ in self.pids]
+        self.pids = np.zeros((len(self.pids), 2), dtype=np.int64)
         self._bell_addr = []
 
     def check_peers(self) -> None:
@@ -539,7 +541,10 @@ class ShmLink(Link):
         self._closing = False
         self._close_sent = False
         self._down: str | None = None
-        self._sent = threading.Event()     # CLOSE written, or the link is down
+        # CLOSE written, or the link is down (_set_sent, send lock held); the Event only for a
+        # waiter (wait_sent): making one per link was a third of a link's cost at creation.
+        self._sent = False
+        self._sent_ev: threading.Event | None = None
         self._sink: LinkSink | None = None
         self._bytes_sent = self._bytes_received = 0
         self._messages_sent = self._messages_received = 0
@@ -636,12 +641,24 @@ class ShmLink(Link):
             finished: list = []  # sends that complete in this push are finished below
             moved = self._push(finished)
             if self._down is not None or int(self._oh[_RGONE]):
-                self._sent.set()  # nothing more can go: the peer closed or the link is down
+                self._set_sent()  # nothing more can go: the peer closed or the link is down
         self._after_push(moved, finished)
         self._port.ring(self._port.me)  # the progress thread sends the rest, then CLOSE
 
     def wait_sent(self, until: float) -> None:
-        self._sent.wait(max(0.0, until - time.monotonic()))
+        with self._lock:
+            if self._sent:
+                return
+            if self._sent_ev is None:
+                self._sent_ev = threading.Event()
+            ev = self._sent_ev
+        ev.wait(max(0.0, until - time.monotonic()))
+
+    def _set_sent(self) -> None:
+        """(send lock held) Nothing more will be written: wake a wait_sent."""
+        self._sent = True
+        if self._sent_ev is not None:
+            self._sent_ev.set()
 
     def close(self, deadline: float) -> None:
         self.begin_close()
@@ -650,7 +667,7 @@ class ShmLink(Link):
                 self._oh[_WGONE] = 1   # what is left will not come: the peer fails the link
             if self._down is None:
                 self._down = "closed"
-            self._sent.set()
+            self._set_sent()
         self._ih[_RGONE] = 1           # and nothing more is read here
         port = self._port
         port.ring(self._q)
@@ -709,7 +726,7 @@ class ShmLink(Link):
             return False
         if int(self._oh[_RGONE]):
             if self._closing:
-                self._sent.set()
+                self._set_sent()
             return False   # the peer stopped reading: the progress thread fails the link
         head = self._head
         free = self._R - (head - int(self._oh[_TAIL]))
@@ -764,7 +781,7 @@ class ShmLink(Link):
             self._head = head
             self._oh[_HEAD] = head
             if self._close_sent:
-                self._sent.set()
+                self._set_sent()
         return moved
 
     def _pull(self) -> bool:
@@ -857,7 +874,7 @@ class ShmLink(Link):
                 return
             self._down = "closed"
             closing = self._closing
-            self._sent.set()
+            self._set_sent()
         sink = self._sink
         if not closing and sink is not None:
             sink.link_closed(self)
@@ -882,7 +899,7 @@ class ShmLink(Link):
                 return
             if self._down is None:
                 self._down = "failed"
-            self._sent.set()
+            self._set_sent()
         sink = self._sink
         if sink is not None:  # None: closed (_detach), nothing waits on this link any more
             sink.link_failed(self, err)
