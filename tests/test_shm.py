@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import RankError, run_ranks
+from _harness import RankError, run_rank_scripts, run_ranks
 
 R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
@@ -378,7 +378,7 @@ print(sorted(t.name for t in threading.enumerate() if t.name.startswith("linerat
 
 
 @pytest.mark.timeout(150)
-def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean():
+def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean(tmp_path):
     """destroy_process_group leaves no thread that serves a group: only the shared-memory
     engine's two, idle (they linger shmlink.LINGER_S for the next group, holding nothing).
     A daemon thread still running in torch's C++ code when the interpreter finalizes dies
@@ -386,35 +386,18 @@ def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean()
     "terminate called without an active exception". So a script whose last line is
     destroy_process_group exits at once and cleanly: the idle threads end at exit (atexit),
     not LINGER_S later."""
-    import socket
-    import subprocess
-    import sys
-
     from linerate.transport import shmlink
     for rank, (names, ports) in enumerate(run_ranks(_threads_after_destroy, 3, timeout=90)):
         assert set(names) <= {"linerate-shm-deaths", "linerate-shm-progress"}, (rank, names)
         assert ports == 0, rank
     for attempt in range(3):  # the race is at exit: a few runs
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "3"}
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(3)]
-        try:
-            outs = [p.communicate(timeout=40) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
+        out = run_rank_scripts(tmp_path, _EXIT_SCRIPT, 3, timeout=40)
         took = time.monotonic() - t0
-        for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-            assert p.returncode == 0, (attempt, r, p.returncode, err[-2000:])
-            assert "terminate called" not in err, (attempt, r, err[-2000:])
-            assert "linerate-shm-progress" in out, (attempt, r, out)  # it did linger
+        for r, (code, text) in enumerate(out):
+            assert code == 0, (attempt, r, code, text[-2000:])
+            assert "terminate called" not in text, (attempt, r, text[-2000:])
+            assert "linerate-shm-progress" in text, (attempt, r, text)  # it did linger
         assert took < shmlink.LINGER_S, f"the ranks took {took:.1f}s to exit"
 
 

@@ -170,8 +170,7 @@ class _Port:
                 del self.links[link.peer]
             last = not self.links
         if last:
-            _ENGINE.remove(self)
-            self.ring(self.me)
+            _ENGINE.remove(self)  # (which rings this port's bell)
             if self.seg.closed:  # the group is gone: no view of its mapping stays here
                 with self.lock:
                     self._detach()
@@ -277,10 +276,9 @@ class _Engine:
                 ports = list(self._ports)
                 if ports:
                     idle_since = None
-                else:  # no group: linger (LINGER_S), then end
-                    now = time.monotonic()
-                    idle_since = now if idle_since is None else idle_since
-                    if now - idle_since >= LINGER_S or self._ending:
+                else:
+                    idle_since, over = self._idle(idle_since)
+                    if over:
                         self._watcher = None
                         return
             fds = [fd for port in ports for fd in port.seg.watch.fds()]
@@ -346,17 +344,19 @@ class _Engine:
         for t in threads:
             t.join(JOIN_S)
 
+    def _idle(self, since: float | None) -> tuple[float, bool]:
+        """(lock held, no port left) When a thread's idle spell began (``since``, None: now),
+        and whether it is over: LINGER_S passed, or the interpreter exits (end_idle)."""
+        now = time.monotonic()
+        since = now if since is None else since
+        return since, now - since >= LINGER_S or self._ending
+
     def _done_with(self, rounds: int, thread: threading.Thread) -> None:
-        """Wait (up to JOIN_S) until the progress thread began a round after ``rounds``, or
-        ended."""
-        end = time.monotonic() + JOIN_S
+        """Wait (up to JOIN_S) until the progress thread began a round after ``rounds`` (every
+        round, its last included, begins with a notify)."""
         with self._round_cv:
-            while self._rounds == rounds and thread.is_alive():
-                left = end - time.monotonic()
-                if left <= 0:
-                    return
-                # ends without a notify if the thread ends: looked at again every 50 ms
-                self._round_cv.wait(min(left, 0.05))
+            self._round_cv.wait_for(lambda: self._rounds != rounds or not thread.is_alive(),
+                                    JOIN_S)
 
     def threads(self) -> int:
         return (self._thread is not None) + (self._watcher is not None)
@@ -381,10 +381,9 @@ class _Engine:
                 ports = list(self._ports)
                 self._rounds += 1
                 self._round_cv.notify_all()
-                if not ports:  # no group: linger (LINGER_S), then end
-                    now = time.monotonic()
-                    idle_since = now if idle_since is None else idle_since
-                    if now - idle_since >= LINGER_S or self._ending:
+                if not ports:
+                    idle_since, over = self._idle(idle_since)
+                    if over:
                         self._thread = None
                         return
             if not ports:
