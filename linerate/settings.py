@@ -13,8 +13,10 @@ The few process-wide settings (where pyverbs is loaded from, the netlab tools' s
 here too, by :func:`read`. Nothing outside this module reads ``os.environ`` for a ``LINERATE_*``
 name (tests/test_settings.py checks it).
 
-``python -m linerate.settings`` prints the registry as a markdown table (README.md's "Settings" table
-lists the same variables and defaults; tests/test_settings.py checks that they agree).
+``python -m linerate.settings --page`` writes the documentation's settings reference
+(docs/settings.md: every variable with its default, what it accepts and what it does, from this
+registry and ``DETAILS``; tests/test_docs.py checks the page is what this writes), and
+``python -m linerate.settings`` prints the registry as one markdown table.
 """
 from __future__ import annotations
 
@@ -465,8 +467,8 @@ _FIELDS: dict[str, tuple] = {}
 
 def _by_prefix() -> dict[str, tuple]:
     """Every filled setting by options prefix, computed once: a group's creation fills and
-    checks its options about ten times (150 lookups of 56 settings each, 30% of a 2-rank
-    group's CPU before this)."""
+    checks its options about ten times, and scanning the whole registry each time would be a
+    large share of a small group's set-up CPU."""
     if not _FIELDS:
         by: dict[str, list] = {}
         for s in _ALL:
@@ -495,8 +497,114 @@ def validate(obj, prefix: str) -> None:
 
 
 # ============================================================================ docs
+#: What the reference page says of a setting beyond its one line of ``doc``: how it interacts
+#: with others, where ranks must agree, what the choices cost. Markdown.
+DETAILS: dict[str, str] = {
+    "LINERATE_NSOCKS": (
+        "With several interfaces one connection per interface is enough to fill them, and "
+        "more connections than cores only add context switches, which is why `auto` takes 2 "
+        "on one interface and 1 per interface with several. A connection's count is checked "
+        "once its peer is authenticated; ranks may differ only where `auto` resolves "
+        "differently per peer."),
+    "LINERATE_SOCKET_IFNAME": (
+        "Several names make the host multi-rail: every link stripes its chunks over "
+        "connections on each interface (see [Running on a cluster](cluster.md) and "
+        "`LINERATE_RAIL_SPREAD`)."),
+    "LINERATE_CHUNK_BYTES": (
+        "A message is cut into chunks of this size, dealt round-robin over the connections "
+        "of a link and reassembled in order at the receiver."),
+    "LINERATE_PIECE_BYTES": (
+        "Reducing piece k overlaps receiving piece k+1, and a reduced piece is forwarded at "
+        "once. Smaller pieces start the pipeline sooner; larger ones cost fewer Python "
+        "calls."),
+    "LINERATE_PIPELINE": (
+        "Under `auto` the group's second and third such all_reduces decide: below 250 MB of "
+        "tensor per second the group is link-bound and stays pipelined; otherwise the next "
+        "ops try one chunk and the ranks agree on the faster mode, and every 32nd op is "
+        "preceded by two in the other mode and a new agreement. See "
+        "[Two-level collectives](two-level.md)."),
+    "LINERATE_SMALL_BYTES": (
+        "See [how an algorithm is chosen](collectives.md)."),
+    "LINERATE_ALLREDUCE_ALGO": (
+        "`hd` is halving-doubling, `doubling` recursive doubling. A forced algorithm runs "
+        "where it can; elsewhere the automatic choice is taken. See "
+        "[Collectives](collectives.md)."),
+    "LINERATE_ROOTED_ALGO": ("`tree` is a binomial tree; `chain` the pipelined chain."),
+    "LINERATE_CONNECT_TIMEOUT": (
+        "The operation timeout is the process group's own "
+        "(`init_process_group(timeout=...)`)."),
+    "LINERATE_LINK_TIMEOUT": (
+        "Set as `TCP_USER_TIMEOUT`; an idle connection is probed by keepalives after a third of "
+        "it. It finds hosts that vanish without a reset, and fails the connections with an "
+        "error naming the peer. `0` leaves the kernel's defaults (about 15 minutes with data "
+        "in flight, hours when idle). A link outage longer than this fails the group even "
+        "where the operation timeout is longer. Also `TransportOptions.link_timeout`."),
+    "LINERATE_KEEP_BYTES": (
+        "Covers the transport's staging buffers and the algorithms' scratch, each up to this "
+        "much. A larger value keeps more resident memory and saves the page faults of fresh "
+        "scratch in every large op."),
+    "LINERATE_CHECKSUM": (
+        "Catches corruption that TCP's own checksum misses. It costs nothing visible where "
+        "the link is the limit, and a large share of busbw where the CPU is (every byte is "
+        "read once more on each side)."),
+    "LINERATE_CREDIT_BYTES": (
+        "Small values keep the kernel's send queue short, so that a high-priority message "
+        "overtakes queued low-priority ones sooner (see "
+        "[Fusion and priority](fusion-priority.md))."),
+    "LINERATE_TRANSPORT": (
+        "`auto` takes RDMA where every rank has an active port, else TCP with one log line "
+        "saying why. RDMA has been tested against a fake pyverbs only: see [RDMA](rdma.md)."),
+    "LINERATE_CONNECT": (
+        "A ring all_reduce holds 2 links per rank under `lazy`, so a large group makes few "
+        "connections. RDMA links are always made at creation."),
+    "LINERATE_RAIL_SPREAD": (
+        "Each two-level column (local rank i to local rank i of other hosts) keeps its rails "
+        "to itself; `LINERATE_NSOCKS` connections are opened on each rail."),
+    "LINERATE_CMA": (
+        "`process_vm_readv` is refused in a container without `CAP_SYS_PTRACE`, under Yama "
+        "`ptrace_scope` >= 2 or a seccomp filter: the probe then falls back to the segment and "
+        "logs it at INFO. Under `auto` the first five such all_reduces try segment, CMA, CMA, "
+        "segment, segment (the first of each path not counted); then each op takes the path "
+        "whose time per byte (every rank's, best of its last three) was lower, and every 16th "
+        "op the other. Ranks need not agree. See [Shared memory](shared-memory.md)."),
+    "LINERATE_IO": (
+        "Under `shared`, threads per rank do not grow with peers or groups. See "
+        "[Scaling](scaling.md). The bytes on the wire are the same in every mode."),
+    "LINERATE_SHM": (
+        "A rank alone on its host needs no segment. With `auto` or `1`, point-to-point "
+        "messages between co-located ranks also go over shared memory (links of kind `shm`); "
+        "`0` keeps them on TCP. See [Shared memory](shared-memory.md)."),
+    "LINERATE_TLS": ("See [Running on a cluster](cluster.md) for certificates."),
+    "LINERATE_FUSION_BYTES": (
+        "All_reduces of one tensor up to this size are fused, up to this many bytes per fused "
+        "op. See [Fusion and priority](fusion-priority.md)."),
+    "LINERATE_CYCLE_MS": (
+        "An all_reduce that somebody already waits on is not held back."),
+    "LINERATE_FR_ENTRIES": ("See [Faults and the flight recorder](faults.md)."),
+    "LINERATE_FR_DUMP": ("`/tmp/fr` gives `/tmp/fr.rank0.json`, `/tmp/fr.rank1.json`, ..."),
+    "LINERATE_METRICS_PORT": (
+        "Each rank of a host gets its own port. See [Metrics](metrics.md)."),
+    "LINERATE_METRICS_ADDR": (
+        "The exporter has no authentication: bind it to a private address where the hosts "
+        "are reachable from outside."),
+    "LINERATE_LINK_CAPACITY": (
+        "Utilization is bytes carried over this capacity. Beware tc's units: `10gbps` is "
+        "80 Gbit/s."),
+    "LINERATE_WORKERS": ("See docker/README.md in the repository."),
+}
+
+_SCOPE_TITLES = {
+    "transport": "Transport: connections, shared memory, TLS",
+    "rdma": "RDMA",
+    "collectives": "Collectives: algorithms, fusion, tracing",
+    "metrics": "Metrics",
+    "tools": "Tools",
+    "docker": "docker compose",
+}
+
+
 def markdown_table(scopes=None) -> str:
-    """The README's settings table rows (variable, default, meaning) from the registry."""
+    """The registry as one markdown table (variable, default, meaning)."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for s in _ALL:
         if scopes is None or s.scope in scopes:
@@ -504,5 +612,51 @@ def markdown_table(scopes=None) -> str:
     return "\n".join(lines)
 
 
+def markdown_page() -> str:
+    """docs/settings.md: every setting, grouped by scope, from this registry."""
+    out = [
+        "# Settings",
+        "",
+        "<!-- Generated by `python -m linerate.settings --page > docs/settings.md` from "
+        "linerate/settings.py. Do not edit by hand. -->",
+        "",
+        "Every setting is an environment variable, read once when a process group is created. "
+        "A bad value fails group creation with a `ValueError` naming the variable and what it "
+        "accepts. Sizes take K/M/G suffixes (binary); durations are finite numbers (`nan`, "
+        "`inf` and negative values are refused).",
+        "",
+        "The group settings also exist as a Python object, `linerate.Options` (with "
+        "`.transport`, a `linerate.TransportOptions`, and `.metrics`). Pass one to skip the "
+        "environment: "
+        '`dist.init_process_group("linerate", pg_options=linerate.Options(allreduce_algo="ring"))`; '
+        "`linerate.Options.from_env()` gives the environment's values to start from. The "
+        "*field* of each setting below is its attribute there. The operation timeout is the "
+        "process group's (`init_process_group(timeout=...)`).",
+        "",
+        "`python -m linerate.settings` prints the same registry as one table.",
+        "",
+        "| variable | default | scope |",
+        "|---|---|---|",
+    ]
+    for s in _ALL:
+        out.append(f"| [`{s.name}`](#{s.name.lower()}) | {s.default_text} | {s.scope} |")
+    for scope, title in _SCOPE_TITLES.items():
+        members = [s for s in _ALL if s.scope == scope]
+        if not members:
+            continue
+        out += ["", f"## {title}"]
+        for s in members:
+            out += ["", f"### {s.name}", "", s.doc[0].upper() + s.doc[1:] + ".", "",
+                    f"- default: {s.default_text}", f"- accepts: {s.accepts}"]
+            if s.field:
+                out.append(f"- field: `Options.{s.field}`")
+            if s.name in DETAILS:
+                out += ["", DETAILS[s.name]]
+    assert not set(s.scope for s in _ALL) - set(_SCOPE_TITLES), "a scope without a title"
+    assert not set(DETAILS) - set(SETTINGS), "DETAILS names an undeclared setting"
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(markdown_table())
+    import sys
+    print(markdown_page() if sys.argv[1:] == ["--page"] else markdown_table(), end="" if sys.argv[1:] == ["--page"] else "\n")

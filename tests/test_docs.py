@@ -1,0 +1,237 @@
+"""The documentation cannot drift from the code.
+
+- Every ```bash / ```sh / ```python block of README.md and docs/*.md runs and passes, in order,
+  one scratch folder per page (see "Runnable examples" in docs/architecture.md). An HTML
+  comment on the line above a fence changes that:
+  ``<!-- example: skip: REASON -->`` (not run: needs a cluster, RDMA, a GPU ...),
+  ``<!-- example: file NAME -->`` (saved as NAME for a later block of the page),
+  ``<!-- example: torchrun N -->`` (a Python block run under ``torchrun --standalone``),
+  ``<!-- example: root -->`` (needs root and network namespaces: skipped elsewhere).
+- The docs site builds with ``mkdocs build --strict`` (a broken link, a page missing from the
+  navigation or a bad API reference fails it).
+- docs/settings.md is what ``python -m linerate.settings --page`` writes, and the README's
+  settings table agrees with the registry.
+- The README stays a guide (at most 350 lines) and no file speaks of numbered working periods.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from _harness import netlab_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+RUN_LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}
+BLOCK_TIMEOUT = 90.0
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+_DIRECTIVE = re.compile(r"^\s*<!--\s*example:\s*(?P<what>.*?)\s*-->\s*$")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int          # 1-based line of the opening fence
+    lang: str          # the fence's first word, lowercased
+    text: str
+    directive: str = ""  # the text after "example:" on the line above, or ""
+    args: list = field(default_factory=list)
+
+
+def blocks_of(path: Path) -> list[Block]:
+    """The fenced blocks of a markdown file, each with the directive written above it."""
+    lines = path.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent = m.group("fence"), len(m.group("indent"))
+        info = m.group("info").strip()
+        lang = re.split(r"[\s{]", info, 1)[0].lower().lstrip(".") if info else ""
+        directive = ""
+        if i > 0:
+            d = _DIRECTIVE.match(lines[i - 1])
+            if d:
+                directive = d.group("what")
+        body, j = [], i + 1
+        while j < len(lines) and not (lines[j].strip().startswith(fence[0] * len(fence))
+                                      and lines[j].strip().strip(fence[0]) == ""):
+            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
+            j += 1
+        out.append(Block(path.name, i + 1, lang, "\n".join(body) + "\n", directive))
+        i = j + 1
+    return out
+
+
+def _kind(block: Block) -> tuple[str, str]:
+    """(what to do, argument): run / skip / file / torchrun / root / ignore."""
+    d = block.directive
+    if d.startswith("skip"):
+        reason = d[4:].lstrip(" :—-").strip()
+        assert reason, f"{block.page}:{block.line}: 'example: skip' needs a reason"
+        return "skip", reason
+    if d.startswith("file"):
+        name = d[4:].strip()
+        assert re.fullmatch(r"[\w.\-/]+", name), f"{block.page}:{block.line}: bad file name {name!r}"
+        return "file", name
+    if block.lang not in RUN_LANGS:
+        assert not d, f"{block.page}:{block.line}: directive {d!r} on a ```{block.lang} block"
+        return "ignore", ""
+    if d.startswith("torchrun"):
+        n = d[len("torchrun"):].strip()
+        assert n.isdigit() and block.lang in ("python", "py"), \
+            f"{block.page}:{block.line}: 'example: torchrun N' goes on a python block"
+        return "torchrun", n
+    if d == "root":
+        return "root", ""
+    assert not d, f"{block.page}:{block.line}: unknown directive {d!r}"
+    return "run", ""
+
+
+def _env(scratch: Path) -> dict:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    # A block's ranks must not inherit the test run's own settings.
+    for k in list(env):
+        if k.startswith("LINERATE_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK",
+                                              "WORLD_SIZE", "LOCAL_RANK"):
+            del env[k]
+    env["TMPDIR"] = str(scratch)
+    return env
+
+
+def _run(cmd: list, cwd: Path, env: dict, where: str) -> None:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT:.0f} s\n"
+                    f"{out.decode(errors='replace')[-4000:]}")
+    finally:
+        try:  # nothing a block started may outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0:
+        pytest.fail(f"{where}: exit status {proc.returncode}\n{out.decode(errors='replace')[-6000:]}")
+
+
+def _page_id(p: Path) -> str:
+    return p.stem if p.parent.name == "docs" else p.name
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_examples_run(page: Path, tmp_path):
+    ran, skipped = 0, []
+    for block in blocks_of(page):
+        kind, arg = _kind(block)
+        where = f"{page.relative_to(ROOT)}:{block.line}"
+        if kind == "file":
+            target = tmp_path / arg
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(block.text)
+            continue
+        if kind in ("ignore",):
+            continue
+        if kind == "skip":
+            skipped.append(f"{where}: {arg}")
+            continue
+        if kind == "root":
+            reason = netlab_reason()
+            if reason is not None:
+                skipped.append(f"{where}: needs root and network namespaces ({reason})")
+                continue
+        script = tmp_path / f"_block_{block.line}.{'py' if RUN_LANGS[block.lang] == 'python' else 'sh'}"
+        script.write_text(block.text)
+        if kind == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", arg, str(script)]
+        elif RUN_LANGS[block.lang] == "python":
+            cmd = [sys.executable, str(script)]
+        else:
+            cmd = ["bash", "-euo", "pipefail", str(script)]
+        _run(cmd, tmp_path, _env(tmp_path), where)
+        ran += 1
+    if ran == 0 and skipped:
+        pytest.skip("; ".join(skipped))
+
+
+def test_every_directive_is_understood():
+    for page in PAGES:
+        for block in blocks_of(page):
+            _kind(block)  # asserts on a malformed directive
+
+
+def test_docs_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is in the test extra: pip install -e '.[test]'")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--clean",
+                          "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-6000:]
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_settings_page_is_generated_from_the_registry():
+    from linerate import settings
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert page == settings.markdown_page(), \
+        "docs/settings.md differs from the registry: python -m linerate.settings --page > docs/settings.md"
+
+
+def test_readme_settings_rows_agree_with_the_registry():
+    from linerate import settings
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\|\s*`(LINERATE_[A-Z0-9_]+)`\s*\|([^|]*)\|", line)
+        if m:
+            assert m.group(1) not in rows, f"README's table lists {m.group(1)} twice"
+            rows[m.group(1)] = m.group(2).strip()
+    assert rows, "the README lists the settings most users touch"
+    assert set(rows) <= set(settings.SETTINGS), set(rows) - set(settings.SETTINGS)
+    for name, default in rows.items():
+        assert default == settings.SETTINGS[name].default_text, (name, default)
+
+
+def test_readme_is_a_guide():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= 350, f"README.md has {n} lines: reference belongs in docs/"
+
+
+def _project_files() -> list[Path]:
+    if shutil.which("git") and (ROOT / ".git").exists():
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split("\n")
+        return [ROOT / p for p in out if p and (ROOT / p).is_file()]
+    skip = {".git", ".venv", "site", "__pycache__"}
+    return [p for p in ROOT.rglob("*") if p.is_file() and not (skip & set(p.parts))]
+
+
+def test_no_file_speaks_of_numbered_working_periods():
+    pattern = re.compile(r"[Ss]ession [0-9]")
+    hits = []
+    for p in _project_files():
+        try:
+            text = p.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{p.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not hits, "history belongs in git and CHANGELOG.md:\n" + "\n".join(hits[:40])
