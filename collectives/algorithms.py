@@ -49,7 +49,7 @@ TWO_LEVEL_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "red
 #: Most ranks of one host for two-level algorithms (collectives/two_level.py: one slot tag
 #: per column).
 MAX_COLUMNS = 63
-#: What choose() may return.
+#: What choose() picks by itself (an override may also give ``doubling`` or ``tree``).
 NAMES = ("shm", "two_level", "direct", "ring", "hd", "chain", "dissemination")
 
 

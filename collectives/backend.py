@@ -6,7 +6,7 @@ sequence number travels in every frame and a rank in a different op is reported)
 point sends and receives go straight to the transport and progress on their own.
 
 Method names follow what torch 2.4-2.15 call on a Python process group, with both the old and
-the 2.13 names bound to one implementation (see shared notes).
+the 2.13 names bound to one implementation.
 """
 from __future__ import annotations
 
@@ -292,7 +292,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         A synchronous call (``opts.asyncOp`` False: torch waits on the Work at once) finds
         the worker idle with nothing queued: it runs here, in the caller's thread, in the same
         order and with the same checks, without the two thread hand-offs (to the worker and
-        back) that were most of a small op's time where ranks outnumber cores. A call without
+        back) that are most of a small op's time where ranks outnumber cores. A call without
         options, or from C++ (asyncOp defaults to True), is queued."""
         if self._shut:
             raise RuntimeError(f"linerate: {op} on a process group that was shut down")
@@ -345,7 +345,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             w = self._fuse_wait
             if w is not None and type(item) is fusion.Entry and item.opname == w[2]:
                 # The worker waits for its open fusion run to fill or its cycle to end: this
-                # entry only lengthens the run, so it need not wake (each wake-up took the
+                # entry only lengthens the run, so it need not wake (each wake-up takes the
                 # GIL from the issuing thread). It wakes when the run closes: full (bytes or
                 # entries, as fusion.plan counts them) or another call behind it.
                 left, room = w[0] - item.nbytes, w[1] - 1
@@ -752,8 +752,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _priority_on_worker(self) -> bool:
         """Prioritized all_reduces run on the group's worker where the table would give the
         worker a shared-memory algorithm (one host, or two-level over hosts of several ranks):
-        flat algorithms beside each other on threads of their own took 0.906 s per DDP-sized
-        step on 2 hosts x 4 ranks where the two-level all_reduce takes about 0.6."""
+        there, flat algorithms beside each other on threads of their own make a DDP-sized step
+        much slower than the two-level all_reduce on the worker."""
         algo = self._options.allreduce_algo
         return algo in ("auto", "two_level") and (self._shape.two_level_auto
                                                   or self._shape.one_host_shm)
@@ -1101,7 +1101,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             (shm_algos if name == "shm" else direct).reduce_scatter(comm, segs, out, op)
         else:
             # The ring reduces in place: work on a private copy, in reused scratch memory
-            # (a fresh 64 MB buffer per call costs its page faults: 5% of a 1 Gbit/s op).
+            # (a fresh buffer per call would pay its page faults every time).
             flat = comm.scratch.get(2, numel, out.dtype)
             mine, off = [], 0
             for s in segs:

@@ -73,9 +73,9 @@ class Scratch:
     """Reusable scratch buffers of a group (its collectives run one at a time).
 
     Fresh large allocations are fresh pages: every op would pay a page fault and a page
-    zeroing per 4 KiB while the kernel copies received bytes in (measured: a 64 MB ring
-    reduce-scatter on 2 ranks took 50 ms with per-op buffers). Buffers are kept per index
-    and only grow."""
+    zeroing per 4 KiB while the kernel copies received bytes in. Buffers are kept per index
+    and grow as needed; after each op ``trim`` gives back the largest beyond
+    LINERATE_KEEP_BYTES."""
 
     def __init__(self):
         self._bufs: dict[int, torch.Tensor] = {}
@@ -137,8 +137,7 @@ class Comm:
 
         At most ``piece_bytes``, but small enough that a span is cut into at least
         MIN_PIECES pieces (not below MIN_PIECE_BYTES): big pieces cost less per byte, yet a
-        span of one or two pieces does not pipeline (measured on 8 hosts at 1 Gbit/s, 16 MB
-        all_reduce: 81% of the line with whole 2 MB segments as pieces)."""
+        span of one or two pieces does not pipeline, and stays well short of the line rate."""
         es = max(1, t.element_size())
         n = t.numel() if span is None else span
         target = min(self.piece_bytes, max(MIN_PIECE_BYTES, n * es // MIN_PIECES))
@@ -160,9 +159,8 @@ class Comm:
         # The op's SubComms point back at it (root), and a chained op's tail is a closure
         # over it: cycles that only the garbage collector would free. Broken here, the op's
         # objects go when the last reference does, so that ops leave nothing to collect: a
-        # full collection of a process that imported torch takes 85-100 ms, and each rank's
-        # stalled every rank's collectives (2 x 2 ranks, 64 MB all_reduce: 3 ops of ~70 took
-        # ~140 each, one per rank's collection).
+        # full collection of a process that imported torch takes tens of milliseconds, and
+        # each rank's collection stalls every rank's collectives.
         self._subs.clear()
         self.deferred_tail = self.before_tail = self.chain_next = None
 

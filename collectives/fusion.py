@@ -4,8 +4,8 @@ Like Horovod's fusion buffer, with Horovod's coordinator replaced by a one-round
 
 * Every ``all_reduce`` of one tensor of at most ``LINERATE_FUSION_BYTES`` is queued as an
   *entry* instead of an op, synchronous or not: whether a call fuses must not depend on
-  anything that may differ between ranks (one rank may wait at once where another does not). Entries and ordinary
-  ops keep one order on the group's worker, so a fused all_reduce never overtakes an earlier op
+  anything that may differ between ranks (one rank may wait at once where another does not).
+  Entries and ordinary ops keep one order on the group's worker, so a fused all_reduce never overtakes an earlier op
   nor is overtaken by a later one.
 * When an entry reaches the head of the queue, the worker takes the longest run of entries
   behind it with the same reduce op, up to ``LINERATE_FUSION_BYTES`` in all. If the run is
@@ -19,10 +19,12 @@ Like Horovod's fusion buffer, with Horovod's coordinator replaced by a one-round
   or a rank that issued other ops in between) fail on every rank at once, never fuse into
   corrupt results.
 * The k tensors are packed by dtype into flat buffers, all-reduced with the usual algorithms
-  (ring or direct by size) under the head entry's sequence number, and unpacked; each Work then
+  (collectives/algorithms.py's table: by size and the group's layout) under the head entry's
+  sequence number, and unpacked; each Work then
   completes with its own tensor's result.
 
-The agreement costs one message of 16 bytes to each peer per fused op. A head entry of up to
+Over TCP the agreement costs one message of 16 bytes to each peer per fused op (on shared
+memory it goes through the segment: collectives/algorithms.py, "fusion agree"). A head entry of up to
 ``LINERATE_SMALL_BYTES`` travels with it and is reduced on arrival, so a lone small all_reduce
 (a synchronous call: the caller waits at once, which ends the cycle wait) still takes one round.
 """

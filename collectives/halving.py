@@ -24,10 +24,10 @@ from .reduce_ops import reduce_into
 _FOLD, _HALVE, _DOUBLE, _UNFOLD = 0, 1, 2, 3  # message phases (Comm.slot)
 
 #: ``LINERATE_ALLREDUCE_ALGO=auto`` takes halving-doubling above LINERATE_SMALL_BYTES up to
-#: AUTO_MAX_BYTES on AUTO_MIN_RANKS or more ranks, the ring beyond. Measured on netlab, 8
-#: hosts at 1 Gbit/s (fusion off): 128 KiB 5.0-5.3 ms vs the ring's 8.9-9.0 ms, 256 KiB 8.1
-#: vs 9.5 ms, 512 KiB 11.9 vs 11.0 ms, 2 MiB 48 vs 35 ms (its exchanges are not pipelined
-#: into each other as the ring's steps are); on 4 hosts 128-256 KiB within 10% either way.
+#: AUTO_MAX_BYTES on AUTO_MIN_RANKS or more ranks, the ring beyond. On 8 hosts over 1 Gbit/s
+#: links it beats the ring up to about 256 KiB (fewer hops on the critical path) and loses
+#: from about 512 KiB (its exchanges are not pipelined into each other as the ring's steps
+#: are); on 4 hosts the two are about even at these sizes.
 AUTO_MIN_RANKS = 8
 AUTO_MAX_BYTES = 256 << 10
 

@@ -12,7 +12,7 @@ all-reduces called on the group before this one (every call advances it by one, 
 A step whose matrix averages disjoint groups (``Topology.averaging_groups``: AER's intra-host
 steps with ``intra="average"``, a complete graph) runs, in each group that is exactly the ranks
 of one host sharing memory, as a shared-memory All-Reduce of that host's ranks instead of point
-to point; other groups exchange point to point as before.
+to point; other groups exchange point to point.
 
     hierarchical_neighbor_allreduce(tensor, topology, step=None, async_op=False, group=None)
 
@@ -43,7 +43,7 @@ __all__ = ["neighbor_allreduce", "hierarchical_neighbor_allreduce"]
 
 #: SubComm tags of this module's views (1..255; every member of a view passes the same).
 _TAG_HOST = 11
-#: Group averages inside a host on shared memory (False: point to point, as before; the
+#: Group averages inside a host on shared memory (False: point to point, as other groups; the
 #: benchmarks compare the two: tools/dev/decent_bench.py's xp2p and decp2p). Every rank must
 #: have the same value when it calls.
 _SHM_AVERAGES = True
@@ -300,10 +300,10 @@ def mix(comm: Comm, flat: torch.Tensor, self_weight: float, in_weights: list[tup
     once that peer has said it is in this op (an empty "ready" message, sent when its receives
     are posted). Without it a rank that finished step t early sends step t+1's data at once, and
     with a time-varying topology that data competes for the receiver's link with step t's data
-    still arriving from its old neighbor, which is late by then (measured: one-peer exponential,
-    8 netlab hosts at 1 Gbit/s, 64 MB: 0.72 s per op without it, 0.58 with it, 0.60 with a
-    barrier between ops instead; 0.54 is the line). It costs one latency: the backend turns it
-    off for small tensors."""
+    still arriving from its old neighbor, which is late by then: with a time-varying topology
+    on a link-bound group the handshake brings large ops close to the line rate (and does
+    better than a barrier between ops). It costs one latency: the backend turns it off for
+    small tensors."""
     comm.algorithm = "neighbor"
     base = comm.block()
     n = flat.numel()

@@ -26,14 +26,18 @@ class Options:
     transport: TransportOptions = dataclasses.field(default_factory=TransportOptions)
     #: The Prometheus exporter (one per process, started by the first group that asks).
     metrics: MetricsOptions = dataclasses.field(default_factory=MetricsOptions)
-    #: all_reduce algorithm: auto (by size), ring (bandwidth-optimal), direct (one round),
-    #: hd (halving-doubling: bandwidth-optimal in 2 log2(P) exchanges).
+    #: all_reduce algorithm: auto (by size and layout), ring (bandwidth-optimal), direct (one
+    #: round), hd (halving-doubling: bandwidth-optimal in 2 log2(P) exchanges), doubling
+    #: (recursive doubling: log2(P) rounds of the whole tensor), two_level (shared memory within
+    #: a host, TCP between hosts); ring, direct and two_level also for reduce_scatter and
+    #: all_gather.
     allreduce_algo: str = "auto"
-    #: broadcast/reduce algorithm: auto (by size), chain (pipelined), direct (root to all).
+    #: broadcast/reduce algorithm: auto (by size and layout), chain (pipelined), direct (root
+    #: to all), tree (binomial tree), two_level (shared memory within a host, TCP between hosts).
     rooted_algo: str = "auto"
     #: Messages up to this many bytes use the latency-optimal algorithms under "auto".
     small_bytes: int = 64 * 1024
-    #: Pipeline granularity of ring and chain algorithms (4 MiB measured best, README).
+    #: Pipeline granularity of ring and chain algorithms (4 MiB does best, README "Performance").
     piece_bytes: int = 4 << 20
     #: Two-level all_reduces of more than 16 MiB: "1" pipelined, "0" one chunk, "auto"
     #: measured (collectives/two_level.py PipeChoice).
@@ -60,8 +64,8 @@ class Options:
         """The defaults, then every ``LINERATE_*`` variable set in ``env`` (default: this
         process's environment); a bad value raises a ValueError naming the variable and what it
         accepts. From the process's environment, the options parsed last are reused (a copy)
-        while no ``LINERATE_*`` variable changed: parsing and checking every setting was a
-        fifth of a pair group's set-up CPU."""
+        while no ``LINERATE_*`` variable changed: parsing and checking every setting would be a
+        sizeable share of a small group's set-up CPU."""
         key = _settings.env_values() if env is None else None
         last = _LAST[0]
         if key is not None and last is not None and last[0] == key:

@@ -28,8 +28,8 @@ _NAMES: dict = {}
 
 
 def op_name(op: RedOpType) -> str:
-    # cached: str() of the pybind enum was the largest single cost of issuing an async
-    # all_reduce in a py-spy profile of 2000 of them
+    # cached: str() of the pybind enum is costly, and it would be paid on every async
+    # all_reduce issued
     name = _NAMES.get(op)
     if name is None:
         name = _NAMES[op] = str(op).rsplit(".", 1)[-1]

@@ -26,8 +26,8 @@ def reduce_scatter(comm: Comm, segs: list[torch.Tensor], op, on_piece_sent=None,
     (r-step-1), has been sent, i.e. may be overwritten (all_reduce posts its all-gather
     receives there), in order of k and step; by the end of a step, for all of its pieces. Per
     piece, not per step: with 2 ranks the last step is the first, and the peer's all-gather
-    pieces arrive while it runs (per step, 4-5 of the 8 pieces of a 64 MB op arrived before
-    their receive and were staged and copied).
+    pieces arrive while it runs (posted per step, about half of them would arrive before their
+    receive and be staged and copied).
     ``on_final_piece(k, piece)`` is called as each piece of this rank's own segment is
     complete (all_reduce starts sending it on at once: the two phases overlap)."""
     comm.algorithm = "ring"

@@ -6,7 +6,8 @@ it needs from the others' slots. all_reduce: every rank reduces a 1/P share of e
 reading every rank's slot (rank order, so every rank gets the same bits), into the chunk's
 result area, and every rank copies the whole result out. Phases overlap three chunks (copy in
 chunk k, reduce chunk k-1, copy out chunk k-2), so the segment stays bounded
-(transport.shm.BYTES_PER_RANK per rank, reused by every op).
+(transport.shm.BYTES_PER_RANK per rank, reused by every op). From CMA_BYTES an all_reduce may
+instead read the peers' tensors directly with cross-memory attach (LINERATE_CMA, _cma_choice).
 
 Synchronisation (transport/shm.py gives the words and a bell per rank): each rank publishes a
 counter (its *tick*) after each phase; every rank advances it the same number of times for
@@ -14,9 +15,10 @@ the same calls, so "every rank reached tick T" means "every rank finished that p
 waiting rank checks the counters, says which tick it waits for and sleeps on its bell (a futex:
 no core burnt; 4 ranks on 2 cores must not fight spinners); a rank that publishes wakes exactly
 the sleepers whose wait it completes. A sleeper also wakes after a short timeout and looks at
-the transport's state: a rank that died (its TCP connections reset) or reported an error fails
-the wait at once with that error. Each area of the segment remembers the tick at which its last readers finish;
-a rank writes into an area only once every rank is past it.
+the transport's state and, every LIVE_S, whether the ranks it waits for still run: a rank that
+died or reported an error fails the wait with that error. Each area of the segment remembers
+the tick at which its last readers finish; a rank writes into an area only once every rank is
+past it.
 
 Agreement: before its first tick of an op a rank writes the op's sequence number, the digest of
 its call (the same digest that travels in TCP frames) and the call's text into its control row;
@@ -56,20 +58,17 @@ _HIST, _HIST_N = 40, 8
 _CMA_PTR, _CMA_ADDR, _CMA_NONCE, _CMA_OK, _CMA_TIMES = 56, 57, 58, 59, 60
 #: An all_reduce from this many bytes may read the peers' tensors with cross-memory attach
 #: (process_vm_readv) where every rank may: one copy per byte moved, no staging in the segment.
-#: Neither path wins everywhere: on this project's 2-core machine (64 MB, 2 ranks, the two
-#: alternating in one run) the copies through the segment took 8.3-8.6 ms against 10.5-11.5
-#: while the 32 MB L3 was the ranks' own, and 14.5 against 10.2 ms in the minutes when it was
-#: not (the segment's chunks fall out of the cache; CMA streams from memory either way). So
+#: Neither path wins everywhere: the copies through the segment are faster while the last-level
+#: cache is the ranks' own, CMA while other work contends for it (the segment's chunks fall out
+#: of the cache; CMA streams from memory either way), and that changes while a job runs. So
 #: LINERATE_CMA=auto tries both and keeps taking the one that measured faster (_cma_choice).
-#: Pieces of 1 MB measured best (256 KB: 11.4-12.8, 4 MB: 11.3 ms).
 CMA_BYTES = 1 << 20
 #: LINERATE_CMA=auto: the first CMA_EXPLORE large all_reduces try the paths in the order
 #: CMA_TRIAL (True: CMA; the first of each is not counted: it pays the page faults of fresh
 #: buffers): CMA's ops over by the third op, op 5 the first that both paths' counted times
-#: reach (each rank publishes op m's times in slot m % 2, read at op m + 2). The first order,
-#: alternating over six ops, put CMA's ops 3 and 5 among the timed ops of a 10-op benchmark
-#: after 3 warm-ups (4 ranks: CMA 39-41 ms, the segment 29.5-29.8: 2.85-2.88x Gloo with
-#: auto, 3.1x with the segment alone). Then every CMA_RETRY-th takes the path that measured
+#: reach (each rank publishes op m's times in slot m % 2, read at op m + 2): the trials of the
+#: slower path are over within the first few ops instead of spreading into the ops after a
+#: caller's warm-up. Then every CMA_RETRY-th takes the path that measured
 #: slower, so that a change of conditions is seen. A path's time is the best of its last
 #: CMA_KEEP times per byte (noise only ever adds time).
 CMA_TRIAL = (False, True, True, False, False)
@@ -77,24 +76,23 @@ CMA_EXPLORE = len(CMA_TRIAL)
 CMA_RETRY = 16
 CMA_KEEP = 3
 #: The pieces that a rank reduces its share in (each peer's piece is read into a scratch
-#: buffer that stays in cache, then folded).
+#: buffer that stays in cache, then folded); 1 MiB does better than 256 KiB or 4 MiB.
 CMA_PIECE = 1 << 20
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
 #: Checks of the counters before a waiting rank sleeps on the bell.
 SPIN = 20
 #: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
-#: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up, with a kill(0)
-#: and a read of /proc/<pid>/stat per late peer, was most of a small all_reduce's CPU at 32
-#: ranks (1.2-1.8 ms per rank per op, Gloo's 0.26). A rank that died is still noticed within
-#: this plus POLL_S.
+#: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up (where there are
+#: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
+#: all_reduce's CPU on many ranks. A rank that died is still noticed within this plus POLL_S.
 LIVE_S = 0.02
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
 #: x86 keeps stores in order and loads in order (TSO): a tick stored after a phase's data is
 #: seen after it. Elsewhere a full barrier (an atomic add) goes before each tick and after each
-#: wait. (Only x86 has run this.)
+#: wait. (Only the x86 path has been exercised.)
 _WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
 
 log = logging.getLogger("linerate.collectives")
@@ -124,8 +122,8 @@ _NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
 _BINARY = {RedOpType.SUM: torch.add, RedOpType.AVG: torch.add, RedOpType.PRODUCT: torch.mul,
            RedOpType.MIN: torch.minimum, RedOpType.MAX: torch.maximum}
 #: torch runs an elementwise op on its intra-op threads from this many elements on; the
-#: float16/bfloat16 folds stay below it (4 ranks on 2 cores: OpenMP's spinning threads cost
-#: a third of the CPU time of a 64 MB all_reduce).
+#: float16/bfloat16 folds stay below it (where ranks outnumber cores, OpenMP's spinning threads
+#: would cost a large share of a big all_reduce's CPU time).
 _GRAIN = 32768
 
 
@@ -227,7 +225,7 @@ class Engine:
         self._comm = None
         self._checked = True
         # Liveness without TCP: with lazy connections co-located ranks may never open one
-        # (whose reset used to tell a waiter that a peer died); a waiter checks the pids.
+        # (whose reset would tell a waiter that a peer died); a waiter checks the pids.
         self._pidns = pidns()
         self.ctrl[self.r, _PIDNS] = self._pidns
         self.ctrl[self.r, _PID] = os.getpid()
@@ -613,7 +611,7 @@ def _cma_probe(E: Engine) -> str:
     in its control row) and reads every peer's: the read must succeed and find that nonce,
     which also proves the pid is the process that holds the segment. Containers without
     CAP_SYS_PTRACE, Yama's ptrace_scope >= 2 or a seccomp filter forbid it: then the copies
-    through the segment, as before."""
+    go through the segment."""
     r, P, ctrl = E.r, E.P, E.ctrl
     nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
     word = np.array([nonce], dtype=np.int64)  # private memory, alive until the 2nd barrier
@@ -1106,8 +1104,8 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
         _copy(E.areas[E.S(b, r)][64:64 + n * es], _bytes(flat))
     E.publish()
     E.wait(E.tick)
-    # Every rank's count and digest in two NumPy reads (a tensor view per rank was most of
-    # a small all_reduce's CPU at 32 ranks).
+    # Every rank's count and digest in two NumPy reads (a tensor view per rank would be most
+    # of a small all_reduce's CPU on many ranks).
     first = E.S(b, 0) * (E.C // 8)
     step = E.C // 8
     cs = E.words[first:first + P * step:step].tolist()

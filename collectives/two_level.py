@@ -70,19 +70,16 @@ class PipeChoice:
     (local reduce-scatter, inter-host all-reduce, local all-gather, one after the other), per
     group (``LINERATE_PIPELINE``: ``1`` always pipelined, ``0`` never, ``auto`` measured).
 
-    The pipeline hides the local phases behind the links where the links are the bottleneck (2
-    hosts x 4 ranks at 1 Gbit/s: 586-620 ms per 64 MB against 703 as one chunk). Where they
-    are not, its helper threads and hand-offs only add CPU (2 x 2 ranks on unshaped links, both
-    CPU-bound: 105-123 ms per 64 MB against 75-83 ms as one chunk, user CPU per rank 31-33
-    against 18-19 ms). ``auto``: an all_reduce that would have more than 2 chunks is *eligible*;
-    the first ``GATE_AT`` run pipelined. At the next, the group's ranks agree (``exchange``:
+    The pipeline hides the local phases behind the links where the links are the bottleneck.
+    Where they are not (CPU-bound ranks on fast links), its helper threads and hand-offs only
+    add CPU, and one chunk is faster. ``auto``: an all_reduce that would have more than 2
+    chunks is *eligible*; the first ``GATE_AT`` run pipelined. At the next, the group's ranks agree (``exchange``:
     every rank's value summed over the group, the same bits everywhere) on the pipelined time
     per byte, each rank's best of its counted ops so far (the first op is never counted: the
-    best of ``GATE_AT - 1``). One slow op must not decide: the process's first full garbage
-    collection, 90-125 ms on every rank with torch imported, fell into the second op of a
-    fresh group (277-298 ms against 90-100: 4.0-4.4 ns per byte for 64 MB, the bound below),
-    and the unshaped 2 x 2 group then stayed pipelined for 64 ops at 90 ms each instead of 68
-    as one chunk. A group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound
+    best of ``GATE_AT - 1``). One slow op must not decide: a full garbage collection (tens of
+    milliseconds on every rank of a process that imported torch) can fall into an early op of
+    a fresh group and make a fast group look link-bound, which would keep it pipelined for
+    ``RECHECK`` ops. A group slower than ``FAST_BPS`` (bytes of tensor per second) is link-bound
     and stays pipelined, asking again every ``RECHECK`` eligible ops; a faster one tries one
     chunk: this op and the next run in the modes listed in ``EXPLORE``, then the ranks agree
     on the faster (summed best of each rank's last ``KEEP`` times per byte; an op right after
@@ -94,8 +91,8 @@ class PipeChoice:
     GATE_AT = 3
     FAST_BPS = 250e6
     #: The trial's modes (pipelined?): one chunk only. The pipelined times are the gate's
-    #: ops' (two of the three explored ops that tried the pipeline again sat in the timed ops
-    #: of a 10-op benchmark after 3 warm-ups, at 105-120 ms each against 68-75).
+    #: ops' (trying the pipeline again in the trial would only add slow ops where one chunk is
+    #: the faster mode).
     EXPLORE = (False, False, False)
     RETRY = 32
     RECHECK = 64
@@ -124,7 +121,7 @@ class PipeChoice:
     def next_op(self, exchange) -> tuple[bool, bool]:
         """Whether this eligible op runs pipelined, and whether its time counts (not the first
         op, nor one whose predecessor ran the other mode: it pays the page faults of scratch
-        grown anew and a cold cache, 1.3-1.4 ns per byte against 1.0 in a run of its mode);
+        grown anew and a cold cache, and is markedly slower than an op in a run of its mode);
         ``exchange(values)`` returns the list of ``values`` summed over the group's ranks
         (called at the same ops on every rank)."""
         m = self.m
@@ -307,8 +304,8 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
     (waiting for the inter-host phases, the local all-gathers) left in ``comm.deferred_tail``:
     the next op runs its own local reduce-scatters and queues its inter-host phases first, then
     runs this tail (``before_tail``), so the host's links carry the next op's first chunks while
-    this op's last ones are gathered (the pipeline's ends no longer leave the links idle
-    between the ops: DDP's buckets). Every rank of a host runs the same local phases in the same
+    this op's last ones are gathered (the pipeline's ends do not leave the links idle between
+    the ops: DDP's buckets). Every rank of a host runs the same local phases in the same
     order: the tail runs on the segment under the next op's local view."""
     comm.algorithm = "two_level"
     loc = _local(comm, plan, engine)

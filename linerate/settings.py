@@ -302,7 +302,8 @@ _ALL = [
        "ranks may differ", "transport", "transport.io"),
     _S("LINERATE_IO_THREADS", _int, _int_in(1, 65), 2, "2", "an integer from 1 to 64",
        "I/O threads of the process-wide pool that drives the TCP connections under "
-       "LINERATE_IO=shared (read when the first link starts)", "transport"),
+       "LINERATE_IO=shared, and the links beyond the threaded ones under auto (read when the "
+       "first such link starts)", "transport"),
     _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
        "auto, 0 or 1",
        "shared memory between the ranks of one host (one segment per host of a group): auto "

@@ -99,8 +99,8 @@ _CTX = None
 
 def _context():
     """Ranks fork from a server that imported torch once ('forkserver', torch preloaded): a
-    spawned rank spends about 1.5 s of CPU importing torch, which on 2 cores was about half
-    of the suite's time. The server imports nothing else (linerate reads its settings when a
+    spawned rank would spend seconds of CPU importing torch, a large share of the suite's time
+    on few cores. The server imports nothing else (linerate reads its settings when a
     rank imports it, after the rank's environment is set) and starts no thread before it
     forks."""
     global _CTX

@@ -36,7 +36,7 @@ PIPELINED_ENV = {"LINERATE_ALLREDUCE_ALGO": "ring", "LINERATE_ROOTED_ALGO": "cha
                  "LINERATE_PIECE_BYTES": "4096", "LINERATE_SMALL_BYTES": "0"}
 PIPELINED_DTYPES = [torch.float32, torch.float16, torch.complex128, torch.int8, torch.int64, torch.bool]
 PIPELINED_SIZES = [0, 1, 7, 1001, 20_001]
-#: 16 ranks (the scale issue's parity target) on 2 cores: fewer dtypes and sizes per spawn.
+#: 16 ranks (parity with Gloo at scale) on few cores: fewer dtypes and sizes per spawn.
 WIDE_DTYPES = [torch.float32, torch.bfloat16, torch.complex64, torch.int64, torch.bool]
 WIDE_SIZES = [0, 1, 1001]
 
@@ -620,7 +620,7 @@ def _run(P, families, variant="default", timeout=120, env=None):
 
 # ----------------------------------------------------------------------------- tests
 WORLD_SIZES = [1, 2, 3, 4, 8]
-# Families grouped per spawn: a spawn costs ~2 s per rank on 2 cores.
+# Families grouped per spawn: a spawn costs seconds per rank where ranks outnumber cores.
 GROUPS = {
     1: [("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc")],
     2: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
@@ -685,8 +685,8 @@ def test_doubling_and_tree(P):
 # ----------------------------------------------------------------------------- regressions
 def _ring_all_reduce_fn(rank, P, lr, sizes):
     """Ring all_reduce (> 64 KiB) on P ranks, with segment lengths equal and unequal; a
-    Work.wait timeout turns a hang into an error. (Regression: on 4+ ranks the early all-gather
-    receives once matched reduce-scatter messages: size mismatch errors or a deadlock.)"""
+    Work.wait timeout turns a hang into an error. (On 4+ ranks the early all-gather receives
+    must not match reduce-scatter messages: that would be size mismatch errors or a deadlock.)"""
     for n in sizes:
         x = torch.arange(n, dtype=torch.float32) % 5 + rank
         want = x.clone()
@@ -706,8 +706,8 @@ def test_ring_all_reduce_many_ranks(P):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_all_gather_coalesced(P):
-    """torch's layout output_tensor_lists[rank][input] (regression: linerate once read it as
-    [input][rank]: refused, or silently transposed when #inputs == P with equal shapes)."""
+    """torch's layout output_tensor_lists[rank][input], not [input][rank] (which would be
+    refused, or silently transposed when #inputs == P with equal shapes)."""
     fails = [f for fs in run_ranks(_ag_coalesced_fn, P, timeout=60) for f in fs]
     assert not fails, "\n".join(fails[:20])
 

@@ -263,7 +263,7 @@ def test_kill_during_all_reduce(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_kill_during_all_reduce_8_ranks(tmp_path):
-    """8 ranks (the scale issue's fault target): rank 5 dies inside a 64 MB ring all_reduce;
+    """8 ranks (the fault-tolerance target at scale): rank 5 dies inside a 64 MB ring all_reduce;
     the other seven (its ring neighbours and the ranks that only hear of it) all fail the op
     naming rank 5 within the group timeout, then destroy their group and exit 0."""
     codes = _run_loopback("kill_all_reduce", 8, tmp_path,

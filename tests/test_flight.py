@@ -1,4 +1,4 @@
-"""The flight recorder (issue 19, "Beyond Gloo"): every group keeps its last
+"""The flight recorder: every group keeps its last
 LINERATE_FR_ENTRIES collectives; on a timeout every rank writes them (LINERATE_FR_DUMP) with one
 log line naming the file; ``linerate flight`` reads all ranks' dumps and names the rank that
 never joined; records are bounded, off at 0; malformed dumps are named; torch's control plane

@@ -1,15 +1,16 @@
 """Property-based fuzzing of the wire parsers (hypothesis), with CI-sized example counts.
 
 The properties and strategies are those of ``tools/dev/fuzz.py`` (see its docstring for what each
-asserts); ``python -m linerate.tools.dev.fuzz --examples 100000`` runs them at benchmark scale. Here each runs
-a few hundred derandomized examples, plus regression cases for what the fuzzing found:
+asserts); ``python -m linerate.tools.dev.fuzz --examples 100000`` runs them at benchmark
+scale. Here each runs a few hundred derandomized examples, plus fixed cases for inputs that
+must be refused cleanly:
 
-* a header buffer of the wrong length raised struct.error, not FrameError;
-* a chunk whose announced total disagreed with its message's first chunk killed the receiver
-  thread (ValueError from recv_into a too-small slice): the peer was never failed and the
-  pending receives waited for their timeout;
-* the listen addresses read from the Store let RecursionError (deeply nested JSON), port 0,
-  ports above 65535 and booleans through.
+* a header buffer of the wrong length raises FrameError (not struct.error);
+* a chunk whose announced total disagrees with its message's first chunk fails the peer (it
+  must not kill the receiver thread with a ValueError from recv_into a too-small slice, which
+  would leave the pending receives waiting for their timeout);
+* the listen addresses read from the Store refuse deeply nested JSON (RecursionError), port 0,
+  ports above 65535 and booleans.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def test_urgent_message_overtakes_queued_ones(urgent, kind):
         r2.add_done_callback(lambda r: done.append("small"))
         # Held between the two sends, the sending side cannot move all 64 MB before the
         # second is queued, however long the scheduler keeps this thread off a core between
-        # them (CI once saw "big" first after such a pause). Shared memory: one progress
+        # them (else "big" could finish first after such a pause). Shared memory: one progress
         # thread moves every ring (2 MiB each); TCP: a sender that wrote a chunk (64 KiB)
         # counts it under the link's done-lock, so at most one chunk of "big" goes meanwhile.
         from linerate.transport import shmlink

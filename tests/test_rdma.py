@@ -6,7 +6,7 @@ one queue pair (sizes, gather and copy paths, credits, end of stream, timeouts, 
 vanishes, the framing checks on immediates), the rendezvous that agrees on a transport,
 finding pyverbs, ``linerate probe``, the metrics labels, and collectives end to end through
 ``dist.init_process_group`` checked against Gloo and NumPy. ``rdma`` cases need a real device
-and are skipped with the reason where there is none (our kernels have no RDMA at all).
+and are skipped with the reason where there is none.
 """
 from __future__ import annotations
 

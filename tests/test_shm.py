@@ -559,7 +559,7 @@ def test_peer_caught_beginning_its_next_op_is_still_compared():
     """Rank 1: broadcast #1 as root (one tick), then barrier #2; rank 0: a small all_reduce #1
     (its first wait is at tick 1). Rank 0 finds rank 1 at tick 1 in the middle of beginning #2
     (its sequence number being rewritten): it must look again and name the mismatch, not
-    complete unchecked (CI once saw rank 1's barrier complete against rank 0's all_reduce)."""
+    complete unchecked (rank 1's barrier must not complete against rank 0's all_reduce)."""
     from linerate.transport import MismatchError
     (e0, e1), (c0, c1) = _two_engines()
     e1.begin(_Call(c1, 1, 1, "broadcast", 111))

@@ -1,4 +1,4 @@
-"""LINERATE_TLS (issue 19, "Beyond Gloo"): TLS 1.3 with mutual authentication on every TCP
+"""LINERATE_TLS: TLS 1.3 with mutual authentication on every TCP
 connection (transport/tls.py).
 
 - A throwaway CA and per-rank certificates are made here (the ``cryptography`` package, else

@@ -1,8 +1,8 @@
-"""Failures inside real training (issue 19): what a training script meets, run as users run it.
+"""Failures inside real training: what a training script meets, run as users run it.
 
 - A rank that dies (os._exit) or stalls past the group timeout under DistributedDataParallel:
-  the others raise a catchable RuntimeError naming it (was: SIGSEGV in DDP's Reducer, which
-  read a failed future's value as tensors).
+  the others raise a catchable RuntimeError naming it (not a SIGSEGV in DDP's Reducer, which
+  would read a failed future's value as tensors).
 - torchrun --max-restarts 2 with a rank that exits on the first attempt: the restart finishes
   with identical parameters on every rank, default (static) and c10d rendezvous, 5 runs in a
   row each (was: the restarted ranks used the failed attempt's keys from the kept Store).
@@ -115,8 +115,8 @@ def test_torchrun_restart_recovers(tmp_path, rdzv):
     import json
     script = tmp_path / "train.py"
     script.write_text(_RESTART)
-    # Two restarts per rendezvous kind in every CI run (each run is about 10 s of the suite's
-    # 2 cores; five per kind took 100 s).
+    # Two restarts per rendezvous kind in every CI run (each run costs the suite seconds of
+    # CPU; more runs add time, not coverage).
     for run in range(2):
         out = tmp_path / f"run{run}"
         out.mkdir()

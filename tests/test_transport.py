@@ -703,8 +703,8 @@ def test_handshake_answers(answer):
 @pytest.mark.timeout(60)
 def test_lazy_dial_to_a_closing_rank_fails_at_once():
     """A lazy dial that a closing rank's listener still accepts is answered GONE: the dialer
-    fails that peer at once, not after LINERATE_CONNECT_TIMEOUT (it used to take the answer
-    for "the link is made the other way" and wait; CI saw a pending receive hang)."""
+    fails that peer at once, not after LINERATE_CONNECT_TIMEOUT (taking the answer for "the
+    link is made the other way" and waiting would leave a pending receive hanging)."""
     if CURRENT_TRANSPORT["transport"] != "tcp":
         pytest.skip("lazy links are TCP's")
     ctxs = make_mesh(2, nsocks=2, connect="lazy", connect_timeout=30.0)
@@ -836,7 +836,7 @@ def test_handshake_right_job_id_without_secret(auth):
         assert handshake.CHALLENGE.unpack(challenge)[0] == handshake.MAGIC
         if auth == "random":
             a.sendall(os.urandom(handshake.AUTH_SIZE))
-        else:  # what a sniffer captured from an earlier session with another server nonce
+        else:  # what a sniffer captured from an earlier connection with another server nonce
             a.sendall(handshake._mac(SECRET, b"connector", hello, os.urandom(16)))
         assert _drained(a) == b"", "no ACK may follow a bad AUTH"
         res = _accept_result(t, res)

@@ -876,9 +876,9 @@ def allreduce_step(compute_s: float, fwd_fraction: float, t_net: float, cpu_s: f
     is (1 - f) C' (f: the share of the compute before backward and after it -- forward and
     the optimizer step). The All-Reduce alone takes T_c = max(T_net, K / P): the network's
     time, or the machine's P cores doing its K core-seconds (kappa), whichever is longer. While
-    the backward pass runs the ring gets only the spare cores s = max(0, P - R) (measured on
-    netlab, 8 ranks on 2 cores: DDP's first bucket went at a third to half of line rate during
-    backward and the others became ready at its end), so a share p = min(1, (1 - f) C' r) of it
+    the backward pass runs the ring gets only the spare cores s = max(0, P - R) (on
+    oversubscribed cores DDP's first bucket goes at a fraction of line rate during backward and
+    the others become ready only at its end), so a share p = min(1, (1 - f) C' r) of it
     is done by then, r = min(1 / T_net, s / K_eff) of the All-Reduce per second (K_eff: kappa_eff
     bytes, beside compute). Then
 
@@ -912,8 +912,7 @@ def exchange_step(compute_s: float, t_net: float, cpu_s: float, cpu: CpuModel | 
 
     The exchange's flows are independent (no chain of steps: each rank posts its sends and
     receives at once and the kernel streams them), so it goes on while the ranks compute,
-    at a share phi of its own pace (measured: each rank's main thread holds a core and its
-    GIL), and its bytes cost the compute K_eff = kappa_eff * bytes of CPU time. Alone the
+    at a share phi of its own pace (each rank's main thread holds a core and its GIL), and its bytes cost the compute K_eff = kappa_eff * bytes of CPU time. Alone the
     exchange takes T_x = max(T_net(t), K / P). Two phases:
 
     1. compute and exchange together, until the compute is done: the ranks' work R C plus

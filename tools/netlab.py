@@ -74,8 +74,8 @@ def tbf_params(rate_bps: int) -> list[str]:
 
     burst: 1 ms worth of bytes, at least 128 KiB -- veth hands tbf GSO super-packets of up to
     64 KiB of payload plus headers, and tbf segments a packet larger than its bucket into
-    MTU-sized ones (with a 64 KiB bucket at 250 Mbit/s that multiplied the packet rate until
-    softirq took both cores: 4 rails x 4 hosts reached 41% of the line); a bucket a few
+    MTU-sized ones (a bucket smaller than a super-packet multiplies the packet rate until
+    softirq takes the cores and the links fall far short of their rate); a bucket a few
     timer ticks deep keeps the link busy between dequeues. latency: 20 ms of queue -- enough to
     hold a single TCP flow's window (the fabric's own RTT is microseconds), so one flow fills
     the link; more only adds bufferbloat.
@@ -107,8 +107,8 @@ class Lab:
     switch_netns: str = ""
     prefixlen: int = 24
     created: float = field(default_factory=time.time)
-    #: Ranks ``run`` places in each host (one entry per host; empty: one each, as labs made
-    #: before this field).
+    #: Ranks ``run`` places in each host (one entry per host; empty: one each, as for a lab
+    #: recorded without this field).
     ranks_per_host: list[int] = field(default_factory=list)
 
     def layout(self) -> list[int]:

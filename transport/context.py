@@ -12,7 +12,8 @@ side (a per-key message number travels with every message), whatever stream carr
 
 - rendezvous (transport/rendezvous.py): the Store, the agreement record, the group's secret,
   the link kind for each peer;
-- links (transport/link.py, the interface; transport/tcp.py, transport/rdma.py): one per
+- links (transport/link.py, the interface; transport/tcp.py, transport/rdma.py, and
+  transport/shmlink.py for co-located peers that share memory): one per
   peer, driven only through that interface; the Context is every link's sink: a link asks it
   where an arriving chunk goes (the matcher answers) and tells it of control frames,
   failures and closes. With LINERATE_CONNECT=lazy (the default; TCP only, RDMA links are
@@ -744,7 +745,7 @@ class Context(LinkSink):
         # Nothing of a closed group is left for the garbage collector: its links and its
         # TCP mesh point back at this Context (their sink, the lazy links' callbacks), which
         # holds them; with the cycles, a destroyed TCP group (its matcher's kept buffers too)
-        # stayed until the next collection (132 objects per pair group).
+        # would stay until the next collection.
         for link in links:
             link.detach()
         if self._tcp is not None:

@@ -1,11 +1,12 @@
 """A process-wide pool of a few I/O threads, each an epoll loop over non-blocking sockets.
 
-Every plain TCP link of every group in the process (``LINERATE_IO=shared``, transport/sharedlink.py)
-hands its connections to these loops instead of running a sender and a receiver thread per
-connection: the threads per rank are ``LINERATE_IO_THREADS`` (default 2) whatever the number
-of peers, links or groups. A connection is assigned to a loop round-robin (the connections of
-one link land on different loops, so a striped message still uses several threads, and
-several cores).
+Every plain TCP link of every group in the process under ``LINERATE_IO=shared`` (under the
+default ``auto``: every one beyond the process's first threaded links, transport/tcp.py
+``AUTO_IO_THREADS``) hands its connections to these loops (transport/sharedlink.py) instead of
+running a sender and a receiver thread per connection: the pool's threads are
+``LINERATE_IO_THREADS`` (default 2) whatever the number of peers, links or groups. A
+connection is assigned to a loop round-robin (the connections of one link land on different
+loops, so a striped message still uses several threads, and several cores).
 
 A loop owns the sockets registered with it: only its thread reads or writes them. Other
 threads talk to it with ``call_soon(fn)`` (run ``fn()`` on the loop's thread, soon), woken

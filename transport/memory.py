@@ -3,15 +3,15 @@
 glibc serves a large ``malloc`` with its own ``mmap`` until one is freed; from then on it raises
 its threshold to that size (up to 32 MiB) and serves the next ones from a heap or a thread's
 arena, which keeps freed memory as slack wherever it is not at the top. How much a process keeps
-after a large operation then depends on which thread freed what in which order (a 256 MB
-all_reduce over TCP kept 3-32 MiB, once 80). The matcher's staging buffers (messages that
+after a large operation then depends on which thread freed what in which order (up to tens of
+MiB after one large all_reduce, differing from one op to the next). The matcher's staging buffers (messages that
 arrive before their receive: allocated on a receiving thread, freed on another) of
 ``ANON_BYTES`` and more are anonymous mappings of their own instead: their pages are the
 kernel's again when the last view of them goes, whoever allocated or freed them.
 
 Not the collectives' scratch (collectives/comm.Scratch): it is kept between ops and trimmed to
-LINERATE_KEEP_BYTES after each, and a fresh mapping per op costs a fault and a zeroing per page
-(a 64 MB reduce_scatter over TCP on 2 ranks: 63 ms with it, 43-45 without).
+LINERATE_KEEP_BYTES after each, and a fresh mapping per op would cost a fault and a zeroing per
+page, a large share of a big op's time.
 """
 from __future__ import annotations
 

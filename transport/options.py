@@ -44,15 +44,16 @@ class TransportOptions:
     """Settings of one transport context (one per process group)."""
 
     #: TCP connections per peer on each interface (rail); 0: auto, 2 with one rail and 1 per
-    #: rail with several. Measured on 2 cores: with one rail 2 beats 1 by ~35% (loopback) and 4
-    #: adds nothing; with 4 rails x 250 Mbit/s (netlab, 4 hosts) 1 per rail reached 0.90 Gbit/s
-    #: and 2 per rail 0.68 (README "Performance").
+    #: rail with several, and 1 to a rank of another host where hosts hold several ranks of the
+    #: group (transport/tcp.py ``plan_rails``). With one rail a second connection raises the
+    #: throughput and more add nothing; with several rails one per rail does better than two
+    #: (README "Performance").
     nsocks: int = 0
     #: Local interfaces to use, comma separated (``eth0,eth1`` = two rails). Empty: the
     #: interface that routes to MASTER_ADDR (or the hostname's address).
     socket_ifname: str = ""
     #: Bytes per chunk: a message is cut into chunks that are striped over the connections.
-    #: 1 MiB measured better than 512 KiB with 4 MiB pieces (README "Performance").
+    #: 1 MiB does better than 512 KiB with the default 4 MiB pieces (README "Performance").
     chunk_bytes: int = 1 << 20
     #: Seconds allowed to build the full mesh of connections at group creation.
     connect_timeout: float = 300.0
@@ -90,7 +91,7 @@ class TransportOptions:
     #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
     #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
     #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection
-    #: (link.StreamLink), measured faster in some CPU-bound cases (README "Scale"); ``auto``
+    #: (link.StreamLink), faster in some CPU-bound cases (README "Scale"); ``auto``
     #: (default): threads for the process's first links, up to tcp.AUTO_IO_THREADS threads, the
     #: shared pool beyond. TLS links always use threads. Need not be agreed: both interoperate.
     io: str = "auto"

@@ -33,7 +33,8 @@ each stream then runs the same handshake as a TCP connection (the higher rank co
 The choice between TCP and RDMA (LINERATE_TRANSPORT) is made at rendezvous
 (``rendezvous.choose_links``), from what ``local_status`` says on every rank.
 
-This has run against tests/fake_pyverbs only (no RDMA hardware nor soft-RoCE kernel here).
+The tests run it against tests/fake_pyverbs, and against a real RDMA device only where the
+machine has one.
 """
 from __future__ import annotations
 

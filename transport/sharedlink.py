@@ -1,7 +1,8 @@
 """Links whose connections are driven by the process-wide I/O loops (transport/ioloop.py).
 
-``SharedStreamLink`` is ``link.StreamLink`` without threads of its own (``LINERATE_IO=shared``;
-the default is still ``threads``, see README "Scale"): its connections are non-blocking sockets registered with the pool of
+``SharedStreamLink`` is ``link.StreamLink`` without threads of its own (``LINERATE_IO=shared``,
+and under the default ``auto`` every plain TCP link beyond the process's first threaded ones,
+transport/tcp.py ``AUTO_IO_THREADS``): its connections are non-blocking sockets registered with the pool of
 ``LINERATE_IO_THREADS`` epoll loops that every link of every group of the process shares, so
 a rank runs a constant number of I/O threads whatever its number of peers and groups (the
 threaded StreamLink runs a sender and a receiver thread per connection).
@@ -62,10 +63,9 @@ _READ_BUDGET = 1 << 20
 #: the others.
 _WRITE_BUDGET = 4
 #: Messages up to this size are written by the caller of isend when a connection is idle
-#: (one thread hand-off less per message); larger ones by the loops. Off (-1): over loopback
-#: it made a 4 KB all_reduce faster (4 ranks: 0.91 vs 1.29 ms without, threads 1.10), but on
-#: netlab (4 hosts, 1 Gbit/s) slower (median 2.3-2.4 ms vs 1.2-2.5 without, threads
-#: 1.4-1.8). Control frames (rare) are still written by the caller.
+#: (one thread hand-off less per message); larger ones by the loops. Off (-1): the hand-off
+#: it saves helps small all_reduces over loopback, but across real network links writing from
+#: the caller's thread makes them slower. Control frames (rare) are still written by the caller.
 _DIRECT_BYTES = -1
 
 
@@ -598,7 +598,7 @@ class SharedStreamLink(StreamLink):
         st.rstate = _R_DONE
         st.out = st.out_req = st.rview = st.dest = st.token = st.text = st.discard = None
         # and no way back to the link, which holds st: the cycle would wait for the garbage
-        # collector (the link's Context is freed at once, session 19; this link was not)
+        # collector, while the link's Context is freed as soon as it is dropped
         st.link, st.pump = None, _nothing
 
 

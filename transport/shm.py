@@ -120,9 +120,9 @@ class PidWatch:
     """Which of a segment's processes have exited, for many at once: a pidfd per process
     (Linux 5.3+: readable once the process exited, reaped or still a zombie), all of them
     polled with one syscall. Where a pidfd cannot be had (an older kernel, a seccomp filter)
-    that process is asked with ``pid_alive``, whose kill(0) and read of /proc/<pid>/stat
-    cost 0.9 ms per look at 31 peers: a look per rank every 50 ms was 38% of a core for an
-    idle 32-rank group on one host (Gloo's idle group: 4%)."""
+    that process is asked with ``pid_alive``, a kill(0) and a read of /proc/<pid>/stat per
+    peer per look: with every rank looking at all its peers every few tens of milliseconds,
+    that is a sizeable share of a core for an idle group of many ranks on one host."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -807,9 +807,9 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
 
 def _gather(store, key: str, ranks) -> list:
     """The records ``key<r>`` of ``ranks`` once all are there: the rendezvous store is polled
-    with one ``check`` of every key (at 32 ranks, a polled ``get`` per rank had kept the store
-    busy for most of the set-up: 36 gets and 47 checks per rank), then read with one
-    ``multi_get`` where the store has it."""
+    with one ``check`` of every key (a polled ``get`` per rank would keep the store busy for
+    most of the set-up of a large group), then read with one ``multi_get`` where the store
+    has it."""
     keys = [f"{key}{r}" for r in ranks]
     store.wait_set(keys, max_delay=0.02)
     return multi_get(store, keys)

@@ -24,10 +24,12 @@ copies them from the ring straight into that buffer. Each side rings the other's
 
 ONE progress thread per process serves every shm link of every group: it sleeps on the
 progress bells of all its groups at once (``futex_waitv``, Linux 5.16+; before that, on one
-bell with a short timeout), so a rank waiting for a message burns no CPU. Every 50 ms it also
-checks that the peers of its links are alive (one poll of their pidfds, ``shm.PidWatch``;
-zombies count as dead; same pid namespace only): a co-located rank that dies fails its links
-with a ``PeerFailure`` naming it within ~0.05-0.1 s. An orderly close writes a CLOSE frame (the peer gets ``link_closed``);
+bell with a short timeout), so a rank waiting for a message burns no CPU. It also checks that
+the peers of its links are alive (one poll of their pidfds, ``shm.PidWatch``; zombies count as
+dead; same pid namespace only): a death watch thread blocked on those pidfds wakes it when one
+exits, and where some peer cannot be watched through a pidfd it looks every ``POLL_S``. A
+co-located rank that dies fails its links with a ``PeerFailure`` naming it. An orderly close
+writes a CLOSE frame (the peer gets ``link_closed``);
 a close that leaves data behind raises the ring's "gone" flag (the peer gets ``link_failed``).
 
 Memory order: positions are published after the bytes they cover; x86's stores are not
@@ -61,7 +63,7 @@ log = logging.getLogger("linerate.transport")
 POLL_S = 0.05
 #: The longest futex sleep of the progress thread where every peer's process is watched through
 #: a pidfd (_Engine._watch_run wakes it when one exits): an idle rank wakes about once a second
-#: instead of 20 times (32 idle ranks on one host: 640 wake-ups a second, ~200 us of CPU each).
+#: instead of every POLL_S, which on a host full of idle ranks adds up to a steady CPU load.
 IDLE_S = 1.0
 #: The longest wait, when a group's last port is removed, for the progress thread to be done
 #: with it (_Engine.remove).
@@ -117,8 +119,8 @@ class _Port:
         self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
         self.bell_addr = ptr + base + blk * self.me
         self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
-        # Every rank's (pid, pid namespace) as the rows of one strided view (a view per rank
-        # cost 1.5 us each at every group's creation).
+        # Every rank's (pid, pid namespace) as the rows of one strided view (not a view per
+        # rank, a cost paid per peer at every group's creation).
         self.pids = np.ndarray((n, 2), dtype=np.int64, buffer=self.raw,
                                offset=base + _PID_OFF, strides=(blk, 8))
         self._pidns = shm.pidns()
@@ -333,7 +335,8 @@ class _Engine:
     def end_idle(self) -> None:
         """(atexit) End the threads now if no group uses them, and wait for them: no thread of
         ours runs on into the interpreter's finalization, where a daemon thread taking the GIL
-        back is ended by pthread_exit. (A group still up at exit keeps them, as before.)"""
+        back is ended by pthread_exit. (Where a group is still up at exit, they are left
+        running.)"""
         with self._lock:
             if self._ports:
                 return
@@ -370,8 +373,8 @@ class _Engine:
         #: rings its port's bell (a peer's write or read, a local send, close, a new link), so
         #: a port whose bell still reads the same has nothing to do: a wake-up for one port (or
         #: the POLL_S look at the peers' processes) serves only what changed, not every link
-        #: of every group (31 idle links per wake-up on 32 ranks; 32 ranks' passes took ~5% of
-        #: two cores while idle). A weak reference tells a port from a later one at the same
+        #: of every group (on 32 ranks, 31 idle links per wake-up: a steady CPU cost for an idle
+        #: group). A weak reference tells a port from a later one at the same
         #: address, without keeping a destroyed group's mapping.
         quiet: dict[int, tuple] = {}
         idle_since = None
@@ -541,7 +544,7 @@ class ShmLink(Link):
         self._close_sent = False
         self._down: str | None = None
         # CLOSE written, or the link is down (_set_sent, send lock held); the Event only for a
-        # waiter (wait_sent): making one per link was a third of a link's cost at creation.
+        # waiter (wait_sent): one per link would be a large share of a link's creation cost.
         self._sent = False
         self._sent_ev: threading.Event | None = None
         self._sink: LinkSink | None = None

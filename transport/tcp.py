@@ -25,7 +25,7 @@ LINERATE_CONNECT_TIMEOUT for connections that will never come). So when both dia
 higher rank's dialer is declined at its first connection (nothing was sent on it) and waits
 for the lower rank's connections to arrive; a rank that has accepted a peer's first connection
 never dials that peer. All connections of one link are dialed by one rank: no duplicates,
-and messages of a pair travel on one link, in order per (channel, tag) as before. A peer whose
+and messages of a pair travel on one link, in order per (channel, tag). A peer whose
 listener refuses (its process is gone or its group closed) fails at once; a peer that does not
 answer within LINERATE_CONNECT_TIMEOUT fails then. The listeners stay open until every peer's
 link is made (or has failed), or the Context closes.
@@ -96,7 +96,7 @@ class TcpLink(StreamLink):
 
 class SharedTcpLink(SharedStreamLink):
     """A peer's plain TCP connections, driven by the process-wide I/O loops
-    (LINERATE_IO=shared; transport/sharedlink.py)."""
+    (LINERATE_IO=shared, or auto beyond AUTO_IO_THREADS; transport/sharedlink.py)."""
 
     kind = "tcp"
 
@@ -255,10 +255,8 @@ class TcpMesh:
 
         With one rail and LINERATE_NSOCKS auto (2 connections per peer), a link to a rank of
         another host of such a layout takes one connection: the host's L ranks already run L
-        links side by side to each other host (the two-level columns), and a second connection
-        each only added threads and CPU (2 hosts x 2 ranks on unshaped netlab links, one-chunk
-        64 MB all_reduce: 66.0 / 68.6 ms per op with one connection against 70.6 / 73.6 with
-        two, user CPU per rank 13.9-14.6 against 16.2-16.6 ms)."""
+        links side by side to each other host (the two-level columns), so a second connection
+        each adds threads and CPU but no bandwidth."""
         spread = self.nrails > 1 and getattr(self.options, "rail_spread", "0") == "auto"
         if hosts and (spread or self._one_across) and any(len(h) > 1 for h in hosts):
             where = {r: (h, i) for h in hosts for i, r in enumerate(h)}

@@ -17,7 +17,7 @@ handshake (transport/handshake.py), which then runs inside TLS; frames follow as
 
 **Threads.** A connection has a sender and a receiver thread. OpenSSL does not allow SSL_read
 and SSL_write on one SSL object at the same time (concurrent ``SSLSocket.send``/``recv`` from
-two threads is a data race that can corrupt the stream or crash, cpython#151508/#143756), so
+two threads is a data race that can corrupt the stream or crash), so
 ``TlsStream`` keeps the TLS state in an ``ssl.SSLObject`` over memory BIOs: encryption and
 decryption take a per-connection lock (held only for the OpenSSL call and the BIO copy, never
 for socket I/O), and the bytes go through the plain socket outside it. Outgoing bytes are

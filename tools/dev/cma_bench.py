@@ -1,6 +1,7 @@
 """One-host all_reduce with and without cross-memory attach (LINERATE_CMA=1 / 0) and choosing
 between them (auto), alternating in one run so that all see the same machine (the copies
-through the segment swing by 1.7x here from minute to minute, with the L3 the ranks get).
+through the segment can swing widely from minute to minute, with the share of the last-level
+cache the ranks get).
 
     python -m linerate.tools.dev.cma_bench [--nproc 2] [--bytes 64M] [--rounds 10]
 

@@ -5,12 +5,14 @@ model's prediction beside each.
     python -m linerate.tools.dev.decent_bench --nproc 4            # local ranks on loopback
 
 Each rank trains the same MLP (``--depth`` layers of ``--width``, batch ``--batch``). Methods
-(``--methods``, default all), timed in turn in every one of ``--rounds`` rounds so that each sees
-the same machine conditions:
+(``--methods``, default all but xp2p and decp2p), timed in turn in every one of ``--rounds``
+rounds so that each sees the same machine conditions:
   compute1   forward + backward + Adam step on rank 0 alone, the other ranks idle: the per-rank
              compute time the runtime model takes as input (C1);
-  compute    the same on every rank at once (no communication): the compute when the ranks
-             share the machine's cores;
+  dcompute1  the same with the decentralized step's compute (DecentralizedDataParallel's
+             optimizer and update, no exchange), on rank 0 alone;
+  compute, dcompute  the same on every rank at once (no communication): the compute when the
+             ranks share the machine's cores;
   allreduce  linerate all_reduce of the model's bytes alone (communication only);
   exchange   neighbor_allreduce of the model's bytes with ``--topology`` alone (communication
              only; time-varying topologies over whole periods);

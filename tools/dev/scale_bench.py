@@ -157,9 +157,9 @@ def _samples(backends, repeat: int) -> dict:
     for k in range(repeat):
         for b in (backends if k % 2 == 0 else tuple(reversed(backends))):
             # Every sample starts with nothing left for the collector: a full collection of a
-            # process that imported torch takes 40 ms of CPU (0.3-1.4 s of wall time with 8-32
-            # ranks on 2 cores); one set off inside a sample by earlier garbage is not the
-            # backend's cost.
+            # process that imported torch takes tens of milliseconds of CPU (far more wall time
+            # where ranks outnumber cores); one set off inside a sample by earlier garbage is
+            # not the backend's cost.
             gc.collect()
             dist.barrier()
             g, setup, setup_cpu = _timed_group(b, one)

@@ -17,9 +17,9 @@ is compared bit for bit after every op; mismatches are counted and the first one
 
 RSS (VmRSS of /proc/self/status) and open descriptors (/proc/self/fd) of every rank are taken
 after --warmup ops, every tenth of the run after that (in the JSON) and at the end; the growth
-over the second half of the run is shown too (caches fill early; a leak keeps growing). Rank 0 prints a summary table; the exit code is 1 if any
-result was wrong. The default group is Gloo (bookkeeping: the summary); the soak runs on a
-linerate group of all ranks.
+over the second half of the run is shown too (caches fill early; a leak keeps growing). Rank 0
+prints a summary table; the exit code is 1 if any result was wrong. The default group is Gloo
+(bookkeeping: the summary); the soak runs on a linerate group of all ranks.
 """
 from __future__ import annotations
 
