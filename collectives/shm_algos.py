@@ -610,8 +610,8 @@ def _cma_probe(E: Engine) -> str:
     rank publishes the address of a private word holding a fresh nonce (the nonce itself goes
     in its control row) and reads every peer's: the read must succeed and find that nonce,
     which also proves the pid is the process that holds the segment. Containers without
-    CAP_SYS_PTRACE, Yama's ptrace_scope >= 2 or a seccomp filter forbid it: then the copies
-    go through the segment."""
+    CAP_SYS_PTRACE, Yama's ptrace_scope of 1 or more between siblings, or a seccomp filter
+    forbid it: then the copies go through the segment."""
     r, P, ctrl = E.r, E.P, E.ctrl
     nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
     word = np.array([nonce], dtype=np.int64)  # private memory, alive until the 2nd barrier

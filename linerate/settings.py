@@ -563,7 +563,8 @@ DETAILS: dict[str, str] = {
         "to itself; `LINERATE_NSOCKS` connections are opened on each rail."),
     "LINERATE_CMA": (
         "`process_vm_readv` is refused in a container without `CAP_SYS_PTRACE`, under Yama "
-        "`ptrace_scope` >= 2 or a seccomp filter: the probe then falls back to the segment and "
+        "`ptrace_scope` 1 or more between ranks that are not parent and child (torchrun's "
+        "ranks are siblings), or by a seccomp filter: the probe then falls back to the segment and "
         "logs it at INFO. Under `auto` the first five such all_reduces try segment, CMA, CMA, "
         "segment, segment (the first of each path not counted); then each op takes the path "
         "whose time per byte (every rank's, best of its last three) was lower, and every 16th "

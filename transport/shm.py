@@ -252,8 +252,9 @@ P2P_AREA_BUDGET = 128 << 20   # rings of every pair together (if all were used a
 
 
 def p2p_ring_bytes(size: int) -> int:
-    """Data bytes of one pair's ring: 2 MiB, less for many co-located ranks (at least 64 KiB)
-    so that every pair's ring together stays within 128 MiB."""
+    """Data bytes of one pair's ring: 2 MiB, halved for many co-located ranks so that every
+    pair's ring together stays within 128 MiB, but never below 64 KiB (from 33 ranks on, the
+    rings together take more)."""
     ring = P2P_RING_MAX
     while ring > P2P_RING_MIN and size * (size - 1) * ring > P2P_AREA_BUDGET:
         ring //= 2

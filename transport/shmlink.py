@@ -9,7 +9,8 @@ segment's point-to-point area (``shm.p2p_layout``) holds:
   collectives use, so that neither steals the other's wake-ups), its pid and pid namespace;
 - per ordered pair (i -> j) a ring: a header page (``head``: bytes the producer i wrote,
   ``tail``: bytes the consumer j took, each in its own cache line; flags: the producer gave up,
-  the consumer gave up) and ``shm.p2p_ring_bytes`` data bytes (2 MiB for up to 12 local ranks).
+  the consumer gave up) and ``shm.p2p_ring_bytes`` data bytes (2 MiB for up to 8 local ranks,
+  halved as ranks grow, at least 64 KiB).
 
 A ring carries the frames of transport/framing.py (the 48-byte header: opcode, channel, tag,
 msgno, total, offset, digest, carried opaquely; then the payload), each padded to 8 bytes,
