@@ -51,6 +51,8 @@ TWO_LEVEL_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "red
 MAX_COLUMNS = 63
 #: What choose() picks by itself (an override may also give ``doubling`` or ``tree``).
 NAMES = ("shm", "two_level", "direct", "ring", "hd", "chain", "dissemination")
+#: The LINERATE_ALLREDUCE_ALGO values that also force reduce_scatter and all_gather.
+GATHER_FORCIBLE = ("ring", "direct", "two_level")
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,11 @@ def choose(op: str, nbytes: int, shape: Shape, *, allreduce_algo: str = "auto",
     if shape.P <= 1:
         return "direct"
     shm = worker and shape.one_host_shm
-    if op in ("all_reduce", "reduce_scatter", "all_gather"):
+    if op == "all_reduce":
         forced = allreduce_algo
-        if op != "all_reduce" and forced == "hd":
-            forced = "auto"  # halving-doubling is an all_reduce
+    elif op in ("reduce_scatter", "all_gather"):
+        # hd and doubling are all_reduces: these ops take the automatic choice under them.
+        forced = allreduce_algo if allreduce_algo in GATHER_FORCIBLE else "auto"
     elif op in ("broadcast", "reduce"):
         forced = rooted_algo
     else:

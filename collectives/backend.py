@@ -154,7 +154,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         shm.take_layout()  # a stale one (a group whose creation failed) is dropped
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
                             label=group_name or "", scope=_incarnation(),
-                            agreed={"LINERATE_PIPELINE": self._options.pipeline})
+                            agreed=self._options.agreed())
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
         #: Where the group's ranks are (transport/shm.py: hosts' group ranks, whether each

@@ -37,7 +37,7 @@ class Options:
     rooted_algo: str = "auto"
     #: Messages up to this many bytes use the latency-optimal algorithms under "auto".
     small_bytes: int = 64 * 1024
-    #: Pipeline granularity of ring and chain algorithms (4 MiB does best, README "Performance").
+    #: Pipeline granularity of ring and chain algorithms.
     piece_bytes: int = 4 << 20
     #: Two-level all_reduces of more than 16 MiB: "1" pipelined, "0" one chunk, "auto"
     #: measured (collectives/two_level.py PipeChoice).
@@ -81,6 +81,18 @@ class Options:
         """A copy whose parts (transport, metrics) are copies too."""
         return dataclasses.replace(self, transport=dataclasses.replace(self.transport),
                                    metrics=dataclasses.replace(self.metrics))
+
+    def agreed(self) -> dict:
+        """The collective settings every rank of a group must share (compared at group
+        creation, beside the transport's: a difference fails it naming the setting). Ranks
+        that chose algorithms, cut pieces or fused calls differently would wait for each other
+        until the timeout."""
+        return {"LINERATE_PIPELINE": self.pipeline,
+                "LINERATE_ALLREDUCE_ALGO": self.allreduce_algo,
+                "LINERATE_ROOTED_ALGO": self.rooted_algo,
+                "LINERATE_SMALL_BYTES": self.small_bytes,
+                "LINERATE_PIECE_BYTES": self.piece_bytes,
+                "LINERATE_FUSION_BYTES": self.fusion_bytes}
 
     def validate(self) -> None:
         if not isinstance(self.transport, TransportOptions):

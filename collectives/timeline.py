@@ -33,7 +33,7 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    """Events of one rank, written as a Chrome trace (JSON object format)."""
+    """Events of one rank, written as a Chrome trace (the JSON array format: one event per line)."""
 
     def __init__(self, path: str, rank: int):
         self.path = rank_path(path, rank)

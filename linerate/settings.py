@@ -517,7 +517,7 @@ DETAILS: dict[str, str] = {
     "LINERATE_PIECE_BYTES": (
         "Reducing piece k overlaps receiving piece k+1, and a reduced piece is forwarded at "
         "once. Smaller pieces start the pipeline sooner; larger ones cost fewer Python "
-        "calls."),
+        "calls. Every rank must have the same value (checked at group creation)."),
     "LINERATE_PIPELINE": (
         "Under `auto` the group's second and third such all_reduces decide: below 250 MB of "
         "tensor per second the group is link-bound and stays pipelined; otherwise the next "
@@ -525,12 +525,15 @@ DETAILS: dict[str, str] = {
         "preceded by two in the other mode and a new agreement. See "
         "[Two-level collectives](two-level.md)."),
     "LINERATE_SMALL_BYTES": (
-        "See [how an algorithm is chosen](collectives.md)."),
+        "Every rank must have the same value (checked at group creation). See "
+        "[how an algorithm is chosen](collectives.md)."),
     "LINERATE_ALLREDUCE_ALGO": (
-        "`hd` is halving-doubling, `doubling` recursive doubling. A forced algorithm runs "
-        "where it can; elsewhere the automatic choice is taken. See "
-        "[Collectives](collectives.md)."),
-    "LINERATE_ROOTED_ALGO": ("`tree` is a binomial tree; `chain` the pipelined chain."),
+        "`hd` is halving-doubling, `doubling` recursive doubling; both are all_reduces only "
+        "(reduce_scatter and all_gather then take the automatic choice). A forced algorithm "
+        "runs where it can; elsewhere the automatic choice is taken. Every rank must have the "
+        "same value (checked at group creation). See [Collectives](collectives.md)."),
+    "LINERATE_ROOTED_ALGO": ("`tree` is a binomial tree; `chain` the pipelined chain. Every "
+                             "rank must have the same value (checked at group creation)."),
     "LINERATE_CONNECT_TIMEOUT": (
         "The operation timeout is the process group's own "
         "(`init_process_group(timeout=...)`)."),
@@ -579,7 +582,8 @@ DETAILS: dict[str, str] = {
     "LINERATE_TLS": ("See [Running on a cluster](cluster.md) for certificates."),
     "LINERATE_FUSION_BYTES": (
         "All_reduces of one tensor up to this size are fused, up to this many bytes per fused "
-        "op. See [Fusion and priority](fusion-priority.md)."),
+        "op. Every rank must have the same value (checked at group creation). See "
+        "[Fusion and priority](fusion-priority.md)."),
     "LINERATE_CYCLE_MS": (
         "An all_reduce that somebody already waits on is not held back."),
     "LINERATE_FR_ENTRIES": ("See [Faults and the flight recorder](faults.md)."),

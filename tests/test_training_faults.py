@@ -153,6 +153,8 @@ except Exception as e:
     ("LINERATE_NSOCKS", "1", "2"),
     ("LINERATE_NSOCKS", "2", "auto"),       # auto may narrow links to other hosts
     ("LINERATE_PIPELINE", "0", "auto"),     # a collectives setting, agreed the same way
+    ("LINERATE_ALLREDUCE_ALGO", "direct", "ring"),  # else: ranks wait in different algorithms
+    ("LINERATE_SMALL_BYTES", "4096", "65536"),
 ])
 def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(setting, mine, rank0,
                                                                       tmp_path):
