@@ -184,6 +184,10 @@ def test_table_overrides():
         assert choose("reduce", 1 << 20, shape, rooted_algo="direct") == "direct"
     assert choose("reduce_scatter", 1 << 20, two, allreduce_algo="hd") == "two_level"
     assert choose("all_gather", 10, flat, allreduce_algo="hd") == "direct"
+    # doubling is an all_reduce: the gathers take the automatic choice under it
+    assert choose("all_gather", 1 << 20, flat, allreduce_algo="doubling") == "ring"
+    assert choose("reduce_scatter", 10, flat, allreduce_algo="doubling") == "direct"
+    assert choose("all_reduce", 10, flat, allreduce_algo="doubling") == "doubling"
     # two_level is forced where it can run: one host, one rank per host; not without shm
     for shape in (two, one, flat):
         assert choose("all_reduce", 10, shape, allreduce_algo="two_level") == "two_level"
