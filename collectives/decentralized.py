@@ -2,7 +2,7 @@
 averages them with a few neighbours (a topology's mixing matrix W) instead of all-reducing
 gradients over all ranks.
 
-The update is "communicate while adapt" (see ../shared/BACKGROUND.md, section 2)::
+The update is "communicate while adapt" (docs/decentralized.md)::
 
     x_i(t+1) = sum_j W_ij x_j(t) - lr * d_i(x_i(t))
 

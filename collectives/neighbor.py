@@ -2,7 +2,7 @@
 in-neighbors' under a topology's mixing matrix, with point-to-point transfers to and from its
 neighbors only (all at once, striped like every transfer), on the group's collective worker.
 
-    neighbor_allreduce(tensor, topology, step=None, async_op=False, group=None)
+    neighbor_allreduce(tensor, topology, step=None, async_op=False, group=None, out=None)
 
 After the call rank i's tensor is ``W[i, i] * x_i + sum_j W[i, j] * x_j`` with W the topology's
 matrix at ``step``. ``step=None`` takes the group's own counter: the number of neighbor
@@ -14,7 +14,8 @@ steps with ``intra="average"``, a complete graph) runs, in each group that is ex
 of one host sharing memory, as a shared-memory All-Reduce of that host's ranks instead of point
 to point; other groups exchange point to point.
 
-    hierarchical_neighbor_allreduce(tensor, topology, step=None, async_op=False, group=None)
+    hierarchical_neighbor_allreduce(tensor, topology, step=None, async_op=False, group=None,
+                                    out=None)
 
 BlueFog's hierarchical neighbor all-reduce: the ranks of each host average their tensors (on
 shared memory where the host's ranks share a segment), then each host mixes its average with its

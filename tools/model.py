@@ -1104,8 +1104,8 @@ def recommend(cluster: Cluster, model_bytes: int, compute_s: float,
 
     ``methods``: names from ALL_METHODS (default METHODS, what linerate runs).
     ``dec_compute_s``: the compute of a decentralized step where its optimizer costs other
-    than the All-Reduce one's (default ``compute_s``). Times equal to 1 ns (e.g. every method
-    hidden behind the compute) are ties, broken in favor of better mixing (TIE_ORDER):
+    than the All-Reduce one's (default ``compute_s``). Times within 1 ns of each other (e.g. every
+    method hidden behind the compute) are ties, broken in favor of better mixing (TIE_ORDER):
     All-Reduce (exact average), complete, aer and one-peer-exp (exact average after a period
     for powers of two), exp, torus, ring."""
     names = list(dict.fromkeys(canonical_method(m) for m in methods))
@@ -1575,8 +1575,8 @@ def measure_cpu_costs(lab_name: str | None = None, seconds: float = DEFAULT_CPU_
     linerate ranks -- on every host of the netlab ``lab_name`` (its emulated network's cost
     included; on a two-tier lab the one-peer exchange crosses nodes at some steps, and the
     figures are the average), or over loopback with ``ranks`` local ranks (default: the
-    cores) -- and the memory pass with a.copy_(b). Only the ranks' own CPU time counts toward
-    kappa; softirq time and the compute rates are the machine's: measure on a quiet one."""
+    cores) -- and the memory pass with a.copy_(b). The ranks' own CPU time and the machine's
+    softirq time count toward kappa; the compute rates are the machine's: measure on a quiet one."""
     cores = cores or os.cpu_count() or 1
     lab = None
     if lab_name is not None:
