@@ -17,7 +17,7 @@ of one), this rank writes the records of all its groups as JSON to ``LINERATE_FR
 The records are also served by torch's control plane (``torch._C._distributed_c10d``'s
 worker server, as started by ``torch.distributed.debug.start_debug_server``) under the handler
 name ``linerate_flight``: torch 2.13 offers no way for a Python backend to add entries to its
-own Flight Recorder (README, "Flight recorder").
+own Flight Recorder (docs/faults.md).
 """
 from __future__ import annotations
 

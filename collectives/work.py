@@ -142,7 +142,7 @@ class Work(dist._Work):
                                        f"Work.wait(timeout={seconds:.3f}s)")
         elif self._timeout is not None:
             # No deadline of its own (point-to-point): the group's timeout bounds the wait, as
-            # on Gloo. The operation stays posted (see README "Known limits").
+            # on Gloo. The operation stays posted (docs/limits.md).
             if not self._wait_done(self._timeout):
                 raise DistBackendError(f"linerate: {self._desc} did not complete within the "
                                        f"process group's timeout ({self._timeout:.1f}s); it "

@@ -190,7 +190,7 @@ class Setting:
     #: value -> bool: whether a value (parsed, or set on an options object) is allowed.
     ok: Callable[[Any], bool]
     default: Any
-    #: How the README's table states the default: a value ``convert`` reads back to ``default``,
+    #: How the documentation states the default: a value ``convert`` reads back to ``default``,
     #: or a description in parentheses (or a word such as ``hostname``) where it is no value.
     default_text: str
     #: What a value may be (the error messages say "expected <accepts>").

@@ -647,7 +647,7 @@ def test_timeouts_abort_shutdown_like_gloo():
         for r, rr in ((0, r0[name]), (1, r1[name])):
             assert rr[f"pending_after_shutdown_{r}"], (name, r)
             assert rr[f"destroy_after_abort_s_{r}"] < 5 and rr[f"destroy_after_shutdown_s_{r}"] < 5
-    # where linerate deliberately differs (README "Known limits")
+    # where linerate deliberately differs (docs/limits.md)
     assert lr["pending_after_abort_s"] < 1.0, "linerate: abort() must fail pending work at once"
     assert gloo["pending_after_abort_s"] > 1.0  # Gloo leaves it to its timeout
     assert "rank 1" in lr["wait"]["msg"] and "all_reduce #1" in lr["wait"]["msg"], lr["wait"]

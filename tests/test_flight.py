@@ -281,8 +281,8 @@ def test_records_served_by_torch_worker_server(tmp_path):
 @pytest.mark.timeout(90)
 def test_torch_flight_recorder_has_no_linerate_entries(tmp_path):
     """torch 2.13's own Flight Recorder (TORCH_FR_BUFFER_SIZE) records Gloo's collectives but
-    has no hook for a Python backend (README, "Flight recorder"). If this fails, torch records
-    Python backends now: make linerate's entries useful there and update the README."""
+    has no hook for a Python backend (docs/faults.md). If this fails, torch records
+    Python backends now: make linerate's entries useful there and update docs/faults.md."""
     code = textwrap.dedent("""
         import json, sys
         import torch, torch.distributed as dist, linerate

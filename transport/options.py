@@ -1,7 +1,7 @@
 """Every transport setting as a dataclass, filled from the ``LINERATE_*`` registry.
 
 The variables, their parsers, defaults and what they accept are declared once, in
-linerate/settings.py (whose table README.md's "Settings" section holds); these dataclasses are
+linerate/settings.py (docs/settings.md is generated from it); these dataclasses are
 the typed result. ``MetricsOptions`` holds the Prometheus exporter's settings (transport/metrics.py).
 """
 from __future__ import annotations
@@ -46,14 +46,13 @@ class TransportOptions:
     #: TCP connections per peer on each interface (rail); 0: auto, 2 with one rail and 1 per
     #: rail with several, and 1 to a rank of another host where hosts hold several ranks of the
     #: group (transport/tcp.py ``plan_rails``). With one rail a second connection raises the
-    #: throughput and more add nothing; with several rails one per rail does better than two
-    #: (README "Performance").
+    #: throughput and more add nothing; with several rails one per rail does better than two.
     nsocks: int = 0
     #: Local interfaces to use, comma separated (``eth0,eth1`` = two rails). Empty: the
     #: interface that routes to MASTER_ADDR (or the hostname's address).
     socket_ifname: str = ""
     #: Bytes per chunk: a message is cut into chunks that are striped over the connections.
-    #: 1 MiB does better than 512 KiB with the default 4 MiB pieces (README "Performance").
+    #: 1 MiB does better than 512 KiB with the default 4 MiB pieces.
     chunk_bytes: int = 1 << 20
     #: Seconds allowed to build the full mesh of connections at group creation.
     connect_timeout: float = 300.0
@@ -91,7 +90,7 @@ class TransportOptions:
     #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
     #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
     #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection
-    #: (link.StreamLink), faster in some CPU-bound cases (README "Scale"); ``auto``
+    #: (link.StreamLink), faster in some CPU-bound cases (docs/scaling.md); ``auto``
     #: (default): threads for the process's first links, up to tcp.AUTO_IO_THREADS threads, the
     #: shared pool beyond. TLS links always use threads. Need not be agreed: both interoperate.
     io: str = "auto"

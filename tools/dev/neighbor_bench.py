@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"ranks to start on this host (default {DEFAULT_NPROC}; with --netlab: "
                              "every host; leave out under torchrun)")
     parser.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
-                        help="one rank per host of a running `linerate netlab` (default name: lab)")
+                        help="the ranks of a running `linerate netlab` (default name: lab)")
     parser.add_argument("--bytes", type=_size, default=_size("64M"),
                         help="tensor size, K/M/G suffixes allowed (default 64M)")
     parser.add_argument("--topologies", default=DEFAULT_TOPOLOGIES,

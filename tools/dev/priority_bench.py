@@ -38,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=positive_int, default=None,
                         help=f"ranks on this host (default {DEFAULT_NPROC}; with --netlab: every host)")
     parser.add_argument("--netlab", metavar="NAME", nargs="?", const="lab", default=None,
-                        help="one rank per host of a running `linerate netlab` (default name: lab)")
+                        help="the ranks of a running `linerate netlab` (default name: lab)")
     parser.add_argument("--parts", default="fusion,train", help="fusion,train (default both)")
     parser.add_argument("--calls", type=positive_int, default=2000,
                         help="async all_reduces in the fusion part (default 2000)")
