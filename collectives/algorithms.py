@@ -34,7 +34,8 @@ broadcast / reduce: ``direct`` up to ``small_bytes``, else ``chain``.
 
 Overrides (``LINERATE_ALLREDUCE_ALGO``: all_reduce, and reduce_scatter / all_gather for
 ``ring``, ``direct`` and ``two_level``; ``LINERATE_ROOTED_ALGO``: broadcast / reduce) force
-their algorithm where it can run: a flat algorithm runs over TCP even on one host;
+their algorithm where it can run: a flat algorithm runs over the links even on one host
+(shared-memory links between co-located ranks), not on the segment's collectives;
 ``two_level`` runs wherever co-located ranks share memory (on one host: the host is the only
 level; with one rank per host: the inter-host level alone), else the size rule applies.
 """

@@ -60,7 +60,7 @@ LOCAL_TAG = MAX_VIEW_TAG
 RS_TAG = 2 * MAX_COLUMNS + 1
 #: all_reduce: chunk size of the pipeline between the local and the inter-host phases.
 PIPE_BYTES = 8 << 20
-#: Most chunks of one all_reduce.
+#: Most middle chunks of one all_reduce (two quarter-size edge chunks come on top).
 MAX_CHUNKS = 16
 
 
@@ -266,7 +266,7 @@ def _ar(sub, x: torch.Tensor, op, small_bytes: int) -> None:
 
 def _chunks(n: int, es: int) -> list[tuple[int, int]]:
     """(offset, length) of the pipeline's chunks of n elements: PIPE_BYTES each (at most
-    MAX_CHUNKS), the first and the last a quarter of that: only the local reduce-scatter of the
+    MAX_CHUNKS of them, larger beyond), and the first and the last a quarter of that: only the local reduce-scatter of the
     first and the local all-gather of the last are not overlapped by an inter-host phase."""
     per = max(1, PIPE_BYTES // es, -(-n // MAX_CHUNKS))
     if n <= 2 * per:
