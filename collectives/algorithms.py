@@ -115,11 +115,18 @@ def choose(op: str, nbytes: int, shape: Shape, *, allreduce_algo: str = "auto",
         return "shm"
     if op in TWO_LEVEL_OPS + ("agree",) and worker and shape.two_level_auto:
         return "two_level"
+    return size_rule(op, nbytes, shape.P, small_bytes)
+
+
+def size_rule(op: str, nbytes: int, P: int, small_bytes: int) -> str:
+    """The flat algorithm for ``op`` on ``nbytes`` among ``P`` ranks that share no memory: the
+    small/large rule, in one place. The two-level algorithms ask it for their inter-host
+    phases (one rank per host), the neighbor collectives for a host's average."""
     small = nbytes <= small_bytes
     if op == "all_reduce":
         if small:
             return "direct"
-        if shape.P >= halving.AUTO_MIN_RANKS and nbytes <= halving.AUTO_MAX_BYTES:
+        if P >= halving.AUTO_MIN_RANKS and nbytes <= halving.AUTO_MAX_BYTES:
             return "hd"
         return "ring"
     if op in ("reduce_scatter", "all_gather"):
@@ -129,6 +136,28 @@ def choose(op: str, nbytes: int, shape: Shape, *, allreduce_algo: str = "auto",
     if op == "barrier":
         return "dissemination"
     return "direct"
+
+
+#: Algorithm name -> the module that implements it (one function per op, named after the op).
+_MODULES = {"shm": "shm_algos", "two_level": "two_level", "direct": "direct", "ring": "ring",
+            "hd": "halving", "doubling": "doubling", "tree": "doubling", "chain": "chain",
+            "dissemination": "direct"}
+_IMPL: dict = {}
+
+
+def implementation(name: str, op: str):
+    """The function that runs ``op`` with algorithm ``name``: ``module.<op>(comm, ...)``
+    (``two_level``'s take the group's plan, engine and small_bytes after the op's own
+    arguments). An unknown pair raises ValueError naming both."""
+    fn = _IMPL.get((name, op))
+    if fn is None:
+        import importlib
+        mod = _MODULES.get(name)
+        fn = getattr(importlib.import_module(f"{__package__}.{mod}"), op, None) if mod else None
+        if fn is None:
+            raise ValueError(f"algorithm {name!r} does not implement {op}")
+        _IMPL[(name, op)] = fn
+    return fn
 
 
 _OPS = TWO_LEVEL_OPS + ("gather", "scatter", "all_to_all", "barrier", "agree")

@@ -23,13 +23,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from linerate.transport import CHANNEL_P2P, Context, TransportError, metrics, shm
+from linerate.transport import CHANNEL_P2P, Context, metrics, shm
 
-from . import (algorithms, chain, direct, doubling, flight, fusion, halving, ring, shm_algos, stats,
+from . import (algorithms, flight, fusion, shm_algos,
                timeline, two_level)
-from .comm import OPNAMES, Comm, OpTimeout, Scratch, byte_view
+from .comm import OPNAMES, Comm, Scratch, byte_view
+from .op import FlightHook, Lifecycle, MetricsHook, Op
 from .options import Options
-from .reduce_ops import RedOpType, check_dtype, check_op, finish_avg, op_name, op_type
+from .reduce_ops import SUPPORTED, RedOpType, check_dtype, check_op, finish_avg, op_name, op_type
 from .work import Work
 
 log = logging.getLogger("linerate")
@@ -108,9 +109,27 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
+_DTS: dict = {}
+
+
+def _dt(t: torch.Tensor) -> str:
+    """dtype[numel] of a tensor (cached: every call's description holds it)."""
+    key = (t.dtype, t.numel())
+    text = _DTS.get(key)
+    if text is None:
+        if len(_DTS) > 4096:
+            _DTS.clear()
+        text = _DTS[key] = f"{str(t.dtype).replace('torch.', '')}[{key[1]}]"
+    return text
+
+
 def _dts(tensors) -> str:
     """dtype[numel] of each tensor, for the agreement check."""
-    return ",".join(f"{str(t.dtype).replace('torch.', '')}[{t.numel()}]" for t in tensors)
+    return ",".join([_dt(t) for t in tensors])
+
+
+#: (reduce op, dtype) pairs already checked (check_op), so that a call pays a set lookup.
+_VALID_OPS: set = set()
 
 
 def _rop(op) -> str:
@@ -142,6 +161,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                  options: Options | None = None, group_name: str = "",
                  global_ranks: list[int] | None = None):
         super().__init__(rank, size)
+        self._rank, self._size = rank, size  # torch's rank() and size() are calls into C++
         # Every setting is parsed (LINERATE_*) or checked (pg_options) here, before any socket.
         if options is None:
             self._options = Options.from_env()  # checked as it is read
@@ -208,6 +228,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         if self._options.flight_entries > 0 else flight.Off())
         if isinstance(self._flight, flight.Recorder):
             flight.watch(self._ctx, self._flight)
+        #: begin -> run -> finish | fail of every op (collectives/op.py), observed by the
+        #: flight recorder and the metrics.
+        self._life = Lifecycle(self._ctx, rank)
+        if isinstance(self._flight, flight.Recorder):
+            self._life.add(FlightHook(self._flight))
+        self._life.add(MetricsHook(size))
         #: The worker thread, started by the first call that needs it (_put): a group whose
         #: calls are all waited on at once runs them in the callers' threads (_submit).
         self._worker: threading.Thread | None = None
@@ -264,6 +290,24 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return self._options
 
     @property
+    def layout(self):
+        """Where the group's ranks are (transport/shm.py ``Layout``: ``hosts``, the group ranks
+        of each host, and ``shared``, whether each host's co-located ranks share a segment):
+        the same on every rank."""
+        return self._layout
+
+    @property
+    def host_engine(self):
+        """The shared-memory engine of this host's ranks where the group spans hosts
+        (collectives/shm_algos.py), else None."""
+        return self._local
+
+    @property
+    def small_bytes(self) -> int:
+        """LINERATE_SMALL_BYTES of this group."""
+        return self._options.small_bytes
+
+    @property
     def shared_memory(self) -> bool:
         """Whether this group's collectives run on a shared-memory segment (every rank on this
         host, LINERATE_SHM): then its TCP connections carry (almost) nothing."""
@@ -283,8 +327,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return t.total_seconds()
         return self._timeout
 
-    def _submit(self, op: str, fn, result: list, stage: _Stage, timeout: float,
-                nbytes: int | None = None, desc: str = "", opts=None) -> Work:
+    def _submit(self, name: str, fn, result: list, stage: _Stage, timeout: float,
+                nbytes: int | None = None, desc: str = "", opts=None, chain_bytes: int = 0) -> Work:
         """Queue ``fn(comm)`` to run as the group's next collective. ``desc`` is what every
         rank must agree on (dtypes, sizes, reduce op, root: checked against the neighbour's);
         ``nbytes`` its size for the metrics (default: from ``result``).
@@ -295,20 +339,20 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         back) that are most of a small op's time where ranks outnumber cores. A call without
         options, or from C++ (asyncOp defaults to True), is queued."""
         if self._shut:
-            raise RuntimeError(f"linerate: {op} on a process group that was shut down")
+            raise RuntimeError(f"linerate: {name} on a process group that was shut down")
         here = opts is not None and not getattr(opts, "asyncOp", True)
         with self._seq_lock:  # queue order is sequence order
             self._seq += 1
             seq = self._seq
-            work = Work(f"{op} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
+            work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         result, stage.devices)
-            self._flight.queued(op, seq, desc)
-            item = (op, seq, fn, stage, timeout, work, result, nbytes, desc)
+            self._flight.queued(name, seq, desc)
+            op = Op(name, seq, fn, stage, timeout, work, result, nbytes, desc, chain_bytes)
             here = here and self._take_turn()
             if not here:
-                self._put(item)
+                self._put(op)
         if here:
-            self._run_on_turn(self._execute, item)
+            self._run_on_turn(self._execute, op)
         return work
 
     def _take_turn(self, entry=None) -> bool:
@@ -340,7 +384,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if self._worker is None and item is not None:
                 # Started under the lock: shutdown's join never sees it unstarted.
                 self._worker = threading.Thread(target=self._run_worker, daemon=True,
-                                                name=f"linerate-coll-{self.rank()}")
+                                                name=f"linerate-coll-{self._rank}")
                 self._worker.start()
             w = self._fuse_wait
             if w is not None and type(item) is fusion.Entry and item.opname == w[2]:
@@ -404,78 +448,53 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 with self._qcond:
                     self._running = False
 
-    def _execute(self, item) -> None:
-        """Run one queued op tuple: on the worker, or in a synchronous caller's thread when
-        the worker's turn was free (_submit). Either way it alone uses the engines now."""
-        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+    def _execute(self, op: Op) -> None:
+        """Run one queued op: on the worker, or in a synchronous caller's thread when the
+        worker's turn was free (_submit). Either way it alone uses the engines now."""
+        life = self._life
         comm = None
         prev, self._chained = self._chained, None  # the op before, chained to this one
         try:
-            self._check_usable(op, seq)
-            comm = Comm(self._ctx, op, seq, timeout, self._options.piece_bytes, self._scratch)
+            life.usable(op.name, op.seq)
+            comm = Comm(self._ctx, op.name, op.seq, op.timeout, self._options.piece_bytes,
+                        self._scratch)
             comm.shm = self._shm
             comm.worker = True  # the shared-memory engines are this op's
-            t0 = time.perf_counter()
-            comm.set_call(desc)
-            self._flight.started(seq)
+            comm.set_call(op.desc)
+            life.begin((op,), comm)
             comm.before_tail = prev
             comm.deferred_tail = None
-            if getattr(fn, "chain_bytes", 0) >= CHAIN_MIN_BYTES:
+            if op.chain_bytes >= CHAIN_MIN_BYTES:
                 # The host's ranks agree in every such op (the same calls on every rank),
                 # wherever it runs; only the worker offers to chain.
                 comm.chain_next = self._next_chainable
-            fn(comm)
+            op.fn(comm)
             if comm.before_tail is not None:  # not run by this op's algorithm: now
                 comm.before_tail = None
                 prev(None)
             if comm.deferred_tail is not None:  # chained: the next op ends this one
-                self._chained = self._finisher(item, comm, comm.deferred_tail, t0)
+                self._chained = self._finisher(op, comm, comm.deferred_tail)
                 self.chain_stats["ops"] += 1
                 return
-            stage.finish()
-            seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Work, and the peers
             if prev is not None and (comm is None or comm.before_tail is not None):
                 prev(None)  # the op before ends (it fails on the broken group, or completes)
-            # recorded (a timeout: dumped) before anyone hears
-            self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
-            self._report_failure(e, op, seq)
-            if comm is not None:
-                e = self._annotate(e, op, seq, desc)
-                comm.end()
-            work._complete(e)
+            life.fail((op,), comm, e)
         else:
-            self._completed(item, comm, t0, seconds)
+            life.finish((op,), comm, op.nbytes)
 
-    def _completed(self, item, comm: Comm, t0: float, seconds: float) -> None:
-        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
-        comm.end()
-        self._flight.completed(seq, comm.algorithm)
-        work._complete()
-        if metrics.enabled():  # after the Work completed (on the worker: off the
-            # caller's critical path; in a synchronous caller's thread, before it returns)
-            if nbytes is None:
-                nbytes = stats.message_bytes(op, result, self.size())
-            stats.record(op, comm.algorithm, nbytes, seconds, self.size())
-
-    def _finisher(self, item, comm: Comm, tail, t0: float):
+    def _finisher(self, op: Op, comm: Comm, tail):
         """The end of a chained op (its ``tail(loc)``, then what _execute does after an op),
         for the next op to run: ``finish(loc)`` never raises (a failure goes to its Work)."""
-        op, seq, fn, stage, timeout, work, result, nbytes, desc = item
+        life = self._life
 
         def finish(loc) -> None:
             try:
                 tail(loc)
-                stage.finish()
-                seconds = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - to this op's Work, and the peers
-                self._flight.failed(seq, e, comm.algorithm)
-                self._report_failure(e, op, seq)
-                e = self._annotate(e, op, seq, desc)
-                comm.end()
-                work._complete(e)
+                life.fail((op,), comm, e)
                 return
-            self._completed(item, comm, t0, seconds)
+            life.finish((op,), comm, op.nbytes)
 
         return finish
 
@@ -487,28 +506,27 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return False
         with self._qcond:
             head = self._queue[0] if self._queue else None
-        if type(head) is not tuple or head[0] != "all_reduce":
+        if type(head) is not Op or head.name != "all_reduce":
             return False
-        nb = getattr(head[2], "chain_bytes", 0)
+        nb = head.chain_bytes
         return nb >= CHAIN_MIN_BYTES and self._choose(_WORKER, "all_reduce", nb) == "two_level"
 
     def _run_fused(self, offered: list) -> None:
         """Agree with the peers how many of the offered entries to fuse, then run them."""
+        life = self._life
         head = offered[0]
         comm = None
         taken = offered
         try:
-            self._check_usable("all_reduce", head.seq)
+            life.usable("all_reduce", head.seq)
             comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
                         self._options.piece_bytes, self._scratch)
-            t0 = time.perf_counter()
             # The head call is part of the digest: a head that differs (dtype, size, op) is
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")
             comm.shm = self._shm
             comm.worker = True
-            fr = self._flight
-            fr.started(head.seq)
+            life.begin((head,), comm)
             how = self._choose(comm, "agree", 0)
             if how == "two_level":
                 k, head_done = two_level.agree(comm, offered, len(offered),
@@ -518,98 +536,70 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 k, head_done = (shm_algos if how == "shm" else fusion).agree(
                     comm, offered, len(offered), self._options.small_bytes)
             taken = offered[:k]
-            for e in taken[1:]:
-                fr.started(e.seq)
+            if k > 1:
+                for e in taken[1:]:
+                    e.t0 = head.t0
+                    for h in life.hooks:
+                        h.started(e)
             nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
                                 self._options.allreduce_algo)
             if head_done:
                 nbytes += taken[0].nbytes
                 comm.algorithm = ("two_level" if how == "two_level" else "direct") if k == 1 \
                     else comm.algorithm
-            for e in taken:
-                e.stage.finish()
-            seconds = time.perf_counter() - t0
         except BaseException as e:  # every failure reaches the Works, and the peers
-            # agree() raises ValueError naming the differing calls
-            for entry in taken:
-                self._flight.failed(entry.seq, e, comm.algorithm if comm is not None else "")
-            self._report_failure(e, "all_reduce", head.seq, named=(ValueError,))
-            # A peer's report may end the agreement before this rank compared, or before its
-            # run began (the group already broken): its error then shows every call of its
-            # run, the one that differs among them.
+            # agree() raises ValueError naming the differing calls. A peer's report may end
+            # the agreement before this rank compared, or before its run began (the group
+            # already broken): its error then shows every call of its run, the one that
+            # differs among them.
             seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
                          if len(taken) > 1 else (head.seq, head.desc))
-            e = self._annotate(e, "all_reduce", seq, desc)
-            if comm is not None:
-                comm.end()
             self._pop_entries(len(taken))
-            Work._complete_many([entry.work for entry in taken], e)
+            life.fail(taken, comm, e, named=(ValueError,), seq_text=seq, desc=desc)
             return
-        comm.end()
         self._pop_entries(len(taken))
-        for e in taken:
-            self._flight.completed(e.seq, comm.algorithm if len(taken) == 1 else
-                                   f"{comm.algorithm} (fused x{len(taken)})")
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
-        Work._complete_many([e.work for e in taken])
-        if metrics.enabled():
-            stats.record("all_reduce", comm.algorithm, nbytes, seconds, self.size())
-
-    def _annotate(self, e: BaseException, op: str, seq: int | str, desc: str) -> BaseException:
-        """A transport failure (often a peer's report) with what this rank called beside it,
-        so that every rank's error shows its own arguments (the peer names its own)."""
-        if not desc or not isinstance(e, TransportError) or desc in str(e):
-            return e
-        wrapped = TransportError(f"{e} [rank {self.rank()} was in {op} #{seq} ({desc})]")
-        wrapped.__cause__ = e
-        return wrapped
+        life.finish(taken, comm, nbytes, comm.algorithm if len(taken) == 1 else
+                    f"{comm.algorithm} (fused x{len(taken)})")
 
     def _pop_entries(self, n: int) -> None:
         with self._qcond:
             for _ in range(n):
                 self._queue.popleft()
 
-    def _check_usable(self, op: str, seq: int) -> None:
-        broken = self._ctx.broken
-        if broken is not None:
-            raise TransportError(f"rank {self.rank()}: {op} #{seq} cannot run: the group failed "
-                                 f"earlier: {broken}")
-
-    def _report_failure(self, e: BaseException, op: str, seq: int, named: tuple = ()) -> None:
-        """Tell the peers why this rank's op failed (a peer's own failure they know of).
-        ``named``: exception types whose text already names rank, op and calls."""
-        if isinstance(e, (OpTimeout,) + named):
-            self._ctx.report_error(str(e))
-        elif not isinstance(e, TransportError):
-            log.exception("rank %d: %s #%d failed", self.rank(), op, seq)
-            self._ctx.report_error(f"rank {self.rank()}: {op} #{seq} failed: {e}")
-
     # ------------------------------------------------------------------ checks
     def _check_tensor(self, t, what: str) -> None:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"rank {self.rank()}: {what}: expected a tensor, got {type(t).__name__}")
-        check_dtype(t.dtype, f"rank {self.rank()}: {what}")
+            raise TypeError(f"rank {self._rank}: {what}: expected a tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED:
+            check_dtype(t.dtype, f"rank {self._rank}: {what}")
         if t.is_sparse:
-            raise ValueError(f"rank {self.rank()}: {what}: sparse tensors are not supported")
+            raise ValueError(f"rank {self._rank}: {what}: sparse tensors are not supported")
+
+    def _check_op(self, op, t: torch.Tensor, what: str) -> None:
+        """check_op, once per (op, dtype) pair: the message is built only for a refusal."""
+        if (op, t.dtype) not in _VALID_OPS:
+            check_op(op, t.dtype, f"rank {self._rank}: {what} of {_desc(t)}")
+            _VALID_OPS.add((op, t.dtype))
 
     def _check_root(self, root: int, what: str) -> None:
-        if not 0 <= root < self.size():
-            raise ValueError(f"rank {self.rank()}: {what}: root rank {root} is not in the group "
-                             f"of size {self.size()}")
+        if not 0 <= root < self._size:
+            raise ValueError(f"rank {self._rank}: {what}: root rank {root} is not in the group "
+                             f"of size {self._size}")
 
     def _check_same(self, ref: torch.Tensor, t: torch.Tensor, what: str, numel: int | None = None) -> None:
         if t.dtype != ref.dtype:
-            raise ValueError(f"rank {self.rank()}: {what}: dtype {t.dtype} differs from the input's "
+            raise ValueError(f"rank {self._rank}: {what}: dtype {t.dtype} differs from the input's "
                              f"{ref.dtype}")
         want = ref.numel() if numel is None else numel
         if t.numel() != want:
-            raise ValueError(f"rank {self.rank()}: {what}: {_desc(t)} has {t.numel()} elements, "
+            raise ValueError(f"rank {self._rank}: {what}: {_desc(t)} has {t.numel()} elements, "
                              f"expected {want} (input {_desc(ref)})")
 
     def _single(self, tensors, what: str) -> torch.Tensor:
         if len(tensors) != 1:
-            raise ValueError(f"rank {self.rank()}: {what}: expected one tensor per call, got {len(tensors)}")
+            raise ValueError(f"rank {self._rank}: {what}: expected one tensor per call, got {len(tensors)}")
         self._check_tensor(tensors[0], what)
         return tensors[0]
 
@@ -624,22 +614,26 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                  rooted_algo=o.rooted_algo, small_bytes=o.small_bytes,
                                  worker=getattr(comm, "worker", False))
 
-    def _module(self, comm: Comm, op: str, flat):
-        """shm_algos where the table says so (one host, shared segment), else ``flat``."""
-        return shm_algos if self._choose(comm, op, 0) == "shm" else flat
+    def _run(self, comm: Comm, op: str, nbytes: int, *args, algo: str | None = None) -> str:
+        """Run ``op`` by the table's choice (collectives/algorithms.py: ``choose`` names the
+        algorithm, ``implementation`` gives its function); returns the algorithm's name."""
+        name = self._choose(comm, op, nbytes, algo)
+        self._call(name, op, comm, *args)
+        return name
+
+    def _call(self, name: str, op: str, comm: Comm, *args) -> None:
+        fn = algorithms.implementation(name, op)
+        if name == "two_level":
+            fn(comm, *args, self._plan, self._two_level_engine(), self._options.small_bytes)
+        else:
+            fn(comm, *args)
 
     def _two_level_engine(self):
         return self._local if self._local is not None else self._shm
 
     def _rooted(self, comm: Comm, op: str, t: torch.Tensor, *args) -> None:
         """broadcast(comm, t, root) / reduce(comm, t, op, root) by the table's choice."""
-        name = self._choose(comm, op, t.numel() * t.element_size())
-        if name == "two_level":
-            getattr(two_level, op)(comm, t, *args, self._plan, self._two_level_engine(),
-                                   self._options.small_bytes)
-        else:
-            mod = {"shm": shm_algos, "direct": direct, "chain": chain, "tree": doubling}[name]
-            getattr(mod, op)(comm, t, *args)
+        self._run(comm, op, t.numel() * t.element_size(), t, *args)
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
@@ -649,13 +643,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._check_tensor(t, what)
         op = op_type(opts.reduceOp)
         for t in tensors:
-            check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+            self._check_op(op, t, what)
+        stage = _Stage(f"rank {self._rank}: {what}")
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
         # Fusable: decided from the call alone (never from asyncOp: a rank may call the
         # same all_reduce synchronously where another does not), the same on every rank.
-        if (len(bufs) == 1 and self.size() > 1
+        if (len(bufs) == 1 and self._size > 1
                 and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
             return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts),
                                  sync=not getattr(opts, "asyncOp", True))
@@ -664,10 +658,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for b in bufs:
                 self._allreduce_flat(comm, _flat(b), op, algo)
 
-        if len(bufs) == 1 and op in _CHAIN_OPS:
-            run.chain_bytes = bufs[0].numel() * bufs[0].element_size()
+        chain_bytes = (bufs[0].numel() * bufs[0].element_size()
+                       if len(bufs) == 1 and op in _CHAIN_OPS else 0)
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
-                            desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts)
+                            desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts,
+                            chain_bytes=chain_bytes)
 
     def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: _Stage,
                  timeout: float, sync: bool = False) -> Work:
@@ -682,7 +677,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._seq += 1
             seq = self._seq
             self._chain = fusion.chain_digest(self._chain, seq, desc)
-            work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'})",
+            work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
             work._on_wait = self._expedite
             self._flight.queued(what, seq, desc)
@@ -709,10 +704,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         what = "all_reduce"
         self._check_tensor(tensor, what)
         op = op_type(op)
-        check_op(op, tensor.dtype, f"rank {self.rank()}: {what} of {_desc(tensor)}")
+        self._check_op(op, tensor, what)
         if self._shut:
             raise RuntimeError(f"linerate: {what} on a process group that was shut down")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         buf = stage.out(tensor, keep=True)
         timeout = self._timeout if timeout is None else float(timeout)
         desc = f"{_dts([tensor])} op={_rop(op)} {name}".rstrip()
@@ -721,7 +716,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-            work = Work(f"{what} #{seq} (rank {self.rank()} of group {self._group_name or '?'}, "
+            work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'}, "
                         f"priority {priority})", [tensor], stage.devices)
             self._flight.queued(what, seq, desc)
             if self._priority_on_worker():
@@ -736,13 +731,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                            time.perf_counter(), priority=priority,
                                            bytes=buf.numel() * buf.element_size(),
                                            queued_ms=round((t0 - queued) * 1000, 3))
-                self._put((what, seq, run, stage, timeout, work, [tensor], None, desc))
+                self._put(Op(what, seq, run, stage, timeout, work, [tensor], None, desc))
                 if tl is not None:
                     tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
                 return work
             if self._prio_pool is None:
                 self._prio_pool = concurrent.futures.ThreadPoolExecutor(
-                    self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self.rank()}")
+                    self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self._rank}")
             self._prio_pool.submit(self._run_priority, seq, buf, op, priority, stage, work, timeout,
                                    desc, name, queued)
         if tl is not None:
@@ -762,44 +757,29 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         scratch = getattr(self._prio_scratch, "s", None)
         if scratch is None:
             scratch = self._prio_scratch.s = Scratch()
+        life = self._life
+        me = Op("all_reduce", seq, None, stage, timeout, work, [buf], buf.numel() * buf.element_size(),
+                desc)
         comm = None
         try:
-            self._check_usable("all_reduce", seq)
+            life.usable("all_reduce", seq)
             comm = Comm(self._ctx, "all_reduce", seq, timeout, self._options.piece_bytes, scratch)
             comm.priority = priority
-            t0 = time.perf_counter()
             comm.set_call(desc)
-            self._flight.started(seq)
+            life.begin((me,), comm)
             self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
-            stage.finish()
-            t1 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
-            self._flight.failed(seq, e, comm.algorithm if comm is not None else "")
-            self._report_failure(e, "all_reduce", seq)
-            if comm is not None:
-                comm.end()
-            work._complete(e)
+            life.fail((me,), comm, e)
             return
-        comm.end()
-        self._flight.completed(seq, comm.algorithm)
-        work._complete()
+        t0, t1 = me.t0, time.perf_counter()
+        life.finish((me,), comm, me.nbytes)
         if self.timeline is not None:
             self.timeline.span(f"all_reduce {name or seq}", "comm", t0, t1, priority=priority,
                                bytes=buf.numel() * buf.element_size(),
                                queued_ms=round((t0 - queued) * 1000, 3))
-        if metrics.enabled():
-            stats.record("all_reduce", comm.algorithm, buf.numel() * buf.element_size(), t1 - t0,
-                         self.size())
 
     def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
-        name = self._choose(comm, "all_reduce", flat.numel() * flat.element_size(), algo)
-        if name == "two_level":
-            two_level.all_reduce(comm, flat, op, self._plan, self._two_level_engine(),
-                                 self._options.small_bytes)
-        else:
-            {"shm": shm_algos, "direct": direct, "hd": halving, "doubling": doubling,
-             "ring": ring}[name].all_reduce(
-                comm, flat, op)
+        self._run(comm, "all_reduce", flat.numel() * flat.element_size(), flat, op, algo=algo)
         finish_avg(flat, op, comm.size)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -808,8 +788,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         op = op_type(opts.reduceOp)
         for t in tensors:
             self._check_tensor(t, what)
-            check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+            self._check_op(op, t, what)
+        stage = _Stage(f"rank {self._rank}: {what}")
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
 
@@ -842,7 +822,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         out_flat_or_None)``, where given, runs instead of the point-to-point mix (a group average
         on shared memory, the hierarchical all-reduce: collectives/neighbor.py). Returns a Work."""
         what = "neighbor_allreduce"
-        me, size = self.rank(), self.size()
+        me, size = self._rank, self._size
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"rank {me}: {what}: expected a tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
@@ -869,7 +849,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             timeout = self._timeout
         elif isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         if out is None:
             buf = dst = stage.out(tensor, keep=True)
         else:
@@ -889,7 +869,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _check_out(self, tensor: torch.Tensor, out, what: str) -> None:
         """``out`` of an out-of-place op: a dense tensor like ``tensor``, on its device, apart
         from it in memory."""
-        me = self.rank()
+        me = self._rank
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"rank {me}: {what}: out must be a tensor, got {type(out).__name__}")
         if out.layout != torch.strided:
@@ -911,8 +891,8 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self.rank()}: {what}")
-        buf = stage.out(t, keep=(self.rank() == root))
+        stage = _Stage(f"rank {self._rank}: {what}")
+        buf = stage.out(t, keep=(self._rank == root))
         return self._submit(what, lambda comm: self._rooted(comm, "broadcast", _flat(buf), root),
                             list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}", opts=opts)
@@ -924,9 +904,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         root = opts.rootRank
         self._check_root(root, what)
         op = op_type(opts.reduceOp)
-        check_op(op, t.dtype, f"rank {self.rank()}: {what} of {_desc(t)}")
-        stage = _Stage(f"rank {self.rank()}: {what}")
-        is_root = self.rank() == root
+        self._check_op(op, t, what)
+        stage = _Stage(f"rank {self._rank}: {what}")
+        is_root = self._rank == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
 
         def run(comm: Comm):
@@ -944,12 +924,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(input_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         src = stage.inp(t)
         outs = None
-        if self.rank() == root:
-            if len(output_lists) != 1 or len(output_lists[0]) != self.size():
-                raise ValueError(f"rank {self.rank()}: gather: the root needs a list of {self.size()} "
+        if self._rank == root:
+            if len(output_lists) != 1 or len(output_lists[0]) != self._size:
+                raise ValueError(f"rank {self._rank}: gather: the root needs a list of {self._size} "
                                  f"output tensors")
             for i, o in enumerate(output_lists[0]):
                 self._check_tensor(o, what)
@@ -957,11 +937,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             outs = [_flat(stage.out(o)) for o in output_lists[0]]
 
         def run(comm: Comm):
-            self._module(comm, "gather", direct).gather(comm, _flat(src), outs, root)
+            self._run(comm, "gather", 0, _flat(src), outs, root)
 
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
-                            nbytes=t.numel() * t.element_size() * self.size(),
+                            nbytes=t.numel() * t.element_size() * self._size,
                             desc=f"{_dts([t])} root={root}", opts=opts)
 
     def scatter(self, output_tensors, input_lists, opts=None):
@@ -970,11 +950,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(output_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         ins = None
-        if self.rank() == root:
-            if len(input_lists) != 1 or len(input_lists[0]) != self.size():
-                raise ValueError(f"rank {self.rank()}: scatter: the root needs a list of {self.size()} "
+        if self._rank == root:
+            if len(input_lists) != 1 or len(input_lists[0]) != self._size:
+                raise ValueError(f"rank {self._rank}: scatter: the root needs a list of {self._size} "
                                  f"input tensors")
             for i, x in enumerate(input_lists[0]):
                 self._check_tensor(x, what)
@@ -983,7 +963,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         out = stage.out(t)
 
         def run(comm: Comm):
-            self._module(comm, "scatter", direct).scatter(comm, _flat(out), ins, root)
+            self._run(comm, "scatter", 0, _flat(out), ins, root)
 
         return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}", opts=opts)
@@ -997,27 +977,22 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _run_all_gather(self, comm: Comm, src: torch.Tensor, segs: list[torch.Tensor]) -> None:
         segs[comm.rank].copy_(src)
         total = sum(s.numel() for s in segs) * src.element_size()
-        name = self._choose(comm, "all_gather", total)
-        if name == "two_level":
-            two_level.all_gather(comm, segs, self._plan, self._two_level_engine(),
-                                 self._options.small_bytes)
-        else:
-            {"shm": shm_algos, "direct": direct, "ring": ring}[name].all_gather(comm, segs)
+        self._run(comm, "all_gather", total, segs)
 
     def allgather(self, output_lists, input_tensors, opts=None):
         what = "all_gather"
         t = self._single(input_tensors, what)
-        if len(output_lists) != 1 or len(output_lists[0]) != self.size():
-            raise ValueError(f"rank {self.rank()}: all_gather: expected a list of {self.size()} output "
+        if len(output_lists) != 1 or len(output_lists[0]) != self._size:
+            raise ValueError(f"rank {self._rank}: all_gather: expected a list of {self._size} output "
                              f"tensors")
         outs = output_lists[0]
         for i, o in enumerate(outs):
             self._check_tensor(o, what)
             if o.dtype != t.dtype:
-                raise ValueError(f"rank {self.rank()}: all_gather: output {i} has dtype {o.dtype}, "
+                raise ValueError(f"rank {self._rank}: all_gather: output {i} has dtype {o.dtype}, "
                                  f"input {t.dtype}")
-        self._check_same(t, outs[self.rank()], f"all_gather output {self.rank()}")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        self._check_same(t, outs[self._rank], f"all_gather output {self._rank}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         src, segs = self._gather_segs(stage, t, outs)
         return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
                             list(outs), stage, self._op_timeout(opts),
@@ -1026,11 +1001,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """``output_lists[i][j]`` receives rank i's ``input_tensors[j]`` (torch's layout)."""
         what = "all_gather_coalesced"
-        P = self.size()
+        P = self._size
         if len(output_lists) != P or any(len(o) != len(input_tensors) for o in output_lists):
-            raise ValueError(f"rank {self.rank()}: {what}: expected {P} output lists (one per "
+            raise ValueError(f"rank {self._rank}: {what}: expected {P} output lists (one per "
                              f"rank) of {len(input_tensors)} tensors each")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         jobs = []
         for j, t in enumerate(input_tensors):
             self._check_tensor(t, what)
@@ -1038,9 +1013,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             for o in outs:
                 self._check_tensor(o, what)
                 if o.dtype != t.dtype:
-                    raise ValueError(f"rank {self.rank()}: {what}: output dtype {o.dtype} != input "
+                    raise ValueError(f"rank {self._rank}: {what}: output dtype {o.dtype} != input "
                                      f"{j}'s {t.dtype}")
-            self._check_same(t, outs[self.rank()], f"{what} output for input {j}")
+            self._check_same(t, outs[self._rank], f"{what} output for input {j}")
             jobs.append(self._gather_segs(stage, t, outs))
 
         def run(comm: Comm):
@@ -1054,14 +1029,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _single_gather_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
         self._check_tensor(out, what)
         self._check_tensor(inp, what)
-        self._check_same(inp, out, f"{what} output", numel=inp.numel() * self.size())
+        self._check_same(inp, out, f"{what} output", numel=inp.numel() * self._size)
         o = _flat(stage.out(out))
         n = inp.numel()
-        return _flat(stage.inp(inp)), [o[i * n:(i + 1) * n] for i in range(self.size())]
+        return _flat(stage.inp(inp)), [o[i * n:(i + 1) * n] for i in range(self._size)]
 
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         src, segs = self._single_gather_job(stage, output, input, what)
         return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
                             [output], stage, self._op_timeout(opts),
@@ -1071,10 +1046,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         what = "all_gather_into_tensor_coalesced"
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         jobs = [self._single_gather_job(stage, o, i, what) for o, i in zip(outputs, inputs)]
         if len(outputs) != len(inputs):
-            raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+            raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
 
         def run(comm: Comm):
             for src, segs in jobs:
@@ -1090,15 +1065,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         """``segs`` are the caller's inputs (read only here)."""
         numel = sum(s.numel() for s in segs)
         name = self._choose(comm, "reduce_scatter", numel * out.element_size())
-        if name == "two_level":
+        if name != "ring":
             if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
                 segs = [s.clone() for s in segs]    # out is written while segs are still read
-            two_level.reduce_scatter(comm, segs, out, op, self._plan, self._two_level_engine(),
-                                     self._options.small_bytes)
-        elif name in ("shm", "direct"):
-            if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
-                segs = [s.clone() for s in segs]    # out is written while segs may still be sending
-            (shm_algos if name == "shm" else direct).reduce_scatter(comm, segs, out, op)
+            self._call(name, "reduce_scatter", comm, segs, out, op)
         else:
             # The ring reduces in place: work on a private copy, in reused scratch memory
             # (a fresh buffer per call would pay its page faults every time).
@@ -1108,20 +1078,20 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 mine.append(flat[off:off + s.numel()])
                 mine[-1].copy_(s)
                 off += s.numel()
-            ring.reduce_scatter(comm, mine, op)
+            self._call("ring", "reduce_scatter", comm, mine, op)
             out.copy_(mine[comm.rank])
         finish_avg(out, op, comm.size)
 
     def _scatter_job(self, stage: _Stage, out: torch.Tensor, ins: list[torch.Tensor], op, what: str):
         self._check_tensor(out, what)
-        check_op(op, out.dtype, f"rank {self.rank()}: {what} of {_desc(out)}")
-        if len(ins) != self.size():
-            raise ValueError(f"rank {self.rank()}: {what}: expected {self.size()} input tensors, got {len(ins)}")
+        self._check_op(op, out, what)
+        if len(ins) != self._size:
+            raise ValueError(f"rank {self._rank}: {what}: expected {self._size} input tensors, got {len(ins)}")
         for i, x in enumerate(ins):
             self._check_tensor(x, what)
             if x.dtype != out.dtype:
-                raise ValueError(f"rank {self.rank()}: {what}: input {i} has dtype {x.dtype}, output {out.dtype}")
-        self._check_same(out, ins[self.rank()], f"{what} input {self.rank()}")
+                raise ValueError(f"rank {self._rank}: {what}: input {i} has dtype {x.dtype}, output {out.dtype}")
+        self._check_same(out, ins[self._rank], f"{what} input {self._rank}")
         return [_flat(stage.inp(x)) for x in ins], _flat(stage.out(out))
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
@@ -1129,9 +1099,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         what = "reduce_scatter"
         out = self._single(output_tensors, what)
         if len(input_lists) != 1:
-            raise ValueError(f"rank {self.rank()}: {what}: expected one list of inputs")
+            raise ValueError(f"rank {self._rank}: {what}: expected one list of inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
         return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [out], stage, self._op_timeout(opts),
@@ -1140,16 +1110,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def _single_scatter_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
         self._check_tensor(out, what)
         self._check_tensor(inp, what)
-        check_op(op, out.dtype, f"rank {self.rank()}: {what} of {_desc(out)}")
-        self._check_same(out, inp, f"{what} input", numel=out.numel() * self.size())
+        self._check_op(op, out, what)
+        self._check_same(out, inp, f"{what} input", numel=out.numel() * self._size)
         n = out.numel()
         flat = _flat(stage.inp(inp))
-        return [flat[i * n:(i + 1) * n] for i in range(self.size())], _flat(stage.out(out))
+        return [flat[i * n:(i + 1) * n] for i in range(self._size)], _flat(stage.out(out))
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self.rank()}")
+        stage = _Stage(f"rank {self._rank}")
         segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
         return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
                             [output], stage, self._op_timeout(opts),
@@ -1161,9 +1131,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         opts = opts or dist.ReduceScatterOptions()
         what = "reduce_scatter_tensor_coalesced"
         if len(outputs) != len(inputs):
-            raise ValueError(f"rank {self.rank()}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+            raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         jobs = [self._single_scatter_job(stage, o, i, op, what) for o, i in zip(outputs, inputs)]
 
         def run(comm: Comm):
@@ -1178,20 +1148,20 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     # ------------------------------------------------------------------ all-to-all
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
-        P = self.size()
+        P = self._size
         if len(output_tensors) != P or len(input_tensors) != P:
-            raise ValueError(f"rank {self.rank()}: {what}: expected {P} input and {P} output tensors, "
+            raise ValueError(f"rank {self._rank}: {what}: expected {P} input and {P} output tensors, "
                              f"got {len(input_tensors)} and {len(output_tensors)}")
         ref = input_tensors[0]
         for t in list(output_tensors) + list(input_tensors):
             self._check_tensor(t, what)
             if t.dtype != ref.dtype:
-                raise ValueError(f"rank {self.rank()}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
-        self._check_same(input_tensors[self.rank()], output_tensors[self.rank()], f"{what} output {self.rank()}")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+                raise ValueError(f"rank {self._rank}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
+        self._check_same(input_tensors[self._rank], output_tensors[self._rank], f"{what} output {self._rank}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
-        return self._submit(what, lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
+        return self._submit(what, lambda comm: self._run(comm, "all_to_all", 0, outs, ins),
                             list(output_tensors), stage, self._op_timeout(opts),
                             desc=str(ref.dtype).replace("torch.", ""), opts=opts)
 
@@ -1200,34 +1170,34 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_tensor(output, what)
         self._check_tensor(input, what)
         if output.dtype != input.dtype:
-            raise ValueError(f"rank {self.rank()}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
+            raise ValueError(f"rank {self._rank}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
         in_splits = self._splits(input, input_split_sizes, "input")
         out_splits = self._splits(output, output_split_sizes, "output")
-        stage = _Stage(f"rank {self.rank()}: {what}")
+        stage = _Stage(f"rank {self._rank}: {what}")
         src = stage.inp(input)
         dst = stage.out(output)
         ins = self._split_views(src, in_splits)
         outs = self._split_views(dst, out_splits)
-        if ins[self.rank()].numel() != outs[self.rank()].numel():
-            raise ValueError(f"rank {self.rank()}: {what}: this rank sends itself "
-                             f"{ins[self.rank()].numel()} elements but expects {outs[self.rank()].numel()}")
-        return self._submit("all_to_all", lambda comm: self._module(comm, "all_to_all", direct).all_to_all(comm, outs, ins),
+        if ins[self._rank].numel() != outs[self._rank].numel():
+            raise ValueError(f"rank {self._rank}: {what}: this rank sends itself "
+                             f"{ins[self._rank].numel()} elements but expects {outs[self._rank].numel()}")
+        return self._submit("all_to_all", lambda comm: self._run(comm, "all_to_all", 0, outs, ins),
                             [output], stage, self._op_timeout(opts),
                             desc=str(input.dtype).replace("torch.", ""), opts=opts)
 
     alltoall_base = all_to_all_single
 
     def _splits(self, t: torch.Tensor, splits, what: str) -> list[int]:
-        P = self.size()
+        P = self._size
         rows = t.shape[0] if t.dim() > 0 else t.numel()
         if not splits:
             if rows % P:
-                raise ValueError(f"rank {self.rank()}: all_to_all_single: {what} {_desc(t)}: dim 0 ({rows}) "
+                raise ValueError(f"rank {self._rank}: all_to_all_single: {what} {_desc(t)}: dim 0 ({rows}) "
                                  f"is not divisible by the group size {P}; pass split sizes")
             return [rows // P] * P
         splits = [int(s) for s in splits]
         if len(splits) != P or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"rank {self.rank()}: all_to_all_single: {what} split sizes {splits} must be "
+            raise ValueError(f"rank {self._rank}: all_to_all_single: {what} split sizes {splits} must be "
                              f"{P} non-negative numbers summing to dim 0 of {_desc(t)}")
         return splits
 
@@ -1244,18 +1214,18 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", lambda comm: self._module(comm, "barrier", direct).barrier(comm), [],
+        return self._submit("barrier", lambda comm: self._run(comm, "barrier", 0), [],
                             _Stage(), self._op_timeout(opts),
                             desc="", opts=opts)
 
     # ------------------------------------------------------------------ point to point
     def _check_p2p(self, tensors, peer, tag, what: str) -> torch.Tensor:
         t = self._single(tensors, what)
-        if peer is not None and (not 0 <= peer < self.size() or peer == self.rank()):
-            raise ValueError(f"rank {self.rank()}: {what}: invalid peer rank {peer} (group size "
-                             f"{self.size()}, own rank {self.rank()})")
+        if peer is not None and (not 0 <= peer < self._size or peer == self._rank):
+            raise ValueError(f"rank {self._rank}: {what}: invalid peer rank {peer} (group size "
+                             f"{self._size}, own rank {self._rank})")
         if not 0 <= tag <= _MAX_TAG:
-            raise ValueError(f"rank {self.rank()}: {what}: tag {tag} must be in [0, 2^63)")
+            raise ValueError(f"rank {self._rank}: {what}: tag {tag} must be in [0, 2^63)")
         return t
 
     def _p2p_work(self, desc: str, result: list, stage: _Stage, req) -> Work:
@@ -1275,21 +1245,21 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def send(self, tensors, dst: int, tag: int = 0):
         t = self._check_p2p(tensors, dst, tag, "send")
-        stage = _Stage(f"rank {self.rank()}")
+        stage = _Stage(f"rank {self._rank}")
         buf = stage.inp(t)
         req = self._ctx.isend(dst, byte_view(buf), CHANNEL_P2P, tag, 0, f"send to rank {dst} tag {tag}")
         return self._p2p_work(f"send to rank {dst} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
 
     def recv(self, tensors, src: int, tag: int = 0):
         t = self._check_p2p(tensors, src, tag, "recv")
-        stage = _Stage(f"rank {self.rank()}")
+        stage = _Stage(f"rank {self._rank}")
         buf = stage.out(t)
         req = self._ctx.irecv(src, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from rank {src} tag {tag}")
         return self._p2p_work(f"recv from rank {src} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
 
     def recv_anysource(self, tensors, tag: int = 0):
         t = self._check_p2p(tensors, None, tag, "recv")
-        stage = _Stage(f"rank {self.rank()}")
+        stage = _Stage(f"rank {self._rank}")
         buf = stage.out(t)
         req = self._ctx.irecv(None, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from any rank tag {tag}")
         return self._p2p_work(f"recv from any rank (tag {tag}, {_desc(t)})", list(tensors), stage, req)

@@ -101,6 +101,22 @@ class Scratch:
             del self._bufs[index]
 
 
+_DIGESTS: dict = {}
+
+
+def call_digest(op: str, desc: str) -> int:
+    """The 64-bit digest of a call (op and the arguments every rank must agree on), the same
+    on every rank; cached, since a job repeats a few calls many times."""
+    key = (op, desc)
+    d = _DIGESTS.get(key)
+    if d is None:
+        if len(_DIGESTS) > 4096:
+            _DIGESTS.clear()
+        d = _DIGESTS[key] = int.from_bytes(
+            hashlib.blake2b(f"{op}({desc})".encode(), digest_size=8).digest(), "little")
+    return d
+
+
 class Comm:
     """One collective's view of the group: rank, size, send, recv, deadline."""
 
@@ -148,8 +164,7 @@ class Comm:
         root), as text. Its digest travels in every frame of the op; a receiving rank whose
         own digest differs fails the op and tells every peer (transport: MismatchError)."""
         self.call_text = desc
-        self.call = int.from_bytes(hashlib.blake2b(f"{self.op}({desc})".encode(),
-                                                   digest_size=8).digest(), "little")
+        self.call = call_digest(self.op, desc)
         self._req_desc = f"{self._desc} [{desc}]" if desc else self._desc
         self.ctx.begin_call(self.seq, self.call, self._req_desc)
 

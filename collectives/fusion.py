@@ -48,7 +48,10 @@ class Entry:
     """One async all_reduce waiting to be fused."""
 
     __slots__ = ("seq", "buf", "tensor", "op", "opname", "stage", "work", "timeout", "desc",
-                 "nbytes", "queued", "chain")
+                 "nbytes", "queued", "chain", "t0")
+
+    #: For the op lifecycle (collectives/op.py): what every entry is.
+    name = "all_reduce"
 
     def __init__(self, seq, buf, tensor, op, opname, stage, work, timeout, desc, chain):
         self.seq = seq
@@ -63,6 +66,11 @@ class Entry:
         self.nbytes = buf.numel() * buf.element_size()
         self.queued = time.monotonic()
         self.chain = chain        # running digest of every fusable call up to this one
+        self.t0 = 0.0
+
+    @property
+    def result(self) -> list:
+        return [self.tensor]
 
 
 def chain_digest(prev: int, seq: int, desc: str) -> int:

@@ -171,7 +171,7 @@ def hierarchical_neighbor_allreduce(tensor: torch.Tensor, topology: Topology,
 def _layout(backend) -> tuple[tuple[tuple[int, ...], ...], bool]:
     """(hosts, shared): the group's ranks grouped by host (transport/shm.py's layout, the same
     on every rank), and whether every host's co-located ranks share a segment."""
-    lay = getattr(backend, "_layout", None)
+    lay = getattr(backend, "layout", None)
     if lay is None:
         return (tuple(range(backend.size())),), False
     return tuple(tuple(h) for h in lay.hosts), bool(lay.shared)
@@ -196,7 +196,7 @@ def _host_comm(comm: Comm, backend, members: tuple) -> Comm:
         return comm
     sub = comm.sub(members, _TAG_HOST)
     _, shared = _layout(backend)
-    sub.shm = getattr(backend, "_local", None) if shared else None
+    sub.shm = backend.host_engine if shared else None
     return sub
 
 
@@ -205,15 +205,15 @@ _SUM = op_type(dist.ReduceOp.SUM)
 
 def _host_average(backend, sub: Comm, flat: torch.Tensor) -> None:
     """flat <- the mean of the view's ranks' flat (every rank the same bits)."""
-    from . import direct, ring, shm_algos
+    from . import algorithms
     if sub.size <= 1:
         return
     if getattr(sub, "shm", None) is not None:
-        shm_algos.all_reduce(sub, flat, _SUM)
-    elif backend._small(flat.numel() * flat.element_size()):
-        direct.all_reduce(sub, flat, _SUM)
-    else:
-        ring.all_reduce(sub, flat, _SUM)
+        name = "shm"
+    else:  # the table's size rule for the view's ranks
+        name = algorithms.size_rule("all_reduce", flat.numel() * flat.element_size(), sub.size,
+                                    backend.small_bytes)
+    algorithms.implementation(name, "all_reduce")(sub, flat, _SUM)
     flat.mul_(1.0 / sub.size)
 
 
@@ -273,7 +273,7 @@ def _hierarchical_plan(backend, topology: Topology, step: int):
             if local < k:
                 lo, hi = _bounds(n, k, local)
                 mix(comm, dst[lo:hi], sw, ins, outs,
-                    handshake=not backend._small((hi - lo) * dst.element_size()))
+                    handshake=(hi - lo) * dst.element_size() > backend.small_bytes)
             if sub is not None:
                 for i in range(k):
                     lo, hi = _bounds(n, k, i)

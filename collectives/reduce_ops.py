@@ -10,6 +10,8 @@ SUPPORTED_DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
     torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
 )
+#: The same, for a membership test.
+SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 _BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
 
@@ -37,7 +39,7 @@ def op_name(op: RedOpType) -> str:
 
 
 def check_dtype(dtype: torch.dtype, what: str) -> None:
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in SUPPORTED:
         raise TypeError(f"{what}: dtype {dtype} is not supported by linerate (supported: "
                         f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)})")
 

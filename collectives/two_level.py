@@ -47,7 +47,7 @@ import torch
 
 from linerate.transport import TransportError
 
-from . import chain, direct, ring, shm_algos
+from . import algorithms, direct, ring, shm_algos
 from .algorithms import MAX_COLUMNS
 from .comm import MAX_VIEW_TAG, OpTimeout, Scratch
 from .reduce_ops import RedOpType
@@ -256,12 +256,16 @@ def _local(comm, plan: Plan, engine):
     return loc
 
 
+def _between(op: str, sub, nbytes: int, small_bytes: int) -> str:
+    """The algorithm of an inter-host phase: the table's size rule for the phase's ranks, one
+    per host (collectives/algorithms.py)."""
+    return algorithms.size_rule(op, nbytes, sub.size, small_bytes)
+
+
 def _ar(sub, x: torch.Tensor, op, small_bytes: int) -> None:
     """Inter-host all-reduce of one column slice among its owners."""
-    if x.numel() * x.element_size() <= small_bytes:
-        direct.all_reduce(sub, x, op)
-    else:
-        ring.all_reduce(sub, x, op)
+    name = _between("all_reduce", sub, x.numel() * x.element_size(), small_bytes)
+    algorithms.implementation(name, "all_reduce")(sub, x, op)
 
 
 def _chunks(n: int, es: int) -> list[tuple[int, int]]:
@@ -492,10 +496,11 @@ def reduce_scatter(comm, segs: list[torch.Tensor], out: torch.Tensor, op, plan: 
             parts.append(stage[off:off + m] if p is not None else stage[:0])
             off += m if p is not None else 0
         sub = comm.sub(plan.rs_members(i), RS_TAG + i)
-        if len(col) * m * out.element_size() <= small_bytes:
+        if _between("reduce_scatter", sub, len(col) * m * out.element_size(),
+                    small_bytes) == "direct":
             _direct_rs(sub, parts, op)
         else:
-            ring.reduce_scatter(sub, parts, op)
+            ring.reduce_scatter(sub, parts, op)  # in place, as the stage allows
         if col[plan.h] == comm.rank:
             out.copy_(parts[plan.h])
 
@@ -519,10 +524,9 @@ def all_gather(comm, segs: list[torch.Tensor], plan: Plan, engine, small_bytes: 
         col = [hosts[g][i] if i < plan.n[g] else None for g in range(H)]
         parts = [segs[p] if p is not None else empty for p in col]
         sub = comm.sub(plan.rs_members(i), RS_TAG + i)
-        if sum(x.numel() for x in parts) * empty.element_size() <= small_bytes:
-            direct.all_gather(sub, parts)
-        else:
-            ring.all_gather(sub, parts)
+        name = _between("all_gather", sub, sum(x.numel() for x in parts) * empty.element_size(),
+                        small_bytes)
+        algorithms.implementation(name, "all_gather")(sub, parts)
     if loc is not None:
         shares = []
         for q in range(len(plan.local)):
@@ -544,7 +548,8 @@ def broadcast(comm, t: torch.Tensor, root: int, plan: Plan, engine, small_bytes:
     for c0, c1, members in plan.runs:
         sub = comm.sub(members, c0 + 1)
         x = t[b[c0]:b[c1]]
-        (direct if x.numel() * x.element_size() <= small_bytes else chain).broadcast(sub, x, hr)
+        name = _between("broadcast", sub, x.numel() * x.element_size(), small_bytes)
+        algorithms.implementation(name, "broadcast")(sub, x, hr)
     if plan.h != hr and loc is not None:
         shm_algos.gather_v(loc, [t[lo:hi] for lo, hi in plan.slices(n, plan.h)])
 
@@ -567,7 +572,8 @@ def reduce(comm, flat: torch.Tensor, op, root: int, plan: Plan, engine, small_by
     for c0, c1, members in plan.runs:
         sub = comm.sub(members, c0 + 1)
         x = part[b[c0] - lo:b[c1] - lo]
-        (direct if x.numel() * x.element_size() <= small_bytes else chain).reduce(sub, x, op, hr)
+        name = _between("reduce", sub, x.numel() * x.element_size(), small_bytes)
+        algorithms.implementation(name, "reduce")(sub, x, op, hr)
     if plan.h == hr:
         if loc is not None:
             # the root receives every slice into its flat; each rank sends its part (a non-root

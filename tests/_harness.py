@@ -442,3 +442,30 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
                 q.wait()
         del store
     return out
+
+
+#: The environment variable that tags the processes a test starts (tagged_pids).
+TAG_VAR = "TEST_PROCESS_TAG"
+
+
+def tagged_pids(token: str) -> list[int]:
+    """The processes whose environment carries ``TAG_VAR=token``: every process a test's
+    command started, torchrun's ranks included (torchrun puts each rank in a session of its
+    own, so killing the command's process group does not reach them)."""
+    import contextlib
+    pids, needle = [], f"{TAG_VAR}={token}".encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(name))
+    return pids
+
+
+def kill_tagged(token: str) -> None:
+    import contextlib
+    for pid in tagged_pids(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+

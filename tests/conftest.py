@@ -27,6 +27,37 @@ def pytest_configure(config):
                                        "reason where it cannot work")
     config.addinivalue_line("markers", "slow: takes a minute or so (tests/test_packaging.py's "
                                        "wheel); -m 'not slow' leaves it out")
+    config.addinivalue_line("markers", "unit: in this process, no rank processes started "
+                                       "(ranks as threads: tests/_threads.py); `-m unit` is the "
+                                       "fast tier")
+
+
+#: Files whose tests run in this process, ranks (if any) as threads: the ``unit`` tier.
+UNIT_FILES = {"test_unit_backend.py", "test_matching.py", "test_model.py", "test_whatif.py",
+              "test_fuzz.py", "test_dashboard.py", "test_settings.py"}
+#: Single tests of other files that start no rank process.
+UNIT_TESTS = {"test_docs.py": ("test_every_directive_is_understood",
+                               "test_settings_page_is_generated_from_the_registry",
+                               "test_readme_settings_rows_agree_with_the_registry",
+                               "test_readme_is_a_guide",
+                               "test_no_file_speaks_of_numbered_working_periods",
+                               "test_docs_site_builds_strictly"),
+              "test_perf_report.py": ("test_bench_rows_memory_and_link_bounds",
+                                      "test_latency_and_fusion_rows",
+                                      "test_a_rerun_replaces_its_section_and_keeps_the_others",
+                                      "test_every_section_of_the_page_names_its_machine_and_command")}
+
+
+#: Tests of UNIT_FILES that start processes (a measurement, a child interpreter).
+NOT_UNIT = ("test_measure_", "test_pg_options_object_is_used_instead_of_the_environment")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name, test = item.path.name, item.originalname
+        if ((name in UNIT_FILES and not test.startswith(NOT_UNIT))
+                or test in UNIT_TESTS.get(name, ())) and item.get_closest_marker("netlab") is None:
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_runtest_setup(item):

@@ -774,7 +774,7 @@ def _where_ops_run(rank, P, lr):
     execute = pg._execute
 
     def spy(item):
-        ran.append((item[0], threading.current_thread().name))
+        ran.append((item.name, threading.current_thread().name))
         execute(item)
 
     run_fused = pg._run_fused

@@ -18,15 +18,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from _harness import netlab_reason
+from _harness import TAG_VAR, kill_tagged, netlab_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -113,20 +113,18 @@ def _env(scratch: Path) -> dict:
 
 
 def _run(cmd: list, cwd: Path, env: dict, where: str) -> None:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+    token = uuid.uuid4().hex  # tags every process the block starts (torchrun's ranks too)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, TAG_VAR: token}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tagged(token)
         out, _ = proc.communicate()
         pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT:.0f} s\n"
                     f"{out.decode(errors='replace')[-4000:]}")
-    finally:
-        try:  # nothing a block started may outlive it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    finally:  # nothing a block started may outlive it
+        kill_tagged(token)
     if proc.returncode != 0:
         pytest.fail(f"{where}: exit status {proc.returncode}\n{out.decode(errors='replace')[-6000:]}")
 

@@ -7,10 +7,8 @@ that the test looks for. A recipe whose framework does not import here is skippe
 reason (the frameworks are the optional extra ``frameworks``)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import uuid
@@ -18,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from _harness import REPO, free_port
+from _harness import REPO, TAG_VAR, free_port, kill_tagged
 
 PAGE = Path(REPO) / "docs" / "frameworks.md"
 RUN_MARK = "<!-- example: skip: run by tests/test_frameworks.py -->"
 FILE_MARK = re.compile(r"<!-- example: file (\S+) -->")
 RUN_TIMEOUT = 150  # seconds for one launch (2 ranks); the pytest timeouts leave room above it
-_TOKEN = "FRAMEWORKS_TEST_LAUNCH"  # marks the processes of one launch, to end them all
 
 
 def _blocks() -> list[tuple[str, str, str]]:
@@ -86,25 +83,11 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _tagged(token: str) -> list[int]:
-    """The processes whose environment carries ``token``: the ones a launch started, torchrun's
-    ranks included (torchrun puts each rank in a session of its own, so the launch's process
-    group does not hold them)."""
-    pids, needle = [], f"{_TOKEN}={token}".encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        pids.append(int(name))
-    return pids
-
-
 def _run(cmds: list[list[str]], cwd: Path, envs: list[dict]) -> str:
     """Start every command, wait for all; at RUN_TIMEOUT kill every process they started.
     Returns their output, the commands' in order; fails on a nonzero exit."""
     token = uuid.uuid4().hex
-    procs = [subprocess.Popen(c, cwd=cwd, env={**e, _TOKEN: token}, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(c, cwd=cwd, env={**e, TAG_VAR: token}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for c, e in zip(cmds, envs)]
     outs = []
@@ -113,9 +96,7 @@ def _run(cmds: list[list[str]], cwd: Path, envs: list[dict]) -> str:
             try:
                 text, _ = p.communicate(timeout=RUN_TIMEOUT)
             except subprocess.TimeoutExpired:
-                for pid in _tagged(token):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                kill_tagged(token)
                 text, _ = p.communicate()
                 pytest.fail(f"{p.args} still running after {RUN_TIMEOUT}s:\n{text[-4000:]}")
             outs.append(text)
@@ -124,9 +105,7 @@ def _run(cmds: list[list[str]], cwd: Path, envs: list[dict]) -> str:
             if q.poll() is None:
                 q.kill()
             q.wait()
-        for pid in _tagged(token):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tagged(token)
     out = "\n".join(outs)
     for p in procs:
         assert p.returncode == 0, f"{p.args} exited with {p.returncode}:\n{out[-6000:]}"

@@ -446,7 +446,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 gloo = dist.new_group(backend="gloo")
 backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 hosts, shared = nb._layout(backend)
-assert hosts == ((0, 1), (2, 3)) and shared and backend._local is not None, (hosts, shared)
+assert hosts == ((0, 1), (2, 3)) and shared and backend.host_engine is not None, (hosts, shared)
 host = 0 if rank < 2 else 1
 shm_calls = []
 orig = nb._average_plan

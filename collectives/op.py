@@ -1,0 +1,187 @@
+"""One call's life in a process group: begin -> run -> finish, or fail.
+
+Every path an operation takes (a synchronous caller running it in its own thread, the group's
+worker, a fused run of several calls, a chained two-level all_reduce whose end runs with the
+next op, a prioritized all_reduce on a thread of its own) goes through ``Lifecycle``: the
+flight recorder, the metrics, telling the peers why an op failed, naming this rank's call in
+an error, and completing the Work each happen here and nowhere else.
+
+Observers of the lifecycle (the flight recorder, the metrics) are hooks: objects with
+``started(op)``, ``completed(op, algorithm, seconds, nbytes)`` and ``failed(op, error,
+algorithm)``, called in the order they were added.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from linerate.transport import TransportError, metrics
+
+from . import stats
+from .comm import Comm, OpTimeout
+
+log = logging.getLogger("linerate")
+
+
+class Op:
+    """One collective call: what runs (``fn(comm)``), on what (``stage``, ``result``), under
+    which sequence number, deadline and description every rank must agree on (``desc``)."""
+
+    __slots__ = ("name", "seq", "fn", "stage", "timeout", "work", "result", "nbytes", "desc",
+                 "chain_bytes", "t0")
+
+    def __init__(self, name: str, seq: int, fn, stage, timeout: float, work, result: list,
+                 nbytes: int | None, desc: str, chain_bytes: int = 0):
+        self.name = name
+        self.seq = seq
+        self.fn = fn
+        self.stage = stage
+        self.timeout = timeout
+        self.work = work
+        self.result = result
+        #: The op's size for the metrics (None: from ``result``, stats.message_bytes).
+        self.nbytes = nbytes
+        self.desc = desc
+        #: A single-tensor all_reduce's bytes, for chaining two-level all_reduces (0: never).
+        self.chain_bytes = chain_bytes
+        self.t0 = 0.0
+
+
+class FlightHook:
+    """The flight recorder (collectives/flight.py) as a lifecycle hook."""
+
+    __slots__ = ("fr",)
+
+    def __init__(self, fr):
+        self.fr = fr
+
+    def started(self, op) -> None:
+        self.fr.started(op.seq)
+
+    def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
+        self.fr.completed(op.seq, algorithm)
+
+    def failed(self, op, error: BaseException, algorithm: str) -> None:
+        self.fr.failed(op.seq, error, algorithm)
+
+
+class MetricsHook:
+    """Each completed op's time and size to the Prometheus exporter (transport/metrics.py),
+    while the exporter is on."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def started(self, op) -> None:
+        pass
+
+    def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
+        if metrics.enabled():
+            if nbytes is None:
+                nbytes = stats.message_bytes(op.name, op.result, self.size)
+            stats.record(op.name, algorithm, nbytes, seconds, self.size)
+
+    def failed(self, op, error: BaseException, algorithm: str) -> None:
+        pass
+
+
+class Lifecycle:
+    """Begin, finish and fail for the ops of one group (see the module's docstring)."""
+
+    def __init__(self, ctx, rank: int):
+        self.ctx = ctx
+        self.rank = rank
+        self.hooks: list = []
+
+    def add(self, hook) -> None:
+        self.hooks.append(hook)
+
+    # ------------------------------------------------------------------ begin
+    def usable(self, name: str, seq) -> None:
+        """Raise if the group already failed: an op must not start on a broken group."""
+        broken = self.ctx.broken
+        if broken is not None:
+            raise TransportError(f"rank {self.rank}: {name} #{seq} cannot run: the group failed "
+                                 f"earlier: {broken}")
+
+    def begin(self, ops, comm: Comm) -> None:
+        now = time.perf_counter()
+        for op in ops:
+            op.t0 = now
+            for h in self.hooks:
+                h.started(op)
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, ops, comm: Comm, nbytes=None, algorithm: str | None = None) -> None:
+        """The ops ran: copy results back, release the op's resources, record, complete the
+        Works. ``nbytes``: the size the metrics count (one fused op: all of them together);
+        ``algorithm``: the label recorded per op (default: what ran)."""
+        try:
+            for op in ops:
+                op.stage.finish()
+        except BaseException as e:  # noqa: BLE001 - copying the result back failed
+            self.fail(ops, comm, e)
+            return
+        seconds = time.perf_counter() - ops[0].t0
+        comm.end()
+        algo = comm.algorithm if algorithm is None else algorithm
+        if len(ops) == 1:
+            op = ops[0]
+            for h in self.hooks:
+                if type(h) is not MetricsHook:
+                    h.completed(op, algo, seconds, nbytes)
+            op.work._complete()
+        else:
+            for op in ops:
+                for h in self.hooks:
+                    if type(h) is not MetricsHook:
+                        h.completed(op, algo, seconds, nbytes)
+            type(ops[0].work)._complete_many([op.work for op in ops])
+        # The metrics last: after the Works completed (on the worker: off the caller's path).
+        for h in self.hooks:
+            if type(h) is MetricsHook:
+                h.completed(ops[0], comm.algorithm, seconds, nbytes)
+
+    # ------------------------------------------------------------------ fail
+    def fail(self, ops, comm: Comm | None, e: BaseException, named: tuple = (),
+             seq_text=None, desc: str | None = None) -> None:
+        """The ops failed with ``e``: record it (a timeout: dumped) before anyone hears, tell
+        the peers why (unless it is their news), name this rank's call in the error, release
+        the op's resources, fail the Works. ``named``: exception types whose text already
+        names rank, op and calls; ``seq_text`` and ``desc``: how the error names the call(s)
+        (default: the first op's)."""
+        head = ops[0]
+        algo = comm.algorithm if comm is not None else ""
+        for op in ops:
+            for h in self.hooks:
+                h.failed(op, e, algo)
+        self.report(e, head.name, head.seq, named)
+        if comm is not None:
+            e = self.annotate(e, head.name, head.seq if seq_text is None else seq_text,
+                              head.desc if desc is None else desc)
+            comm.end()
+        elif seq_text is not None:
+            e = self.annotate(e, head.name, seq_text, desc or "")
+        if len(ops) == 1:
+            head.work._complete(e)
+        else:
+            type(head.work)._complete_many([op.work for op in ops], e)
+
+    def report(self, e: BaseException, name: str, seq, named: tuple = ()) -> None:
+        """Tell the peers why this rank's op failed (a peer's own failure they know of)."""
+        if isinstance(e, (OpTimeout,) + named):
+            self.ctx.report_error(str(e))
+        elif not isinstance(e, TransportError):
+            log.exception("rank %d: %s #%s failed", self.rank, name, seq)
+            self.ctx.report_error(f"rank {self.rank}: {name} #{seq} failed: {e}")
+
+    def annotate(self, e: BaseException, name: str, seq, desc: str) -> BaseException:
+        """A transport failure (often a peer's report) with what this rank called beside it,
+        so that every rank's error shows its own arguments (the peer names its own)."""
+        if not desc or not isinstance(e, TransportError) or desc in str(e):
+            return e
+        wrapped = TransportError(f"{e} [rank {self.rank} was in {name} #{seq} ({desc})]")
+        wrapped.__cause__ = e
+        return wrapped
