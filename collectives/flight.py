@@ -235,7 +235,7 @@ def snapshot(reason: str = "", rank: int | None = None) -> dict:
     except Exception:  # noqa: BLE001 - informational only
         torch_version = ""
     try:
-        from linerate.tools import __version__ as version
+        from linerate import __version__ as version
     except Exception:  # noqa: BLE001
         version = ""
     return {"version": VERSION, "kind": KIND, "rank": rank, "host": socket.gethostname(),
