@@ -10,9 +10,7 @@ the 2.13 names bound to one implementation.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import itertools
 import logging
 import math
 import os
@@ -23,20 +21,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from linerate.transport import CHANNEL_P2P, Context, metrics, shm
+from linerate.transport import Context, metrics, shm
 
 from . import (algorithms, flight, fusion, shm_algos,
                timeline, two_level)
-from .comm import OPNAMES, Comm, Scratch, byte_view
+from .comm import OPNAMES, Comm, Scratch
+from .dispatch import Dispatch
 from .op import FlightHook, Lifecycle, MetricsHook, Op
+from .scheduler import Scheduler
+from .p2p import PointToPoint
+from .stage import Stage
+from .validate import Checks
+from .validate import desc as tensor_desc
 from .options import Options
-from .reduce_ops import SUPPORTED, RedOpType, check_dtype, check_op, finish_avg, op_name, op_type
+from .reduce_ops import RedOpType, finish_avg, op_name, op_type
 from .work import Work
 
 log = logging.getLogger("linerate")
 
 BACKEND_NAME = "linerate"
-_MAX_TAG = (1 << 63) - 1
 #: A two-level all_reduce of at least this many bytes may be chained to the next one queued
 #: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
 CHAIN_MIN_BYTES = 1 << 20
@@ -50,59 +53,6 @@ class _WorkerView:
 
 
 _WORKER = _WorkerView()
-
-
-class _Stage:
-    """Maps the caller's tensors to contiguous CPU tensors the algorithms can use.
-
-    CUDA tensors are staged through pinned host memory; non-contiguous ones through a
-    contiguous copy. Inputs are captured when the op is called; outputs are copied back to
-    the caller's tensors when the op has finished (``finish``)."""
-
-    def __init__(self, who: str = "linerate"):
-        self._who = who   # "rank R: op", for errors
-        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.devices: list | None = None
-
-    def _note_device(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu" and self.devices is None:
-            self.devices = [t.device]
-
-    def inp(self, t: torch.Tensor) -> torch.Tensor:
-        self._note_device(t)
-        if t.device.type != "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(t)  # a blocking copy: ordered after the caller's stream
-            return host
-        return t.detach() if t.is_contiguous() else t.detach().contiguous()
-
-    def out(self, t: torch.Tensor, keep: bool = False) -> torch.Tensor:
-        """A tensor to write the result into; ``keep``: it starts with t's contents."""
-        # Elements that share memory (expand(), as_strided with stride 0) cannot each receive
-        # a result: refused here, on the caller's thread before anything is sent, so that the
-        # group stays usable (copying back after the op failed and broke the group).
-        # (A contiguous tensor has none: the check is skipped for the common case.)
-        if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
-            raise ValueError(f"{self._who}: the output tensor {str(t.dtype).replace('torch.', '')}"
-                             f"{list(t.shape)} has elements that share memory (strides "
-                             f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns "
-                             f"each element (.clone() it)")
-        self._note_device(t)
-        if t.device.type == "cpu" and t.is_contiguous():
-            return t.detach()
-        if t.device.type != "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-        else:
-            host = torch.empty(t.shape, dtype=t.dtype)
-        if keep:
-            host.copy_(t)
-        self._back.append((t, host))
-        return host
-
-    def finish(self) -> None:
-        for dst, src in self._back:
-            with torch.no_grad():
-                dst.copy_(src)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -128,16 +78,12 @@ def _dts(tensors) -> str:
     return ",".join([_dt(t) for t in tensors])
 
 
-#: (reduce op, dtype) pairs already checked (check_op), so that a call pays a set lookup.
-_VALID_OPS: set = set()
 
 
 def _rop(op) -> str:
     return op_name(op)
 
 
-def _desc(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
 
 
 def _incarnation() -> str:
@@ -149,12 +95,7 @@ def _incarnation() -> str:
     return f"attempt{int(count)}" if count.isdigit() else ""
 
 
-#: A group's worker thread ends after this many seconds without a call to run (the next call
-#: that needs it starts another): threads per rank follow the groups in use, not all groups.
-WORKER_IDLE_S = 10.0
-
-
-class ProcessGroupLinerate(dist.ProcessGroup):
+class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     """A torch.distributed process group over linerate's striped TCP transport."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta | None = None,
@@ -191,21 +132,18 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
         self._plan = (two_level.Plan(self._layout.hosts, rank, self._options.pipeline)
                       if self._shape.two_level_ok else None)
+        #: The algorithm table's choices, run (collectives/dispatch.py).
+        self._algos = Dispatch(self._options, self._shape, self._plan, self._shm, self._local)
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
                                    else rank), self._options.metrics)
         self._seq = 0
         self._seq_lock = threading.Lock()
-        # The worker's queue: op tuples, fusion.Entry objects, and None (stop).
-        self._queue: collections.deque = collections.deque()
-        self._qcond = threading.Condition(threading.Lock())
-        #: While the worker waits on an open fusion run: (bytes, entries) it may still take
-        #: before the run is full, and its reduce op (_put wakes the worker only when needed).
-        self._fuse_wait: tuple | None = None
-        self._urgent = False   # someone waits on a queued fusion entry: fuse now
-        self._running = False  # the worker runs an op (or a fused run)
-        self._inline = False   # a synchronous caller runs an op in its own thread (_submit)
+        #: The order ops run in: the worker thread and the callers' turns (scheduler.py).
+        #: It calls _execute and _run_fused through the instance (so a test may wrap them).
+        self._sched = Scheduler(rank, self._options, lambda op: self._execute(op),
+                                lambda entries: self._run_fused(entries))
         #: The end of a two-level all_reduce chained to the next op (two_level.all_reduce):
         #: the worker's next op runs it once its own first phase is under way.
         self._chained = None
@@ -234,9 +172,6 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if isinstance(self._flight, flight.Recorder):
             self._life.add(FlightHook(self._flight))
         self._life.add(MetricsHook(size))
-        #: The worker thread, started by the first call that needs it (_put): a group whose
-        #: calls are all waited on at once runs them in the callers' threads (_submit).
-        self._worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -327,7 +262,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return t.total_seconds()
         return self._timeout
 
-    def _submit(self, name: str, fn, result: list, stage: _Stage, timeout: float,
+    def _submit(self, name: str, fn, result: list, stage: Stage, timeout: float,
                 nbytes: int | None = None, desc: str = "", opts=None, chain_bytes: int = 0) -> Work:
         """Queue ``fn(comm)`` to run as the group's next collective. ``desc`` is what every
         rank must agree on (dtypes, sizes, reduce op, root: checked against the neighbour's);
@@ -348,105 +283,17 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                         result, stage.devices)
             self._flight.queued(name, seq, desc)
             op = Op(name, seq, fn, stage, timeout, work, result, nbytes, desc, chain_bytes)
-            here = here and self._take_turn()
+            here = here and self._sched.take_turn()
             if not here:
-                self._put(op)
+                self._sched.put(op)
         if here:
-            self._run_on_turn(self._execute, op)
+            self._sched.run_on_turn(self._execute, op)
         return work
 
-    def _take_turn(self, entry=None) -> bool:
-        """(seq lock held) Whether the worker is idle with nothing queued; if so the caller
-        holds its turn (the worker waits) until _run_on_turn gives it back. ``entry``: a fusion entry to queue
-        meanwhile (the fused run pops it)."""
-        with self._qcond:
-            if self._queue or self._running or self._inline:
-                return False
-            self._inline = True
-            if entry is not None:
-                self._queue.append(entry)
-            return True
-
-    def _run_on_turn(self, fn, arg) -> None:
-        """``fn(arg)`` in the caller's thread, which holds the worker's turn (_take_turn);
-        the turn is given back however it ends."""
-        try:
-            fn(arg)
-        finally:
-            with self._qcond:  # calls queued meanwhile (other threads) go to the worker
-                self._inline = False
-                if self._queue:
-                    self._qcond.notify()
-
-    def _put(self, item) -> None:
-        with self._qcond:
-            self._queue.append(item)
-            if self._worker is None and item is not None:
-                # Started under the lock: shutdown's join never sees it unstarted.
-                self._worker = threading.Thread(target=self._run_worker, daemon=True,
-                                                name=f"linerate-coll-{self._rank}")
-                self._worker.start()
-            w = self._fuse_wait
-            if w is not None and type(item) is fusion.Entry and item.opname == w[2]:
-                # The worker waits for its open fusion run to fill or its cycle to end: this
-                # entry only lengthens the run, so it need not wake (each wake-up takes the
-                # GIL from the issuing thread). It wakes when the run closes: full (bytes or
-                # entries, as fusion.plan counts them) or another call behind it.
-                left, room = w[0] - item.nbytes, w[1] - 1
-                if left > 0 and room > 0:
-                    self._fuse_wait = (left, room, w[2])
-                    return
-            self._qcond.notify()
-
-    def _expedite(self) -> None:
-        """A caller waits on a queued fusion entry: stop waiting for more to fuse with."""
-        with self._qcond:
-            if not self._urgent:
-                self._urgent = True
-                self._qcond.notify()
-
-    def _next_item(self):
-        """The worker's next op tuple, a list of fusion entries with the count offered, or
-        None (stop)."""
-        cycle = self._options.cycle_ms / 1000.0
-        with self._qcond:
-            while True:
-                while not self._queue or self._inline:
-                    if not self._qcond.wait(WORKER_IDLE_S) and not self._queue:
-                        # Idle this long: the thread ends (the next call that needs one
-                        # starts another, _put), so threads follow the groups in use.
-                        self._worker = None
-                        return None
-                head = self._queue[0]
-                if not isinstance(head, fusion.Entry):
-                    self._running = head is not None
-                    return self._queue.popleft()
-                cap = self._options.fusion_bytes
-                n, closed = fusion.plan(self._queue, cap)
-                left = head.queued + cycle - time.monotonic()
-                if closed or self._urgent or left <= 0:
-                    self._urgent = False
-                    self._running = True
-                    return list(itertools.islice(self._queue, n))
-                # Open: the run is the whole queue. _put wakes this wait when it closes.
-                self._fuse_wait = (cap - sum(e.nbytes for e in self._queue),
-                                   fusion.MAX_ENTRIES - n, head.opname)
-                self._qcond.wait(left)
-                self._fuse_wait = None
-
-    def _run_worker(self) -> None:
-        while True:
-            item = self._next_item()
-            if item is None:
-                return
-            try:
-                if isinstance(item, list):
-                    self._run_fused(item)
-                else:
-                    self._execute(item)
-            finally:
-                with self._qcond:
-                    self._running = False
+    @property
+    def _worker(self):
+        """The group's worker thread, or None while it has none (scheduler.py)."""
+        return self._sched.worker
 
     def _execute(self, op: Op) -> None:
         """Run one queued op: on the worker, or in a synchronous caller's thread when the
@@ -502,14 +349,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         """Whether the worker's next op is queued and is an all_reduce that a two-level
         all_reduce can chain to (two_level.all_reduce). Never from a synchronous caller's
         thread: the worker runs what is queued."""
-        if threading.current_thread() is not self._worker:
+        if threading.current_thread() is not self._sched.worker:
             return False
-        with self._qcond:
-            head = self._queue[0] if self._queue else None
+        head = self._sched.head()
         if type(head) is not Op or head.name != "all_reduce":
             return False
         nb = head.chain_bytes
-        return nb >= CHAIN_MIN_BYTES and self._choose(_WORKER, "all_reduce", nb) == "two_level"
+        return nb >= CHAIN_MIN_BYTES and self._algos.choose(_WORKER, "all_reduce", nb) == "two_level"
 
     def _run_fused(self, offered: list) -> None:
         """Agree with the peers how many of the offered entries to fuse, then run them."""
@@ -527,11 +373,11 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.shm = self._shm
             comm.worker = True
             life.begin((head,), comm)
-            how = self._choose(comm, "agree", 0)
+            how = self._algos.choose(comm, "agree", 0)
             if how == "two_level":
                 k, head_done = two_level.agree(comm, offered, len(offered),
                                                self._options.small_bytes, self._plan,
-                                               self._two_level_engine())
+                                               self._algos.host_engine())
             else:
                 k, head_done = (shm_algos if how == "shm" else fusion).agree(
                     comm, offered, len(offered), self._options.small_bytes)
@@ -541,7 +387,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                     e.t0 = head.t0
                     for h in life.hooks:
                         h.started(e)
-            nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._allreduce_flat,
+            nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._algos.all_reduce,
                                 self._options.allreduce_algo)
             if head_done:
                 nbytes += taken[0].nbytes
@@ -554,86 +400,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             # differs among them.
             seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
                          if len(taken) > 1 else (head.seq, head.desc))
-            self._pop_entries(len(taken))
+            self._sched.pop(len(taken))
             life.fail(taken, comm, e, named=(ValueError,), seq_text=seq, desc=desc)
             return
-        self._pop_entries(len(taken))
+        self._sched.pop(len(taken))
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
         life.finish(taken, comm, nbytes, comm.algorithm if len(taken) == 1 else
                     f"{comm.algorithm} (fused x{len(taken)})")
-
-    def _pop_entries(self, n: int) -> None:
-        with self._qcond:
-            for _ in range(n):
-                self._queue.popleft()
-
-    # ------------------------------------------------------------------ checks
-    def _check_tensor(self, t, what: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"rank {self._rank}: {what}: expected a tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED:
-            check_dtype(t.dtype, f"rank {self._rank}: {what}")
-        if t.is_sparse:
-            raise ValueError(f"rank {self._rank}: {what}: sparse tensors are not supported")
-
-    def _check_op(self, op, t: torch.Tensor, what: str) -> None:
-        """check_op, once per (op, dtype) pair: the message is built only for a refusal."""
-        if (op, t.dtype) not in _VALID_OPS:
-            check_op(op, t.dtype, f"rank {self._rank}: {what} of {_desc(t)}")
-            _VALID_OPS.add((op, t.dtype))
-
-    def _check_root(self, root: int, what: str) -> None:
-        if not 0 <= root < self._size:
-            raise ValueError(f"rank {self._rank}: {what}: root rank {root} is not in the group "
-                             f"of size {self._size}")
-
-    def _check_same(self, ref: torch.Tensor, t: torch.Tensor, what: str, numel: int | None = None) -> None:
-        if t.dtype != ref.dtype:
-            raise ValueError(f"rank {self._rank}: {what}: dtype {t.dtype} differs from the input's "
-                             f"{ref.dtype}")
-        want = ref.numel() if numel is None else numel
-        if t.numel() != want:
-            raise ValueError(f"rank {self._rank}: {what}: {_desc(t)} has {t.numel()} elements, "
-                             f"expected {want} (input {_desc(ref)})")
-
-    def _single(self, tensors, what: str) -> torch.Tensor:
-        if len(tensors) != 1:
-            raise ValueError(f"rank {self._rank}: {what}: expected one tensor per call, got {len(tensors)}")
-        self._check_tensor(tensors[0], what)
-        return tensors[0]
-
-    def _small(self, nbytes: int) -> bool:
-        return nbytes <= self._options.small_bytes
-
-    def _choose(self, comm: Comm, op: str, nbytes: int, allreduce_algo: str | None = None) -> str:
-        """The algorithm for this op (collectives/algorithms.py, the one table)."""
-        o = self._options
-        return algorithms.choose(op, nbytes, self._shape,
-                                 allreduce_algo=allreduce_algo or o.allreduce_algo,
-                                 rooted_algo=o.rooted_algo, small_bytes=o.small_bytes,
-                                 worker=getattr(comm, "worker", False))
-
-    def _run(self, comm: Comm, op: str, nbytes: int, *args, algo: str | None = None) -> str:
-        """Run ``op`` by the table's choice (collectives/algorithms.py: ``choose`` names the
-        algorithm, ``implementation`` gives its function); returns the algorithm's name."""
-        name = self._choose(comm, op, nbytes, algo)
-        self._call(name, op, comm, *args)
-        return name
-
-    def _call(self, name: str, op: str, comm: Comm, *args) -> None:
-        fn = algorithms.implementation(name, op)
-        if name == "two_level":
-            fn(comm, *args, self._plan, self._two_level_engine(), self._options.small_bytes)
-        else:
-            fn(comm, *args)
-
-    def _two_level_engine(self):
-        return self._local if self._local is not None else self._shm
-
-    def _rooted(self, comm: Comm, op: str, t: torch.Tensor, *args) -> None:
-        """broadcast(comm, t, root) / reduce(comm, t, op, root) by the table's choice."""
-        self._run(comm, op, t.numel() * t.element_size(), t, *args)
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
@@ -644,7 +418,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         op = op_type(opts.reduceOp)
         for t in tensors:
             self._check_op(op, t, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
         # Fusable: decided from the call alone (never from asyncOp: a rank may call the
@@ -656,7 +430,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         def run(comm: Comm):
             for b in bufs:
-                self._allreduce_flat(comm, _flat(b), op, algo)
+                self._algos.all_reduce(comm, _flat(b), op, algo)
 
         chain_bytes = (bufs[0].numel() * bufs[0].element_size()
                        if len(bufs) == 1 and op in _CHAIN_OPS else 0)
@@ -664,7 +438,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                             desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts,
                             chain_bytes=chain_bytes)
 
-    def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: _Stage,
+    def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: Stage,
                  timeout: float, sync: bool = False) -> Work:
         """Queue an all_reduce as a fusion entry (collectives/fusion.py). ``sync``: the caller
         waits at once (see _submit): with the worker idle and nothing queued, it runs the
@@ -679,15 +453,15 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             self._chain = fusion.chain_digest(self._chain, seq, desc)
             work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
-            work._on_wait = self._expedite
+            work._on_wait = self._sched.expedite
             self._flight.queued(what, seq, desc)
             entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                  self._chain)
-            here = sync and self._take_turn(entry)
+            here = sync and self._sched.take_turn(entry)
             if not here:
-                self._put(entry)
+                self._sched.put(entry)
         if here:
-            self._run_on_turn(self._run_fused, [entry])
+            self._sched.run_on_turn(self._run_fused, [entry])
         return work
 
     #: Most prioritized all_reduces running at once; more wait, in call order (which keeps
@@ -707,7 +481,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_op(op, tensor, what)
         if self._shut:
             raise RuntimeError(f"linerate: {what} on a process group that was shut down")
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         buf = stage.out(tensor, keep=True)
         timeout = self._timeout if timeout is None else float(timeout)
         desc = f"{_dts([tensor])} op={_rop(op)} {name}".rstrip()
@@ -725,13 +499,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 def run(comm: Comm) -> None:
                     comm.priority = priority
                     t0 = time.perf_counter()
-                    self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
+                    self._algos.all_reduce(comm, _flat(buf), op, self._options.allreduce_algo)
                     if self.timeline is not None:
                         self.timeline.span(f"all_reduce {name or seq}", "comm", t0,
                                            time.perf_counter(), priority=priority,
                                            bytes=buf.numel() * buf.element_size(),
                                            queued_ms=round((t0 - queued) * 1000, 3))
-                self._put(Op(what, seq, run, stage, timeout, work, [tensor], None, desc))
+                self._sched.put(Op(what, seq, run, stage, timeout, work, [tensor], None, desc))
                 if tl is not None:
                     tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
                 return work
@@ -767,7 +541,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             comm.priority = priority
             comm.set_call(desc)
             life.begin((me,), comm)
-            self._allreduce_flat(comm, _flat(buf), op, self._options.allreduce_algo)
+            self._algos.all_reduce(comm, _flat(buf), op, self._options.allreduce_algo)
         except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
             life.fail((me,), comm, e)
             return
@@ -778,10 +552,6 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                                bytes=buf.numel() * buf.element_size(),
                                queued_ms=round((t0 - queued) * 1000, 3))
 
-    def _allreduce_flat(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:
-        self._run(comm, "all_reduce", flat.numel() * flat.element_size(), flat, op, algo=algo)
-        finish_avg(flat, op, comm.size)
-
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
         what = "all_reduce_coalesced"
@@ -789,7 +559,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         for t in tensors:
             self._check_tensor(t, what)
             self._check_op(op, t, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
 
@@ -800,7 +570,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 by_dtype.setdefault(b.dtype, []).append(b)
             for group in by_dtype.values():
                 flat = torch.cat([_flat(b) for b in group]) if len(group) > 1 else _flat(group[0])
-                self._allreduce_flat(comm, flat, op, algo)
+                self._algos.all_reduce(comm, flat, op, algo)
                 if len(group) > 1:
                     off = 0
                     for b in group:
@@ -828,7 +598,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if tensor.layout != torch.strided:
             raise ValueError(f"rank {me}: {what}: {tensor.layout} tensors are not supported (dense only)")
         if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            raise ValueError(f"rank {me}: {what} of {_desc(tensor)}: dtype {tensor.dtype} is not "
+            raise ValueError(f"rank {me}: {what} of {tensor_desc(tensor)}: dtype {tensor.dtype} is not "
                              f"supported (float32, float64, float16, bfloat16)")
         ins = []
         for j, w in sorted(in_weights.items()):
@@ -849,13 +619,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             timeout = self._timeout
         elif isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         if out is None:
             buf = dst = stage.out(tensor, keep=True)
         else:
             self._check_out(tensor, out, what)
             buf, dst = stage.inp(tensor), stage.out(out)
-        handshake = not self._small(tensor.numel() * tensor.element_size())  # same on every rank
+        handshake = tensor.numel() * tensor.element_size() > self._options.small_bytes  # same on every rank
 
         def run(comm: Comm):
             from .neighbor import mix
@@ -866,24 +636,6 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         return self._submit(what, run, [tensor if out is None else out], stage, float(timeout),
                             desc=f"{_dts([tensor])} {call}".rstrip())
 
-    def _check_out(self, tensor: torch.Tensor, out, what: str) -> None:
-        """``out`` of an out-of-place op: a dense tensor like ``tensor``, on its device, apart
-        from it in memory."""
-        me = self._rank
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"rank {me}: {what}: out must be a tensor, got {type(out).__name__}")
-        if out.layout != torch.strided:
-            raise ValueError(f"rank {me}: {what}: out is {out.layout} (dense only)")
-        if out.dtype != tensor.dtype or out.shape != tensor.shape or out.device != tensor.device:
-            raise ValueError(f"rank {me}: {what}: out {_desc(out)} on {out.device} must match the "
-                             f"tensor {_desc(tensor)} on {tensor.device}")
-        if out.numel() and tensor.numel():
-            a0, a1 = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-            b0, b1 = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"rank {me}: {what}: out overlaps the tensor in memory; pass "
-                                 f"a separate buffer, or no out to mix in place")
-
     # ------------------------------------------------------------------ rooted ops
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
@@ -891,9 +643,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         buf = stage.out(t, keep=(self._rank == root))
-        return self._submit(what, lambda comm: self._rooted(comm, "broadcast", _flat(buf), root),
+        return self._submit(what, lambda comm: self._algos.rooted(comm, "broadcast", _flat(buf), root),
                             list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}", opts=opts)
 
@@ -905,13 +657,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         self._check_root(root, what)
         op = op_type(opts.reduceOp)
         self._check_op(op, t, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         is_root = self._rank == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
 
         def run(comm: Comm):
             flat = _flat(buf)
-            self._rooted(comm, "reduce", flat, op, root)
+            self._algos.rooted(comm, "reduce", flat, op, root)
             if is_root:
                 finish_avg(flat, op, comm.size)
 
@@ -924,7 +676,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(input_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         src = stage.inp(t)
         outs = None
         if self._rank == root:
@@ -937,7 +689,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             outs = [_flat(stage.out(o)) for o in output_lists[0]]
 
         def run(comm: Comm):
-            self._run(comm, "gather", 0, _flat(src), outs, root)
+            self._algos.run(comm, "gather", 0, _flat(src), outs, root)
 
         result = list(output_lists[0]) if output_lists else []
         return self._submit(what, run, result, stage, self._op_timeout(opts),
@@ -950,7 +702,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         t = self._single(output_tensors, what)
         root = opts.rootRank
         self._check_root(root, what)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         ins = None
         if self._rank == root:
             if len(input_lists) != 1 or len(input_lists[0]) != self._size:
@@ -963,21 +715,16 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         out = stage.out(t)
 
         def run(comm: Comm):
-            self._run(comm, "scatter", 0, _flat(out), ins, root)
+            self._algos.run(comm, "scatter", 0, _flat(out), ins, root)
 
         return self._submit(what, run, list(output_tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts([t])} root={root}", opts=opts)
 
     # ------------------------------------------------------------------ gathers
-    def _gather_segs(self, stage: _Stage, inp: torch.Tensor, outs: list[torch.Tensor]):
+    def _gather_segs(self, stage: Stage, inp: torch.Tensor, outs: list[torch.Tensor]):
         src = _flat(stage.inp(inp))
         segs = [_flat(stage.out(o)) for o in outs]
         return src, segs
-
-    def _run_all_gather(self, comm: Comm, src: torch.Tensor, segs: list[torch.Tensor]) -> None:
-        segs[comm.rank].copy_(src)
-        total = sum(s.numel() for s in segs) * src.element_size()
-        self._run(comm, "all_gather", total, segs)
 
     def allgather(self, output_lists, input_tensors, opts=None):
         what = "all_gather"
@@ -992,9 +739,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
                 raise ValueError(f"rank {self._rank}: all_gather: output {i} has dtype {o.dtype}, "
                                  f"input {t.dtype}")
         self._check_same(t, outs[self._rank], f"all_gather output {self._rank}")
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         src, segs = self._gather_segs(stage, t, outs)
-        return self._submit(what, lambda comm: self._run_all_gather(comm, src, segs),
+        return self._submit(what, lambda comm: self._algos.all_gather(comm, src, segs),
                             list(outs), stage, self._op_timeout(opts),
                             desc=_dts([t]), opts=opts)
 
@@ -1005,7 +752,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(output_lists) != P or any(len(o) != len(input_tensors) for o in output_lists):
             raise ValueError(f"rank {self._rank}: {what}: expected {P} output lists (one per "
                              f"rank) of {len(input_tensors)} tensors each")
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         jobs = []
         for j, t in enumerate(input_tensors):
             self._check_tensor(t, what)
@@ -1020,13 +767,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
         def run(comm: Comm):
             for src, segs in jobs:
-                self._run_all_gather(comm, src, segs)
+                self._algos.all_gather(comm, src, segs)
 
         result = [o for outs in output_lists for o in outs]
         return self._submit(what, run, result, stage, self._op_timeout(opts),
                             desc=_dts(input_tensors), opts=opts)
 
-    def _single_gather_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
+    def _single_gather_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
         self._check_tensor(out, what)
         self._check_tensor(inp, what)
         self._check_same(inp, out, f"{what} output", numel=inp.numel() * self._size)
@@ -1036,9 +783,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         src, segs = self._single_gather_job(stage, output, input, what)
-        return self._submit("all_gather", lambda comm: self._run_all_gather(comm, src, segs),
+        return self._submit("all_gather", lambda comm: self._algos.all_gather(comm, src, segs),
                             [output], stage, self._op_timeout(opts),
                             desc=_dts([input]), opts=opts)
 
@@ -1046,14 +793,14 @@ class ProcessGroupLinerate(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         what = "all_gather_into_tensor_coalesced"
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         jobs = [self._single_gather_job(stage, o, i, what) for o, i in zip(outputs, inputs)]
         if len(outputs) != len(inputs):
             raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
 
         def run(comm: Comm):
             for src, segs in jobs:
-                self._run_all_gather(comm, src, segs)
+                self._algos.all_gather(comm, src, segs)
 
         return self._submit("all_gather_coalesced", run, list(outputs), stage, self._op_timeout(opts),
                             desc=_dts(inputs), opts=opts)
@@ -1061,28 +808,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ------------------------------------------------------------------ reduce-scatter
-    def _run_reduce_scatter(self, comm: Comm, segs: list[torch.Tensor], out: torch.Tensor, op) -> None:
-        """``segs`` are the caller's inputs (read only here)."""
-        numel = sum(s.numel() for s in segs)
-        name = self._choose(comm, "reduce_scatter", numel * out.element_size())
-        if name != "ring":
-            if any(s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for s in segs):
-                segs = [s.clone() for s in segs]    # out is written while segs are still read
-            self._call(name, "reduce_scatter", comm, segs, out, op)
-        else:
-            # The ring reduces in place: work on a private copy, in reused scratch memory
-            # (a fresh buffer per call would pay its page faults every time).
-            flat = comm.scratch.get(2, numel, out.dtype)
-            mine, off = [], 0
-            for s in segs:
-                mine.append(flat[off:off + s.numel()])
-                mine[-1].copy_(s)
-                off += s.numel()
-            self._call("ring", "reduce_scatter", comm, mine, op)
-            out.copy_(mine[comm.rank])
-        finish_avg(out, op, comm.size)
-
-    def _scatter_job(self, stage: _Stage, out: torch.Tensor, ins: list[torch.Tensor], op, what: str):
+    def _scatter_job(self, stage: Stage, out: torch.Tensor, ins: list[torch.Tensor], op, what: str):
         self._check_tensor(out, what)
         self._check_op(op, out, what)
         if len(ins) != self._size:
@@ -1101,13 +827,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(input_lists) != 1:
             raise ValueError(f"rank {self._rank}: {what}: expected one list of inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
-        return self._submit(what, lambda comm: self._run_reduce_scatter(comm, segs, o, op),
+        return self._submit(what, lambda comm: self._algos.reduce_scatter(comm, segs, o, op),
                             [out], stage, self._op_timeout(opts),
                             desc=f"{_dts([out])} op={_rop(op)}", opts=opts)
 
-    def _single_scatter_job(self, stage: _Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
+    def _single_scatter_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
         self._check_tensor(out, what)
         self._check_tensor(inp, what)
         self._check_op(op, out, what)
@@ -1119,9 +845,9 @@ class ProcessGroupLinerate(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self._rank}")
+        stage = Stage(self._rank)
         segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
-        return self._submit("reduce_scatter", lambda comm: self._run_reduce_scatter(comm, segs, o, op),
+        return self._submit("reduce_scatter", lambda comm: self._algos.reduce_scatter(comm, segs, o, op),
                             [output], stage, self._op_timeout(opts),
                             desc=f"{_dts([output])} op={_rop(op)}", opts=opts)
 
@@ -1133,12 +859,12 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         op = op_type(opts.reduceOp)
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         jobs = [self._single_scatter_job(stage, o, i, op, what) for o, i in zip(outputs, inputs)]
 
         def run(comm: Comm):
             for segs, o in jobs:
-                self._run_reduce_scatter(comm, segs, o, op)
+                self._algos.reduce_scatter(comm, segs, o, op)
 
         return self._submit("reduce_scatter_coalesced", run, list(outputs), stage, self._op_timeout(opts),
                             desc=f"{_dts(outputs)} op={_rop(op)}", opts=opts)
@@ -1158,10 +884,10 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             if t.dtype != ref.dtype:
                 raise ValueError(f"rank {self._rank}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
         self._check_same(input_tensors[self._rank], output_tensors[self._rank], f"{what} output {self._rank}")
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
-        return self._submit(what, lambda comm: self._run(comm, "all_to_all", 0, outs, ins),
+        return self._submit(what, lambda comm: self._algos.run(comm, "all_to_all", 0, outs, ins),
                             list(output_tensors), stage, self._op_timeout(opts),
                             desc=str(ref.dtype).replace("torch.", ""), opts=opts)
 
@@ -1173,7 +899,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             raise ValueError(f"rank {self._rank}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
         in_splits = self._splits(input, input_split_sizes, "input")
         out_splits = self._splits(output, output_split_sizes, "output")
-        stage = _Stage(f"rank {self._rank}: {what}")
+        stage = Stage(self._rank, what)
         src = stage.inp(input)
         dst = stage.out(output)
         ins = self._split_views(src, in_splits)
@@ -1181,88 +907,18 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if ins[self._rank].numel() != outs[self._rank].numel():
             raise ValueError(f"rank {self._rank}: {what}: this rank sends itself "
                              f"{ins[self._rank].numel()} elements but expects {outs[self._rank].numel()}")
-        return self._submit("all_to_all", lambda comm: self._run(comm, "all_to_all", 0, outs, ins),
+        return self._submit("all_to_all", lambda comm: self._algos.run(comm, "all_to_all", 0, outs, ins),
                             [output], stage, self._op_timeout(opts),
                             desc=str(input.dtype).replace("torch.", ""), opts=opts)
 
     alltoall_base = all_to_all_single
 
-    def _splits(self, t: torch.Tensor, splits, what: str) -> list[int]:
-        P = self._size
-        rows = t.shape[0] if t.dim() > 0 else t.numel()
-        if not splits:
-            if rows % P:
-                raise ValueError(f"rank {self._rank}: all_to_all_single: {what} {_desc(t)}: dim 0 ({rows}) "
-                                 f"is not divisible by the group size {P}; pass split sizes")
-            return [rows // P] * P
-        splits = [int(s) for s in splits]
-        if len(splits) != P or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"rank {self._rank}: all_to_all_single: {what} split sizes {splits} must be "
-                             f"{P} non-negative numbers summing to dim 0 of {_desc(t)}")
-        return splits
-
-    @staticmethod
-    def _split_views(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
-        row = math.prod(t.shape[1:]) if t.dim() > 0 else 1
-        flat = _flat(t)
-        views, off = [], 0
-        for s in splits:
-            views.append(flat[off * row:(off + s) * row])
-            off += s
-        return views
-
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", lambda comm: self._run(comm, "barrier", 0), [],
-                            _Stage(), self._op_timeout(opts),
+        return self._submit("barrier", lambda comm: self._algos.run(comm, "barrier", 0), [],
+                            Stage(), self._op_timeout(opts),
                             desc="", opts=opts)
-
-    # ------------------------------------------------------------------ point to point
-    def _check_p2p(self, tensors, peer, tag, what: str) -> torch.Tensor:
-        t = self._single(tensors, what)
-        if peer is not None and (not 0 <= peer < self._size or peer == self._rank):
-            raise ValueError(f"rank {self._rank}: {what}: invalid peer rank {peer} (group size "
-                             f"{self._size}, own rank {self._rank})")
-        if not 0 <= tag <= _MAX_TAG:
-            raise ValueError(f"rank {self._rank}: {what}: tag {tag} must be in [0, 2^63)")
-        return t
-
-    def _p2p_work(self, desc: str, result: list, stage: _Stage, req) -> Work:
-        work = Work(desc, result, stage.devices, timeout=self._timeout)
-
-        def done(r):
-            if r.error is None:
-                try:
-                    stage.finish()
-                except BaseException as e:  # noqa: BLE001 - reported through the Work
-                    work._complete(e, r.peer if r.peer is not None else -1)
-                    return
-            work._complete(r.error, r.peer if r.peer is not None else -1)
-
-        req.add_done_callback(done)
-        return work
-
-    def send(self, tensors, dst: int, tag: int = 0):
-        t = self._check_p2p(tensors, dst, tag, "send")
-        stage = _Stage(f"rank {self._rank}")
-        buf = stage.inp(t)
-        req = self._ctx.isend(dst, byte_view(buf), CHANNEL_P2P, tag, 0, f"send to rank {dst} tag {tag}")
-        return self._p2p_work(f"send to rank {dst} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
-
-    def recv(self, tensors, src: int, tag: int = 0):
-        t = self._check_p2p(tensors, src, tag, "recv")
-        stage = _Stage(f"rank {self._rank}")
-        buf = stage.out(t)
-        req = self._ctx.irecv(src, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from rank {src} tag {tag}")
-        return self._p2p_work(f"recv from rank {src} (tag {tag}, {_desc(t)})", list(tensors), stage, req)
-
-    def recv_anysource(self, tensors, tag: int = 0):
-        t = self._check_p2p(tensors, None, tag, "recv")
-        stage = _Stage(f"rank {self._rank}")
-        buf = stage.out(t)
-        req = self._ctx.irecv(None, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from any rank tag {tag}")
-        return self._p2p_work(f"recv from any rank (tag {tag}, {_desc(t)})", list(tensors), stage, req)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
@@ -1270,10 +926,7 @@ class ProcessGroupLinerate(dist.ProcessGroup):
         if self._shut:
             return
         self._shut = True
-        self._put(None)
-        worker = self._worker
-        if worker is not None and threading.current_thread() is not worker:
-            worker.join(timeout=self._timeout)
+        self._sched.stop(self._timeout)
         if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
             self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
         if self._plan is not None:
@@ -1286,13 +939,13 @@ class ProcessGroupLinerate(dist.ProcessGroup):
             return
         self._shut = True
         self._ctx.close(timeout=0.0, reason="aborted")
-        self._put(None)
+        self._sched.put(None)
 
     def __del__(self):
         try:
             if not self._shut:
                 self._shut = True
-                self._put(None)
+                self._sched.put(None)
                 self._ctx.close(timeout=1.0)
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass

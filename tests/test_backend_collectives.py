@@ -740,8 +740,8 @@ def _ag_coalesced_fn(rank, P, lr):
 def _worker_comes_and_goes(rank, P, lr):
     """A group's worker starts with its first async call and ends once idle for
     WORKER_IDLE_S; the next async call starts another, and results stay right."""
-    import linerate.collectives.backend as backend
-    backend.WORKER_IDLE_S = 0.3
+    import linerate.collectives.scheduler as scheduler
+    scheduler.WORKER_IDLE_S = 0.3
     pg = lr._get_backend(torch.device("cpu"))
     x = torch.full((1000,), float(rank))
     dist.all_reduce(x, group=lr, async_op=True).wait()
