@@ -400,10 +400,12 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             # differs among them.
             seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
                          if len(taken) > 1 else (head.seq, head.desc))
-            self._sched.pop(len(taken))
+            if not head.inline:
+                self._sched.pop(len(taken))
             life.fail(taken, comm, e, named=(ValueError,), seq_text=seq, desc=desc)
             return
-        self._sched.pop(len(taken))
+        if not head.inline:
+            self._sched.pop(len(taken))
         self.fusion_stats["calls"] += len(taken)
         self.fusion_stats["ops"] += 1
         life.finish(taken, comm, nbytes, comm.algorithm if len(taken) == 1 else
@@ -457,10 +459,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             self._flight.queued(what, seq, desc)
             entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                  self._chain)
-            here = sync and self._sched.take_turn(entry)
+            here = sync and self._sched.take_turn()
             if not here:
                 self._sched.put(entry)
         if here:
+            entry.inline = True
             self._sched.run_on_turn(self._run_fused, [entry])
         return work
 

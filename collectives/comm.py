@@ -79,25 +79,30 @@ class Scratch:
 
     def __init__(self):
         self._bufs: dict[int, torch.Tensor] = {}
+        self.held = 0  # bytes of every buffer kept
 
     def get(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self._bufs.get(index)
         if buf is None or buf.numel() < nbytes:
+            self.held -= 0 if buf is None else buf.numel()
             buf = self._bufs[index] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self.held += buf.numel()
         return buf[:nbytes].view(dtype)
 
     def release(self) -> None:
         self._bufs.clear()
+        self.held = 0
 
     def trim(self, keep_bytes: int) -> None:
         """Give back the largest buffers until at most ``keep_bytes`` are kept (after an op:
         LINERATE_KEEP_BYTES), so one large operation does not hold its scratch for good."""
-        held = sum(b.numel() for b in self._bufs.values())
+        if self.held <= keep_bytes:
+            return
         for index, buf in sorted(self._bufs.items(), key=lambda kv: -kv[1].numel()):
-            if held <= keep_bytes:
+            if self.held <= keep_bytes:
                 break
-            held -= buf.numel()
+            self.held -= buf.numel()
             del self._bufs[index]
 
 

@@ -43,16 +43,13 @@ class Scheduler:
         self.worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------ callers
-    def take_turn(self, entry=None) -> bool:
+    def take_turn(self) -> bool:
         """Whether the worker is idle with nothing queued; if so the caller holds its turn
-        (the worker waits) until run_on_turn gives it back. ``entry``: a fusion entry to
-        queue meanwhile (the fused run pops it)."""
+        (the worker waits) until run_on_turn gives it back."""
         with self.cond:
             if self.queue or self._running or self._inline:
                 return False
             self._inline = True
-            if entry is not None:
-                self.queue.append(entry)
             return True
 
     def run_on_turn(self, fn, arg) -> None:

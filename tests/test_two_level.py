@@ -24,7 +24,7 @@ needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot
 # ----------------------------------------------------------------------------- SubComm
 def _subcomm(rank, P, lr):
     from linerate.collectives import chain, direct, halving, ring
-    from linerate.collectives.backend import _Stage
+    from linerate.collectives.stage import Stage
     from linerate.collectives.reduce_ops import RedOpType
     out = {}
 
@@ -47,7 +47,7 @@ def _subcomm(rank, P, lr):
         ring.all_reduce(comm, w, RedOpType.SUM)  # the op's own run, after the subsets'
         out["all"] = w.tolist()
 
-    lr._submit("all_reduce", fn, [], _Stage(), 30.0, desc="subcomm").wait()
+    lr._submit("all_reduce", fn, [], Stage(), 30.0, desc="subcomm").wait()
     # Two "hosts" of two ranks on loopback (their host ids patched): a group of all four runs
     # two-level; a rank that passes another size is named on every rank, at once, small
     # (the fused agreement on the segment) and large (the local reduce-scatter).
