@@ -42,6 +42,7 @@ level; with one rank per host: the inter-host level alone), else the size rule a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from . import halving
 
@@ -65,24 +66,24 @@ class Shape:
     #: every host with 2+ ranks of the group maps a proved shared segment
     shared: bool
 
-    @property
+    @cached_property  # the group's shape is fixed: each figure computed once
     def H(self) -> int:
         return len(self.hosts)
 
-    @property
+    @cached_property
     def per_host(self) -> int:
         return max((len(h) for h in self.hosts), default=1)
 
-    @property
+    @cached_property
     def one_host_shm(self) -> bool:
         return self.P > 1 and self.H == 1 and self.shared
 
-    @property
+    @cached_property
     def two_level_ok(self) -> bool:
         """Two-level algorithms can run: co-located ranks share memory (or there are none)."""
         return self.P > 1 and self.per_host <= MAX_COLUMNS and (self.shared or self.per_host == 1)
 
-    @property
+    @cached_property
     def two_level_auto(self) -> bool:
         """``auto`` takes them: several hosts, some with several ranks."""
         return self.two_level_ok and self.H > 1 and self.per_host >= 2
