@@ -224,6 +224,7 @@ class Engine:
         #: until the garbage collector ran).
         self._comm = None
         self._checked = True
+        self._desc_key = None  # (op, call text) written in this rank's row
         # Liveness without TCP: with lazy connections co-located ranks may never open one
         # (whose reset would tell a waiter that a peer died); a waiter checks the pids.
         self._pidns = pidns()
@@ -239,6 +240,15 @@ class Engine:
         self._big = 0                 # large all_reduces run here (the same on every rank)
         self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
         self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
+        #: Bytes moved between this rank and each segment rank q, as a link would count them
+        #: (``traffic``): tx[q], what this rank wrote into the segment that q reads (or what q
+        #: read from this rank's tensor by CMA); rx[q], what this rank read of q's (its slot, its
+        #: share of a result area, its tensor). tx_all/rx_all: bytes sent to / received from
+        #: every peer alike (one add for an op that treats all peers the same). Payload only:
+        #: the control words (ticks, digests, all_to_all's sizes) are not counted.
+        self.tx, self.rx = [0] * P, [0] * P
+        self.tx_all = self.rx_all = 0
+        seg.traffic = self.traffic  # read by the transport's stats (Context.stats)
         seg.on_close.append(self._release)
 
     @property
@@ -249,6 +259,13 @@ class Engine:
     @comm.setter
     def comm(self, comm: Comm | None) -> None:
         self._comm = weakref.ref(comm) if comm is not None else None
+
+    def traffic(self) -> dict[int, tuple[int, int]]:
+        """{peer's group rank: (bytes sent, bytes received)} through the segment so far (see
+        ``tx``): what this rank wrote for the peer to read and what it read of the peer's;
+        rank r's sent to q equals q's received from r."""
+        tx, rx, ta, ra = self.tx, self.rx, self.tx_all, self.rx_all
+        return {g: (tx[q] + ta, rx[q] + ra) for q, g in enumerate(self.gr) if q != self.r}
 
     def _release(self) -> None:
         """The group closed: drop every view of the segment (its mapping goes now)."""
@@ -284,10 +301,13 @@ class Engine:
         self.base = self.tick
         row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
         row[_DIGEST] = _signed(comm.call)
-        text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
-        desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
-        desc[:] = 0
-        desc[:len(text)] = np.frombuffer(text, np.uint8)
+        key = (comm.op, comm.call_text)
+        if key != self._desc_key:  # the row holds the last op's text: a repeated call keeps it
+            text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
+            desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
+            desc[:] = 0
+            desc[:len(text)] = np.frombuffer(text, np.uint8)
+            self._desc_key = key
         h = _HIST + 2 * (comm.seq % _HIST_N)
         row[h] = 0            # the entry is being rewritten
         row[h + 1] = row[_DIGEST]
@@ -311,26 +331,22 @@ class Engine:
             seg.fence()
         prog[self.r] = t
         seg.fence()  # the tick is visible before the sleepers' wishes are read
-        if want.any():  # wake exactly the sleepers whose wait is over
-            pmin = None  # every rank's least tick: read once (31 sleepers at 32 ranks)
-            for q in np.flatnonzero(want).tolist():
-                w = int(want[q])
+        wants = want.tolist()  # a few words: a list beats NumPy's reductions on them
+        if any(wants):  # wake exactly the sleepers whose wait is over
+            ticks = None  # every rank's tick: read once (31 sleepers at 32 ranks)
+            for q, w in enumerate(wants):
                 if not w:
                     continue
+                if ticks is None:
+                    ticks = prog.tolist()
                 who = int(ctrl[q, _WHO])
-                if who >= 0:
-                    done = prog[who] >= w
-                else:
-                    if pmin is None:
-                        pmin = int(prog.min())
-                    done = pmin >= w
-                if done:
+                if (ticks[who] if who >= 0 else min(ticks)) >= w:
                     seg.ring(q)
 
     def wait_free(self, area: int) -> None:
         t = self.free[area]
         prog = self.prog
-        if t and (prog is None or prog.min() < t):
+        if t and (prog is None or min(prog.tolist()) < t):
             self.wait(t)
 
     def wait(self, t: int, who: list[int] | None = None) -> None:
@@ -412,19 +428,24 @@ class Engine:
         """Raise if a rank this one waits for (not at tick ``t`` yet) closed its group or
         failed (a link's failure) or its process has exited."""
         comm = self.comm
+        ctx = comm.ctx
         late = [q for q in (who or range(self.P)) if prog[q] < t]
         for q in late:
-            peer = comm.ctx.peers.get(self.gr[q])
+            peer = ctx.peers.get(self.gr[q])
             if peer is not None and peer.failure is not None:
-                raise TransportError(str(peer.failure))
+                # (a peer that failed because of another rank and then closed or exited
+                # names that rank: Context.lost)
+                raise ctx.lost(self.gr[q], str(peer.failure), f"rank {self.me}: {comm._desc}")
         pids = {q: self._pid(q, ctrl) for q in late}
         gone = self.seg.watch.exited([p for p in pids.values() if p])  # one syscall
         for q in late:
             if pids[q] in gone:
-                msg = (f"rank {self.me}: {comm._desc}: rank {self.gr[q]} (process "
-                       f"{int(ctrl[q, _PID])} on this host) has exited{comm.ctx._where()}")
-                comm.ctx.report_error(msg)  # the other ranks hear of it at once
-                raise TransportError(msg)
+                err = ctx.lost(self.gr[q], f"rank {self.me}: {comm._desc}: rank {self.gr[q]} "
+                                           f"(process {int(ctrl[q, _PID])} on this host) has "
+                                           f"exited{ctx._where()}",
+                               f"rank {self.me}: {comm._desc}")
+                ctx.report_error(str(err), err.root)  # the other ranks hear of it at once
+                raise err
 
     def _pid(self, q: int, ctrl) -> int:
         """Segment rank q's pid where this rank can tell whether it runs, else 0 (no pid
@@ -504,9 +525,10 @@ class Engine:
 
 # ---------------------------------------------------------------------------- algorithms
 def _ready(prog, t: int, who) -> bool:
+    ticks = prog.tolist()  # one read of a few words (NumPy's min costs more than it)
     if who is None:
-        return prog.min() >= t
-    return all(prog[q] >= t for q in who)
+        return min(ticks) >= t
+    return all(ticks[q] >= t for q in who)
 
 
 def _engine(comm: Comm) -> Engine:
@@ -544,6 +566,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         areas = [E.S(b, q) for q in range(P)]
         _fold(flat, [E.view(a, dt, n, es) for a in areas], op)
         E.publish(areas)
+        E.tx_all += n * es  # every peer folds this rank's slot; it folds every peer's
+        E.rx_all += n * es
         return
     if n * es >= CMA_BYTES and P > 1:
         if E.cma is None:
@@ -561,6 +585,20 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
             return
         E.big_paths[1] += 1
     _all_reduce_segment(E, flat, op)
+
+
+def _count_shares(E: Engine, n: int, es: int, mine: int) -> None:
+    """Bytes moved by an all_reduce of ``n`` elements of ``es`` bytes reduced in shares
+    (``_share``; ``mine``: this rank's share's length): with each peer q this rank sends q's
+    share of its input (q folds it) and its own share of the result (q copies it out), and
+    receives the same: q's share of the result and this rank's share of q's input."""
+    tx, rx, P, r = E.tx, E.rx, E.P, E.r
+    for q in range(P):
+        if q != r:
+            lo, hi = _share(n, P, q)
+            d = (hi - lo + mine) * es
+            tx[q] += d
+            rx[q] += d
 
 
 def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
@@ -588,6 +626,7 @@ def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
                       [flat[o + lo:o + hi] if q == r else E.view(E.S(b, q), dt, ln, es)[lo:hi]
                        for q in range(P)], op)
             reads += [E.S(b, q) for q in range(P)]
+            _count_shares(E, ln, es, hi - lo)
         i = ph  # copy chunk i in, but for this rank's own share (folded from flat)
         if i < nch:
             o, ln = chunks[i]
@@ -705,10 +744,14 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
         try:
             cma_read(pids[q], local, ptrs[q] + off, nbytes)
         except OSError as e:
-            msg = (f"rank {E.me}: {comm._desc}: reading rank {E.gr[q]}'s tensor (process "
-                   f"{pids[q]}, cross-memory attach) failed: {e}{comm.ctx._where()}")
-            comm.ctx.report_error(msg)
-            raise TransportError(msg) from None
+            # ESRCH, EFAULT: rank q is gone, or left this op; where it (or another rank)
+            # recorded that it failed because of another rank, that rank is named.
+            ctx = comm.ctx
+            err = ctx.lost(E.gr[q], f"rank {E.me}: {comm._desc}: reading rank {E.gr[q]}'s "
+                                    f"tensor (process {pids[q]}, cross-memory attach) failed: "
+                                    f"{e}{ctx._where()}", f"rank {E.me}: {comm._desc}")
+            ctx.report_error(str(err), err.root)
+            raise err from None
 
     lo, hi = _share(n, P, r)
     if hi > lo:
@@ -742,6 +785,7 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
             qlo, qhi = _share(n, P, q)
             if qhi > qlo:
                 read(q, base + qlo * es, qlo * es, (qhi - qlo) * es)
+    _count_shares(E, n, es, hi - lo)
     E.publish()
     E.wait(E.tick)  # no one reads this rank's tensor any more
 
@@ -759,6 +803,9 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
         if r == root:
             E.wait(E.tick)
             _fold(flat, [E.view(a, dt, n, es) for a in areas], op)
+            E.rx_all += n * es
+        else:
+            E.tx[root] += n * es
         E.publish(areas)
         return
     chunks = _chunks(n, E.C // es)
@@ -782,6 +829,14 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
                 _fold(E.view(E.R(b), dt, ln, es)[lo:hi],
                       [E.view(E.S(b, q), dt, ln, es)[lo:hi] for q in range(P)], op)
             reads += [E.S(b, q) for q in range(P)]
+            # every rank folds its share of every slot; the root copies every share out
+            for q in range(P):
+                if q != r:
+                    qlo, qhi = _share(ln, P, q)
+                    E.tx[q] += (qhi - qlo) * es
+                    E.rx[q] += (hi - lo + (qhi - qlo if r == root else 0)) * es
+            if r != root:
+                E.tx[root] += (hi - lo) * es
         i = ph
         if i < nch:
             o, ln = chunks[i]
@@ -802,6 +857,10 @@ def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
     E = _engine(comm)
     r = E.r
     data = _bytes(t)
+    if r == root:  # every other rank reads all of it
+        E.tx_all += data.numel()
+    else:
+        E.rx[root] += data.numel()
     for o, ln in _chunks(data.numel(), E.C):
         a = E.S(E.next_set(), root)
         if r == root:
@@ -836,6 +895,13 @@ def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
     nch = len(chunks)
     sets = [E.next_set() for _ in chunks]
     reader = root is None or r == root
+    # (all contributions have this rank's length: the reads below take it for every rank's)
+    if root is None:  # every peer (the root) reads all of this rank's
+        E.tx_all += mine.numel()
+    elif r != root:
+        E.tx[root] += mine.numel()
+    if reader:
+        E.rx_all += mine.numel()
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
@@ -865,6 +931,9 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
     srcs = [_bytes(x) for x in ins] if r == root else None
     if r == root:
         _copy(mine, srcs[root])
+        E.tx_all += mine.numel()  # a block of the out's size for every other rank
+    else:
+        E.rx[root] += mine.numel()
     B = (E.C // P) // _ALIGN * _ALIGN
     for o, ln in _chunks(mine.numel(), B):
         a = E.S(E.next_set(), root)
@@ -947,6 +1016,11 @@ def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor,
     m = max(1, (E.C // P) // es // 16 * 16)  # elements per rank's sub-block
     nch = max(1, max(-(-ln // m) for ln in lens))  # the same on every rank
     sets = [E.next_set() for _ in range(nch)]
+    # rank q folds its block of every rank's slot; this rank folds its block of every peer's
+    E.rx_all += lens[r] * es
+    for q in range(P):
+        if q != r:
+            E.tx[q] += lens[q] * es
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
@@ -985,6 +1059,14 @@ def gather_v(comm: Comm, segs: list, root: int | None = None) -> None:
     nch = max(1, max(-(-ln // C) for ln in lens))
     sets = [E.next_set() for _ in range(nch)]
     reader = root is None or r == root
+    if root is None:  # every peer (the root) reads all of this rank's
+        E.tx_all += lens[r]
+    elif r != root:
+        E.tx[root] += lens[r]
+    if reader:
+        for q in range(P):
+            if q != r:
+                E.rx[q] += lens[q]
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
@@ -1026,6 +1108,11 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
     meta = [steps] + [n for _, n in src] + [n for _, n in dst]
     if src[r][1]:
         move(dst[r][0], src[r][0], src[r][1])
+    tx, rx = E.tx, E.rx
+    for q in range(P):
+        if q != r:
+            tx[q] += src[q][1]
+            rx[q] += dst[q][1]
     ph = 0
     total = None
     sets: list = []
@@ -1094,22 +1181,24 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     # In the slot (not the control row, which a rank that finished this op may already reuse):
     # count and digest in its first 16 bytes, the head entry's bytes from byte 64.
     b = E.next_set()
-    E.wait_free(E.S(b, r))
-    head_words = E.areas[E.S(b, r)][:16].view(torch.int64)
-    head_words[0] = offered
-    head_words[1] = _signed(entries[offered - 1].chain)
+    mine = E.S(b, r)
+    E.wait_free(mine)
+    words, step = E.words, E.C // 8
+    words[mine * step] = offered
+    words[mine * step + 1] = _signed(entries[offered - 1].chain)
     flat = head.buf.view(-1)
     n, es, dt = flat.numel(), flat.element_size(), flat.dtype
-    if carry:
-        _copy(E.areas[E.S(b, r)][64:64 + n * es], _bytes(flat))
+    if carry and n:
+        ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), n * es)
+        E.tx_all += n * es  # every rank folds every rank's carried entry
+        E.rx_all += n * es
     E.publish()
     E.wait(E.tick)
     # Every rank's count and digest in two NumPy reads (a tensor view per rank would be most
     # of a small all_reduce's CPU on many ranks).
-    first = E.S(b, 0) * (E.C // 8)
-    step = E.C // 8
-    cs = E.words[first:first + P * step:step].tolist()
-    ds = E.words[first + 1:first + 1 + P * step:step].tolist()
+    first = E.S(b, 0) * step
+    cs = words[first:first + P * step:step].tolist()
+    ds = words[first + 1:first + 1 + P * step:step].tolist()
     for q in range(P):
         if q != r and cs[q] < 1:
             raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} offered "

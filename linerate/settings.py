@@ -396,7 +396,8 @@ _ALL = [
        "metrics.window"),
     _S("LINERATE_LINK_CAPACITY", _text, _capacity_ok, "", "(driver speed)",
        "a rate such as 10gbit for every interface, or eth0=10gbit,eth1=25gbit (tc units: "
-       "gbps is gigaBYTES/s)", "link rate where the driver reports none", "metrics",
+       "gbps is gigaBYTES/s)", "link rate where the driver reports none; shm=RATE: shared "
+       "memory's (default: the host's memory copy rate, measured once per process)", "metrics",
        "metrics.link_capacity"),
     # ---------------------------------------------------------------- tools
     _S("LINERATE_NETLAB", _text, _is_str, "", "(set by netlab)",

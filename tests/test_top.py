@@ -551,7 +551,10 @@ def _all_reduce_until_told(rank, world, lr, base, stop_file, max_s):
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not exporter_available(), reason="transport.metrics is not there")
-def test_once_json_against_real_linerate_ranks(tmp_path):
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_once_json_against_real_linerate_ranks(tmp_path, shm):
+    """TCP links (LINERATE_SHM=0, loopback) and the shared segment (interface shm, whose
+    capacity is the memory copy rate: a utilization too)."""
     from _harness import run_ranks
 
     base = consecutive_free_ports(2)
@@ -575,7 +578,7 @@ def test_once_json_against_real_linerate_ranks(tmp_path):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     counts = run_ranks(_all_reduce_until_told, 2, base, stop_file, 40.0, timeout=50,
-                       backend="linerate", env={"LINERATE_SHM": "0"})  # TCP links to watch
+                       backend="linerate", env={"LINERATE_SHM": shm})
     watcher.join(timeout=10)
     assert "error" not in got, got.get("error")
     p = got["run"]
@@ -583,12 +586,16 @@ def test_once_json_against_real_linerate_ranks(tmp_path):
     frame = json.loads(p.stdout)
     assert counts[0] == counts[1] > 0
     assert frame["up"] == 2 and [e["rank"] for e in frame["endpoints"]] == [0, 1]
+    iface = "shm" if shm == "1" else "lo"
     for r in (0, 1):
         tx = sum(x["bytes_per_second"] or 0 for x in frame["links"]
-                 if x["rank"] == r and x["direction"] == "tx")
+                 if x["rank"] == r and x["direction"] == "tx" and x["interface"] == iface)
         rx = sum(x["bytes_per_second"] or 0 for x in frame["links"]
-                 if x["rank"] == r and x["direction"] == "rx")
+                 if x["rank"] == r and x["direction"] == "rx" and x["interface"] == iface)
         assert tx > 0 and rx > 0, frame["links"]
+        if shm == "1":
+            assert all(x["capacity_bytes_per_second"] and x["utilization"] is not None
+                       for x in frame["links"] if x["rank"] == r), frame["links"]
     [ar] = [op for op in frame["ops"] if op["op"] == "all_reduce"]
     assert ar["ranks"] == 2 and ar["collectives_per_second"] > 0
     assert ar["mean_latency_seconds"] > 0 and ar["p99_seconds"] > 0

@@ -146,8 +146,10 @@ def link_lines(label: str, per_rank: list[dict]) -> list[str]:
                          f"{link['sent_bytes']:>15}{link['received_bytes']:>15}"
                          f"{rate:>12.3f}{balance:>9.2f}")
     if per_rank and all(e.get("shared_memory") for e in per_rank):
-        lines.append(f"# {label}: the ranks of this host share memory (LINERATE_SHM), so its "
-                     "collectives moved their bytes through it, not over these TCP connections; "
+        lines.append(f"# {label}: the ranks of this host share memory (LINERATE_SHM): these "
+                     "are the bytes its collectives and messages moved through it (one "
+                     "connection per peer, interface shm: sent = bytes a rank copied for the "
+                     "peer to read, received = bytes it read of the peer's), not TCP bytes; "
                      "LINERATE_SHM=0 measures the TCP path")
     return lines
 

@@ -59,10 +59,23 @@ def _error_payload(message: str) -> bytes:
     return message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
 
 
+#: How a message names the group's root cause (``Context.lost``); a text that already says it
+#: is not wrapped again.
+_BECAUSE = "the group failed because of rank {}: "
+
+
+def _root_text(root: int, text: str) -> str:
+    """What is known of root ``root``'s failure, without the wrappers that ranks on the way put
+    around it (each says "the group failed because of rank <root>")."""
+    marker = _BECAUSE.format(root)
+    i = text.rfind(marker)
+    return text[i + len(marker):] if i >= 0 else text
+
+
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
-    __slots__ = ("rank", "link", "failure", "pending", "told")
+    __slots__ = ("rank", "link", "failure", "pending", "told", "root")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -70,6 +83,8 @@ class _Peer:
         self.failure: BaseException | None = None
         #: An ERROR frame went (or is queued) to this peer: it knows why our collectives broke.
         self.told = False
+        #: This peer's ERROR frame: (the rank it names as the group's root cause, its text).
+        self.root: tuple[int, str] | None = None
         #: Lazy links: sends (Requests) and control frames ((kind, payload, value)) posted
         #: before the link was up, in order (guarded by the Context's lock).
         self.pending: list = []
@@ -107,6 +122,9 @@ class Context(LinkSink):
         self.on_failure: list = []
         self._broken: BaseException | None = None        # nothing can run any more
         self._coll_broken: BaseException | None = None   # collectives cannot run any more
+        #: The group's first failure as this rank knows it: (root rank, text) (note_root).
+        self._root: tuple[int, str] | None = None
+        self._root_lock = threading.Lock()
         rails = self.options.ifnames
         self._addresses: list[str] | None = None  # found when first needed (a TCP listener)
         self.nrails = len(rails) or 1  # listen_addresses: one per named interface, else one
@@ -153,6 +171,9 @@ class Context(LinkSink):
             if not isinstance(e, rendezvous.PeerSetupFailed):
                 rv.report(f"rank {self.rank}: {e}")
             self._discard_links()
+            # This rank has the group's failure: it says so, and where its process hosts the
+            # Store it keeps it answering until every rank has read it (a few seconds at most).
+            rv.failure_read(self.size)
             raise
 
     def _build_mesh_on(self, rv: rendezvous.Rendezvous, deadline: float) -> None:
@@ -516,6 +537,11 @@ class Context(LinkSink):
         p = self.peers[link.peer]
         if kind == KIND_ERROR:
             msg = payload.decode("utf-8", "replace")
+            # ``value``: the rank that the reporter names as the group's first failure, + 1
+            # (0: none named, the reporter's own failure)
+            root = value - 1 if 0 < value <= self.size else p.rank
+            p.root = p.root or (root, msg)
+            self.note_root(root, msg)
             self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
                              only_collective=True)
         elif kind == KIND_QUERY:  # answered at once, whatever this rank is doing
@@ -550,7 +576,13 @@ class Context(LinkSink):
         with the close's own reason: a peer answering our CLOSE frames is not the cause."""
         closing = self._closing
         if closing:
-            err = self._close_error
+            err = coll_err = self._close_error
+        else:
+            # A peer that failed because of another rank (its ERROR frame, or its cause record
+            # in the shared segment, says so) and then exited or closed is not the cause of
+            # the group's failure: the collectives name that rank (``coll_err``); transfers
+            # of its own (point-to-point) fail with what happened to it (``err``).
+            coll_err = self._lost_error(p.rank, err, crashed=break_group)
         with self._lock:
             first = p.failure is None
             if first:
@@ -564,22 +596,25 @@ class Context(LinkSink):
             # Mid-send when the stream died: its sender may be gone. A peer that closed in
             # order still reads what is under way: those sends end by themselves.
             failed += p.link.cancel(None, underway=break_group or closing)
+        if break_group and not closing and first:
+            # Tell the others why (an ERROR frame goes before this rank's CLOSE frames): a rank
+            # that has not yet seen p die must not take our closing, once we give up, for the
+            # cause ("rank 1 closed its process group ..."). Queued before any waiter hears of
+            # the failure: a rank that exits at once after its own failure must not take the
+            # report with it (its peer would name it instead of p).
+            payload = _error_payload(str(coll_err))
+            value = self._root_value()
+            for q in self.peers.values():
+                if q is not p and q.failure is None:
+                    self._control_to(q, KIND_ERROR, payload, value)
         # Requests taken out above must be finished whatever happens: a waiter of one that
         # is dropped here waits forever (abort() left collectives hanging so).
         if failed and not closing:
-            log.error("%s", err)
+            log.error("%s", coll_err)
         for r in failed:
-            r._finish(_wrap(err))
+            r._finish(_wrap(coll_err if r.channel == CHANNEL_COLLECTIVE else err))
         if break_group and not closing:
-            self._set_broken(err, only_collective=True)
-            if first:
-                # Tell the others why (an ERROR frame goes before this rank's CLOSE frames):
-                # a rank that has not yet seen p die must not take our closing, once we give
-                # up, for the cause ("rank 1 closed its process group ...").
-                payload = _error_payload(str(err))
-                for q in self.peers.values():
-                    if q is not p and q.failure is None:
-                        self._control_to(q, KIND_ERROR, payload)
+            self._set_broken(coll_err, only_collective=True)
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
         """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
@@ -615,14 +650,107 @@ class Context(LinkSink):
         """Why collectives on this context can no longer run (None while healthy)."""
         return self._broken or self._coll_broken
 
-    def report_error(self, message: str) -> None:
-        """Tell every peer that this rank failed the current collective (an ERROR frame)."""
+    def report_error(self, message: str, root: int | None = None) -> None:
+        """Tell every peer that this rank failed the current collective (an ERROR frame).
+        ``root``: the rank whose failure caused it (default: the group's first failure as this
+        rank knows it, else this rank's own); the frame carries it, and the shared segment's
+        cause record of this rank says it (``note_root``)."""
+        if root is None:
+            known = self.root_cause()
+            root = known[0] if known is not None else self.rank
+        self.note_root(root, message)
         payload = _error_payload(message)
-        self._set_broken(TransportError(message), only_collective=True)
-        for p in self.peers.values():
+        value = self._root_value()
+        for p in self.peers.values():  # before anyone here hears of it (see _fail_peer)
             if p.failure is None:
-                self._control_to(p, KIND_ERROR, payload)
+                self._control_to(p, KIND_ERROR, payload, value)
+        self._set_broken(TransportError(message), only_collective=True)
         self._await_links(REPORT_LINK_WAIT_S)
+
+    # ------------------------------------------------------------------ the root cause
+    def note_root(self, root: int, text: str) -> tuple[int, str]:
+        """Remember the group's first failure as this rank learnt it (the first call wins):
+        ``root`` failed, ``text`` says how. Written into this rank's cause record in the
+        shared segment too (transport/shm.py), before the failure reaches this rank's user:
+        a co-located rank that later finds this rank gone reads there why it went. Returns
+        the root now remembered."""
+        with self._root_lock:
+            if self._root is None:
+                self._root = (root, _root_text(root, text))
+                seg = self.shm
+                if seg is not None:
+                    try:
+                        seg.record_cause(*self._root)
+                    except (AttributeError, TypeError, ValueError):  # closed meanwhile
+                        pass
+            return self._root
+
+    def root_cause(self) -> tuple[int, str] | None:
+        """The group's first failure as this rank can tell: (the rank that failed first, what
+        is known of it), or None while nothing is. What this rank noted comes first (its own
+        report, a dead peer, a peer's ERROR frame, which names the root); else the co-located
+        ranks' cause records (a rank whose record names itself, else the rank the others
+        blame that recorded nothing: transport/shm.py ``pick_root``)."""
+        if self._root is not None:
+            return self._root
+        seg = self.shm
+        if seg is not None and not seg.closed:
+            found = seg.root_cause()
+            if found is not None:
+                return found[0], _root_text(found[0], found[2])
+        return None
+
+    def cause_of(self, peer: int) -> tuple[int, str] | None:
+        """Why ``peer`` failed, where it said so: (root, text) from its ERROR frame or its cause
+        record in the shared segment; None where it said nothing (it may be the cause)."""
+        p = self.peers.get(peer)
+        if p is not None and p.root is not None:
+            return p.root
+        seg = self.shm
+        if seg is not None and not seg.closed and peer in seg.ranks:
+            return seg.cause_of(peer)
+        return None
+
+    def lost(self, peer: int, symptom: str, prefix: str) -> TransportError:
+        """The error to raise when ``peer`` is found gone (exited, closed, unreadable), as
+        ``symptom`` says: where ``peer`` itself failed because of another rank (its ERROR frame
+        or cause record says so) or the group's first failure is known to be another rank's,
+        an error naming that root (after ``prefix``: this rank and the op) instead of ``peer``:
+        a rank that merely exited after its own failure is never the cause. The error's
+        ``root`` attribute is the rank it blames."""
+        cause = self.cause_of(peer) or self.root_cause()
+        if cause is not None and cause[0] != peer:
+            root, text = cause
+            log.info("%s (the group had failed because of rank %d)", symptom, root)
+            text = _root_text(root, text)
+            where = self._where()
+            err = TransportError(f"{prefix}: {_BECAUSE.format(root)}{text}"
+                                 f"{'' if where in text else where}")
+        else:
+            root = peer
+            err = TransportError(symptom)
+        err.root = root
+        return err
+
+    def _lost_error(self, peer: int, err: BaseException, crashed: bool) -> BaseException:
+        """``_fail_peer``'s error for ``peer``: where the peer failed because of another rank
+        before it went (it said so), a PeerFailure naming that root; else ``err``, and a
+        crashed peer is noted as the root (if none is known yet)."""
+        cause = self.cause_of(peer)
+        if cause is not None and cause[0] != peer:
+            root, text = cause
+            log.info("%s (rank %d had failed because of rank %d)", err, peer, root)
+            self.note_root(root, text)
+            return PeerFailure(peer, f"rank {self.rank}: {_BECAUSE.format(root)}"
+                                     f"{_root_text(root, text)}")
+        if crashed:
+            self.note_root(peer, str(err))
+        return err
+
+    def _root_value(self) -> int:
+        """An ERROR frame's value: the root rank + 1 (0: none known)."""
+        root = self._root
+        return root[0] + 1 if root is not None else 0
 
     def _await_links(self, seconds: float) -> None:
         """Lazy links: wait (at most ``seconds``) until every peer that a report is queued
@@ -668,10 +796,16 @@ class Context(LinkSink):
         """A plain snapshot (numbers and strings only) of this rank's links: per peer, its
         failure (text or None) and each link's ``Link.stats()`` (kind, state, bytes and
         messages sent and received, queued bytes, retransmits, per-stream counts); plus the
-        matcher's staged messages."""
+        matcher's staged messages. A co-located peer's ``shm`` link also counts the bytes the
+        collectives moved with it through the shared segment (``segment_bytes_sent`` /
+        ``_received`` say how many of them: collectives/shm_algos.py Engine.traffic)."""
         peers = []
+        traffic = getattr(self.shm, "traffic", None)
+        moved = traffic() if traffic is not None else {}
         for p in self.peers.values():
             links = [p.link.stats()] if p.link is not None else []
+            if p.rank in moved:
+                _add_segment(links, p.rank, *moved[p.rank])
             peers.append({"peer": p.rank, "global_peer": self._global(p.rank),
                           "failure": None if p.failure is None else str(p.failure),
                           "links": links})
@@ -710,9 +844,10 @@ class Context(LinkSink):
             # before the report of whoever saw the failure first, for the cause ("rank 1
             # closed its process group while ..."). The ERROR frame goes ahead of the CLOSE.
             payload = _error_payload(str(why))
+            value = self._root_value()
             for p in self.peers.values():
                 if p.link is not None and not p.told and p.failure is None:
-                    self._control_to(p, KIND_ERROR, payload)
+                    self._control_to(p, KIND_ERROR, payload, value)
         stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
         with self._lock:  # a lazy link made from now on is closed at once (_link_made)
@@ -796,6 +931,25 @@ class Context(LinkSink):
                 if silent >= min_seconds:
                     out[p.rank] = silent
         return out
+
+
+def _add_segment(links: list, peer: int, sent: int, received: int) -> None:
+    """Count the bytes moved with ``peer`` through the shared segment in its ``shm`` link's
+    stats (``links``: the peer's; one made up where it has none): one figure per peer."""
+    link = next((x for x in links if x["kind"] == "shm"), None)
+    if link is None:
+        link = {"kind": "shm", "peer": peer, "state": "up", "speed_bps": None, "bytes_sent": 0,
+                "bytes_received": 0, "messages_sent": 0, "messages_received": 0,
+                "queued_bytes": 0, "retransmits": None,
+                "connections": [{"index": 0, "local": "shm", "remote": "shm", "device": "shm",
+                                 "sent_bytes": 0, "received_bytes": 0}]}
+        links.append(link)
+    link["segment_bytes_sent"], link["segment_bytes_received"] = sent, received
+    link["bytes_sent"] += sent
+    link["bytes_received"] += received
+    conn = link["connections"][0]
+    conn["sent_bytes"] += sent
+    conn["received_bytes"] += received
 
 
 def _is_collective(req: Request) -> bool:

@@ -2,7 +2,9 @@
 
 What is counted where:
 - bytes: each connection's ``sent_bytes`` / ``recv_bytes`` (plain ints that the sender and
-  receiver threads add to once per chunk). Nothing else runs on the data path.
+  receiver threads add to once per chunk), and for co-located ranks the bytes the collectives
+  moved through the shared segment (collectives/shm_algos.py: one add per phase), both under
+  interface ``shm``. Nothing else runs on the data path.
 - collectives: ``record_collective`` (called once per collective by the backend, only when
   metrics are enabled) adds to a histogram and to per-window bus-bandwidth sums.
 - everything else (interfaces, capacities, TCP_INFO, queue depths) is read when Prometheus
@@ -19,7 +21,8 @@ read through the registry, linerate/settings.py):
   LINERATE_METRICS_HOST     the ``host`` label (default: the hostname)
   LINERATE_METRICS_WINDOW   utilization and busbw window in seconds (default 1)
   LINERATE_LINK_CAPACITY    link rate where the driver reports none (veth, many clouds):
-                            ``10gbit`` for every interface, or ``eth0=10gbit,eth1=25gbit``
+                            ``10gbit`` for every interface, or ``eth0=10gbit,eth1=25gbit``;
+                            ``shm=...`` replaces shared memory's measured copy rate
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ log = logging.getLogger("linerate.metrics")
 
 __all__ = ["REGISTRY", "start_exporter", "start_from_env", "enable", "enabled", "track",
            "retire", "record_collective", "set_info", "size_bucket", "link_capacity",
-           "interface_of", "conn_interface", "tcp_info", "exporter_ports"]
+           "interface_of", "conn_interface", "tcp_info", "exporter_ports", "memcpy_rate"]
 
 #: The registry the exporter serves (linerate's series only, no process/platform collectors).
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -234,13 +237,15 @@ def _capacity_env() -> dict[str, float]:
 
 def link_capacity(ifname: str) -> float | None:
     """Bytes per second of an interface: LINERATE_LINK_CAPACITY, else the driver's speed (for
-    an RDMA port ``dev:port``, the rate in /sys/class/infiniband). ``shm`` (the shared-memory
-    links of co-located ranks, transport/shmlink.py) has none."""
-    if ifname == "shm":
-        return None
+    an RDMA port ``dev:port``, the rate in /sys/class/infiniband). ``shm`` (co-located ranks:
+    their shared segment and links) is the host's memory copy rate (``memcpy_rate``) unless
+    LINERATE_LINK_CAPACITY names it (``shm=...``; a rate for every interface is not one for
+    memory)."""
     env = _capacity_env()
     if ifname in env:
         return env[ifname]
+    if ifname == "shm":
+        return memcpy_rate()
     if "*" in env:
         return env["*"]
     if ":" in ifname:
@@ -261,6 +266,39 @@ def _rdma_rate(port: str) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return gbit * 1e9 / 8.0 if gbit > 0 else None
+
+
+#: The memory copy probe (``memcpy_rate``): bytes per copy (larger than a last-level cache, so
+#: the copies stream from memory as the collectives' do), and copies (the best one counts).
+MEMCPY_PROBE_BYTES = 64 << 20
+MEMCPY_PROBE_COPIES = 4
+_memcpy_rate: float | None = None
+_memcpy_lock = threading.Lock()
+
+
+def memcpy_rate() -> float:
+    """This host's memory copy bandwidth, bytes per second: the best of MEMCPY_PROBE_COPIES
+    copies of MEMCPY_PROBE_BYTES by one thread with glibc's memmove (the copy the shared
+    segment's collectives make), measured once per process, at the first use (about 0.1 s).
+    The capacity of interface ``shm``: the bytes a rank sends through shared memory per second
+    are the bytes it copies for its peers, so its utilization means what a NIC's does."""
+    global _memcpy_rate
+    with _memcpy_lock:
+        if _memcpy_rate is None:
+            import ctypes
+            n = MEMCPY_PROBE_BYTES
+            src, dst = bytearray(n), bytearray(n)
+            a = ctypes.addressof((ctypes.c_char * n).from_buffer(src))
+            b = ctypes.addressof((ctypes.c_char * n).from_buffer(dst))
+            ctypes.memset(a, 1, n)  # both buffers' pages faulted in before the timing
+            ctypes.memset(b, 0, n)
+            best = float("inf")
+            for _ in range(MEMCPY_PROBE_COPIES):
+                t0 = time.perf_counter()
+                ctypes.memmove(b, a, n)
+                best = min(best, time.perf_counter() - t0)
+            _memcpy_rate = n / max(best, 1e-9)
+        return _memcpy_rate
 
 
 def _capacity_or_none(ifname: str) -> float | None:

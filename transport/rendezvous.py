@@ -8,6 +8,8 @@ Every key lies under the group's prefix (``linerate/[<scope>/]``)::
     offer                     rank 0's shared-memory offer (JSON, ``{}`` if none): published
                               and read with the two above (transport/shm.py)
     setup_failed/<generation> the first set-up failure any rank reported (text)
+    setup_failed/<generation>/read  how many ranks have the failure (a counter: each adds 1
+                              once it failed set-up; the rank hosting the Store waits for all)
     transport                 rank 0's LINERATE_TRANSPORT
     rdma/avail/<rank>         [usable, why or ports, number of ports, host] (auto and rdma)
     rdma/decision             rank 0's choice for everyone: ["tcp"|"rdma"|"error", why]
@@ -37,6 +39,9 @@ from .request import TransportError
 log = logging.getLogger("linerate.transport")
 
 STORE_PREFIX = "linerate/"
+#: Seconds at most that a rank whose process hosts the Store, failing set-up, keeps it
+#: answering until every rank has read the failure (``Rendezvous.failure_read``).
+HOLD_STORE_S = 3.0
 
 
 class PeerSetupFailed(TransportError):
@@ -160,6 +165,28 @@ class Rendezvous:
         raise PeerSetupFailed(f"rank {self._rank}: another rank failed while the group's "
                               f"connections were being set up ({doing}): {why}")
 
+    def failure_read(self, size: int, hold_s: float = HOLD_STORE_S) -> None:
+        """This rank failed set-up, with the group's failure in hand (its own, reported, or
+        another rank's, read): it adds 1 to the failure's read counter. A rank whose process
+        hosts the Store (rank 0 of a job started by hand or with env://: torch's TCPStore
+        server runs in its process) then keeps the Store answering until all ``size`` ranks
+        have added theirs, or ``hold_s`` seconds passed: it would otherwise raise and exit
+        while the others still poll for the failure, and they would report "the Store stopped
+        answering" instead of the cause. Best effort, never raises."""
+        if self.generation is None:
+            return
+        key = self._fail_key() + "/read"
+        try:
+            read = int(self._store.add(key, 1))
+            if read >= size or not hosts_store(self._store, self._rank):
+                return
+            deadline = time.monotonic() + hold_s
+            while read < size and time.monotonic() < deadline:
+                time.sleep(0.005)
+                read = int(self._store.add(key, 0))
+        except Exception:  # noqa: BLE001 - the failure itself is what the caller raises
+            return
+
     def report(self, message: str) -> None:
         """Tell the other ranks (best effort: the store may be what failed)."""
         if self.generation is None:
@@ -278,6 +305,53 @@ def _optional(store, method: str, *args):
                                                 or "pure virtual" in text):
             raise
         return _LACKING
+
+
+def _base_store(store):
+    """The Store under PrefixStores."""
+    for _ in range(16):
+        under = getattr(store, "underlying_store", None)
+        if under is None:
+            break
+        store = under
+    return store
+
+
+def hosts_store(store, rank: int = 0) -> bool:
+    """Whether this process hosts ``store``'s server: a TCPStore (under PrefixStores) whose
+    port this process listens on (/proc: a listening socket of that port among this process's
+    descriptors). Where /proc cannot tell, rank 0 is taken for the host (env://)."""
+    base = _base_store(store)
+    port = getattr(base, "port", None)
+    if type(base).__name__ != "TCPStore" or not isinstance(port, int) or port <= 0:
+        return False
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        rows = []
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            try:
+                with open(table) as f:
+                    rows += f.read().splitlines()[1:]
+            except OSError:
+                continue
+        if not inodes or not rows:
+            return rank == 0
+        for row in rows:
+            cols = row.split()
+            # local address (hex ip:port), st (0A: LISTEN), inode
+            if (len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes
+                    and int(cols[1].rsplit(":", 1)[1], 16) == port):
+                return True
+        return False
+    except (OSError, ValueError, IndexError):
+        return rank == 0
 
 
 def multi_get(store, keys: list[str]) -> list[bytes]:
@@ -425,6 +499,6 @@ def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
     return {p: "shm" if p in local else kind for p in range(size) if p != rank}
 
 
-__all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "agreed_settings", "check_agreement",
-           "parse_addresses", "agree_transport", "choose_links", "store_get", "multi_get",
-           "multi_set"]
+__all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "hosts_store", "agreed_settings",
+           "check_agreement", "parse_addresses", "agree_transport", "choose_links", "store_get",
+           "multi_get", "multi_set"]

@@ -32,7 +32,11 @@ What the segment holds is the collectives' business (collectives/shm_algos.py), 
 point-to-point area (``p2p_layout``: the rings of transport/shmlink.py). The transport
 gives: a control row per rank (``ctrl``: int64 words), a data area (``data``: bytes), and a
 bell per rank: ``ring(q)`` bumps rank q's counter in the segment and wakes it if it sleeps in
-``sleep()`` (a futex on the shared page: a waiting rank burns no CPU).
+``sleep()`` (a futex on the shared page: a waiting rank burns no CPU). Each control row also
+holds its rank's *cause record* (``record_cause``, read with ``causes``/``root_cause``): the
+first failure that rank learnt of, the rank it blames as the root and what it knows of it,
+written before that rank raises; a co-located rank that finds it gone or failed reads it there,
+so that it names the rank that failed first, not one that merely exited after its own failure.
 """
 from __future__ import annotations
 
@@ -72,6 +76,9 @@ _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBoard)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
+#: x86 keeps stores in order and loads in order; elsewhere a fence goes between a record and
+#: its flag (Segment.record_cause).
+_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
 
 
 class Layout(NamedTuple):
@@ -220,6 +227,30 @@ def group_hosts(ids: list[str]) -> tuple:
     return tuple(tuple(v) for v in sorted(by.values(), key=lambda v: v[0]))
 
 
+def pick_root(records: dict) -> tuple[int, int, str] | None:
+    """The group's first failure from cause records ``{writer: (root, when, text)}`` (group
+    ranks; ``when`` in one clock): (root, writer, text), or None without records. A rank that
+    names itself failed on its own: the earliest of those is the root. Else the root is a rank
+    that the others blame and that recorded nothing itself (killed, or on another host), the
+    most blamed one; else (blames that go round) the earliest record's."""
+    if not records:
+        return None
+    order = sorted(records.items(), key=lambda kv: (kv[1][1], kv[0]))
+    for w, (root, _, text) in order:
+        if root == w:
+            return root, w, text
+    blamed: dict[int, int] = {}
+    for w, (root, _, _) in order:
+        if root not in records:
+            blamed[root] = blamed.get(root, 0) + 1
+    if blamed:
+        root = max(blamed, key=lambda r: (blamed[r], -r))
+        w, (_, _, text) = next((w, rec) for w, rec in order if rec[0] == root)
+        return root, w, text
+    w, (root, _, text) = order[0]
+    return root, w, text
+
+
 class ShmError(TransportError):
     """Shared memory was asked for (LINERATE_SHM=1) and some rank cannot use it."""
 
@@ -228,9 +259,19 @@ class ShmRefused(Exception):
     """This rank cannot use the announced segment (the reason is the message)."""
 
 
+#: A rank's cause record (``Segment.record_cause``) in its control row, after the collectives'
+#: 64 words: words [CAUSE_WORD, CAUSE_WORD + CAUSE_BYTES / 8): written (1, last), the root
+#: rank + 1, when (CLOCK_MONOTONIC ns: one clock for the whole host), the text's length, then
+#: the text (UTF-8).
+CAUSE_WORD = 64
+CAUSE_BYTES = 512
+_CAUSE_TEXT = CAUSE_BYTES - 32
+
+
 def ctrl_row_bytes(size: int) -> int:
-    """Bytes of one rank's control row: 64 words of state plus two words per rank."""
-    return -(-(512 + 16 * size) // 256) * 256
+    """Bytes of one rank's control row: 64 words of state, the cause record, then two words
+    per rank."""
+    return -(-(8 * CAUSE_WORD + CAUSE_BYTES + 16 * size) // 256) * 256
 
 
 def segment_layout(size: int) -> tuple[int, int, int]:
@@ -460,6 +501,65 @@ class Segment:
         #: Called by close(): users of the segment drop their views of it there, so that the
         #: mapping goes with the group, not whenever the last view is collected.
         self.on_close: list = []
+        self._cause_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ cause records
+    def record_cause(self, root: int, text: str) -> bool:
+        """Write this rank's cause record, once (the first failure it learnt of): ``root``, the
+        group rank that failed first as this rank knows it (itself, where its own op failed);
+        ``text``, what is known of it (cut to a few hundred bytes). The co-located ranks read
+        it (``causes``) when this rank is gone or failed, so that a rank that merely exited
+        after its own failure is never taken for the cause. False if already written (or the
+        segment is closed)."""
+        with self._cause_lock:
+            ctrl = self.ctrl
+            if ctrl is None:
+                return False
+            row = ctrl[self.rank]
+            if int(row[CAUSE_WORD]):
+                return False
+            data = text.encode("utf-8", "replace")[:_CAUSE_TEXT]
+            area = row[CAUSE_WORD + 4:CAUSE_WORD + CAUSE_BYTES // 8].view(np.uint8)
+            area[:len(data)] = np.frombuffer(data, np.uint8)
+            row[CAUSE_WORD + 1] = root + 1
+            row[CAUSE_WORD + 2] = time.monotonic_ns()
+            row[CAUSE_WORD + 3] = len(data)
+            if _WEAK_ORDER:  # the record before its flag
+                self.fence()
+            row[CAUSE_WORD] = 1
+            return True
+
+    def causes(self) -> dict[int, tuple[int, int, str]]:
+        """Every rank's cause record, as written so far: {writer's group rank: (root group
+        rank, when (ns), text)}."""
+        ctrl = self.ctrl
+        out: dict[int, tuple[int, int, str]] = {}
+        if ctrl is None:
+            return out
+        for q in range(self.size):
+            row = ctrl[q]
+            if not int(row[CAUSE_WORD]):
+                continue
+            if _WEAK_ORDER:  # the flag before the record
+                self.fence()
+            root = int(row[CAUSE_WORD + 1]) - 1
+            n = min(max(int(row[CAUSE_WORD + 3]), 0), _CAUSE_TEXT)
+            area = row[CAUSE_WORD + 4:CAUSE_WORD + CAUSE_BYTES // 8].view(np.uint8)
+            if root < 0:
+                continue
+            out[self.ranks[q]] = (root, int(row[CAUSE_WORD + 2]),
+                                  bytes(area[:n]).decode("utf-8", "replace"))
+        return out
+
+    def cause_of(self, rank: int) -> tuple[int, str] | None:
+        """Group rank ``rank``'s cause record (root, text), if it is on this segment and wrote
+        one: it failed, and says because of whom."""
+        rec = self.causes().get(rank)
+        return None if rec is None else (rec[0], rec[2])
+
+    def root_cause(self) -> tuple[int, int, str] | None:
+        """(root, writer, text) from every rank's cause record (``pick_root``), or None."""
+        return pick_root(self.causes())
 
     def ring(self, q: int) -> None:
         """Bump rank q's bell (an atomic add: also a full memory barrier) and wake it."""
