@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -141,9 +142,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self._seq = 0
         self._seq_lock = threading.Lock()
         #: The order ops run in: the worker thread and the callers' turns (scheduler.py).
-        #: It calls _execute and _run_fused through the instance (so a test may wrap them).
-        self._sched = Scheduler(rank, self._options, lambda op: self._execute(op),
-                                lambda entries: self._run_fused(entries))
+        #: It calls _execute and _run_fused through the instance (so a test may wrap them),
+        #: weakly: a destroyed group leaves no cycle for the garbage collector.
+        me = weakref.ref(self)
+        self._sched = Scheduler(rank, self._options, lambda op: me()._execute(op),
+                                lambda entries: me()._run_fused(entries))
         #: The end of a two-level all_reduce chained to the next op (two_level.all_reduce):
         #: the worker's next op runs it once its own first phase is under way.
         self._chained = None
