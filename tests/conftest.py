@@ -54,6 +54,10 @@ NOT_UNIT = ("test_measure_", "test_pg_options_object_is_used_instead_of_the_envi
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        # Under pytest-xdist (tools/quickstart.sh runs two workers): tests that build netlab
+        # labs (the docs' examples among them) run one after another on one worker.
+        if item.get_closest_marker("netlab") is not None or item.originalname == "test_examples_run":
+            item.add_marker(pytest.mark.xdist_group("netlab"))
         name, test = item.path.name, item.originalname
         if ((name in UNIT_FILES and not test.startswith(NOT_UNIT))
                 or test in UNIT_TESTS.get(name, ())) and item.get_closest_marker("netlab") is None:

@@ -31,6 +31,8 @@ if [ "$job" = test ] && ! command -v prometheus >/dev/null 2>&1; then
 fi
 case "$job" in
   bench) exec .venv/bin/linerate bench --nproc 4 --metrics-port 9400 "$@" ;;
-  test)  exec "$VPY" -m pytest -q --durations=25 "$@" ;;  # the slowest tests: the CI budget
+  # Two workers: most tests wait on their ranks (timeouts, shaped links), so two share the two
+  # cores well; netlab's tests run one at a time (tests/conftest.py's xdist group).
+  test)  exec "$VPY" -m pytest -q --durations=25 -n 2 --dist loadgroup "$@" ;;  # the slowest: the CI budget
   *) echo "usage: bash tools/quickstart.sh bench|test [options]" >&2; exit 2 ;;
 esac
