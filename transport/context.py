@@ -52,6 +52,9 @@ _STORE_PREFIX = rendezvous.STORE_PREFIX
 _STALL_S = 2.0
 #: Lazy links: how long report_error waits for the links its reports wait for.
 REPORT_LINK_WAIT_S = 2.0
+#: Seconds a rank waits, when a peer's connection ends, for that peer's ERROR frame naming the
+#: rank it failed because of (it may come on another connection of the link).
+ROOT_WAIT_S = 0.5
 
 
 def _error_payload(message: str) -> bytes:
@@ -737,6 +740,19 @@ class Context(LinkSink):
         before it went (it said so), a PeerFailure naming that root; else ``err``, and a
         crashed peer is noted as the root (if none is known yet)."""
         cause = self.cause_of(peer)
+        if cause is None and crashed:
+            # A peer that failed because of another rank sends an ERROR frame naming that
+            # rank before it goes; with several connections per peer this rank may see one of
+            # them end before the frame, on another, is read. Wait a moment for it (or for the
+            # group's root, learnt elsewhere), then take the peer for the cause.
+            deadline = time.monotonic() + ROOT_WAIT_S
+            while cause is None and time.monotonic() < deadline:
+                known = self._root
+                if known is not None and known[0] != peer:
+                    cause = known
+                    break
+                time.sleep(0.005)
+                cause = self.cause_of(peer)
         if cause is not None and cause[0] != peer:
             root, text = cause
             log.info("%s (rank %d had failed because of rank %d)", err, peer, root)
