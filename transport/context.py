@@ -54,7 +54,7 @@ _STALL_S = 2.0
 REPORT_LINK_WAIT_S = 2.0
 #: Seconds a rank waits, when a peer's connection ends, for that peer's ERROR frame naming the
 #: rank it failed because of (it may come on another connection of the link).
-ROOT_WAIT_S = 0.5
+ROOT_WAIT_S = 0.2
 
 
 def _error_payload(message: str) -> bytes:
