@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from linerate.transport import Context, metrics, shm
 
-from . import (algorithms, flight, fusion, shm_algos,
+from . import (algorithms, flight, fusion, shm_algos, straggler,
                timeline, two_level)
 from .comm import OPNAMES, Comm, Scratch
 from .dispatch import Dispatch
@@ -85,6 +85,14 @@ def _rop(op) -> str:
     return op_name(op)
 
 
+
+
+def _link_rates(ctx):
+    try:
+        from . import slowlink
+    except ImportError:
+        return None
+    return slowlink.LinkRates(ctx)
 
 
 def _incarnation() -> str:
@@ -174,6 +182,17 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self._life = Lifecycle(self._ctx, rank)
         if isinstance(self._flight, flight.Recorder):
             self._life.add(FlightHook(self._flight))
+        #: Who makes the others wait (collectives/straggler.py): while the exporter runs or
+        #: LINERATE_SLOW_LOG_S asks for a log line.
+        self._watch = None
+        if size > 1 and (metrics.enabled() or self._options.slow_log_s > 0):
+            self._watch = straggler.Watch(
+                store, _incarnation(), rank, size, self._ctx.global_ranks or None,
+                metrics.identity()[1], self._options.slow_rank_ms, self._options.slow_log_s,
+                group_name, links=_link_rates(self._ctx))
+            self._ctx.record_arrivals()
+            self._life.arrivals = True
+            self._life.add(self._watch)
         self._life.add(MetricsHook(size))
 
     # ------------------------------------------------------------------ identity
@@ -254,6 +273,13 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def connection_stats(self) -> list[dict]:
         """Bytes sent and received per connection (peer rank, connection index, addresses)."""
         return self._ctx.connection_stats()
+
+    def slow_report(self) -> dict | None:
+        """Who makes this group wait, decided from every rank's view (collectives/straggler.py
+        ``Watch.report``: the slowest rank, each late rank's share and mean lateness, the
+        seconds this rank waited per peer, slow links); None while the group is not watched
+        (no exporter and LINERATE_SLOW_LOG_S=0)."""
+        return self._watch.report() if self._watch is not None else None
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout.total_seconds()
@@ -932,6 +958,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if self._shut:
             return
         self._shut = True
+        if self._watch is not None:
+            self._watch.close()
         self._sched.stop(self._timeout)
         if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
             self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
@@ -944,6 +972,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if self._shut and self._ctx._closing:
             return
         self._shut = True
+        if self._watch is not None:
+            self._watch.close()
         self._ctx.close(timeout=0.0, reason="aborted")
         self._sched.put(None)
 
@@ -951,6 +981,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         try:
             if not self._shut:
                 self._shut = True
+                if self._watch is not None:
+                    self._watch.close()
                 self._sched.put(None)
                 self._ctx.close(timeout=1.0)
         except Exception:  # noqa: BLE001 - interpreter teardown

@@ -149,6 +149,9 @@ class Comm:
         self._req_desc = self._desc
         #: Priority of this op's sends (lower goes first; transport Context.isend).
         self.priority = 0
+        #: When each peer's first contribution arrived (group rank -> time.perf_counter()):
+        #: a dict where the group watches for slow ranks (op.Lifecycle.begin), else None.
+        self.arrivals = None
         # What this rank tells a peer that asks how far it got (a timeout's diagnosis).
         if seq > ctx.progress:
             ctx.progress = seq
@@ -174,7 +177,12 @@ class Comm:
         self.ctx.begin_call(self.seq, self.call, self._req_desc)
 
     def end(self) -> None:
-        self.ctx.end_call(self.seq)
+        got = self.ctx.end_call(self.seq)
+        if got and self.arrivals is not None:
+            arr = self.arrivals
+            for q, t in got.items():
+                if q not in arr or t < arr[q]:
+                    arr[q] = t
         self.scratch.trim(self.ctx.options.keep_bytes)
         # The op's SubComms point back at it (root), and a chained op's tail is a closure
         # over it: cycles that only the garbage collector would free. Broken here, the op's

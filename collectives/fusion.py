@@ -48,7 +48,7 @@ class Entry:
     """One async all_reduce waiting to be fused."""
 
     __slots__ = ("seq", "buf", "tensor", "op", "opname", "stage", "work", "timeout", "desc",
-                 "nbytes", "queued", "chain", "t0", "inline")
+                 "nbytes", "queued", "chain", "t0", "inline", "arrivals")
 
     #: For the op lifecycle (collectives/op.py): what every entry is.
     name = "all_reduce"
@@ -67,6 +67,7 @@ class Entry:
         self.queued = time.monotonic()
         self.chain = chain        # running digest of every fusable call up to this one
         self.t0 = 0.0
+        self.arrivals = None  # as Op.arrivals
         #: Run by a synchronous caller in its own thread, never queued (its fused run takes
         #: nothing off the queue).
         self.inline = False

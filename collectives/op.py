@@ -28,7 +28,7 @@ class Op:
     which sequence number, deadline and description every rank must agree on (``desc``)."""
 
     __slots__ = ("name", "seq", "fn", "stage", "timeout", "work", "result", "nbytes", "desc",
-                 "chain_bytes", "t0")
+                 "chain_bytes", "t0", "arrivals")
 
     def __init__(self, name: str, seq: int, fn, stage, timeout: float, work, result: list,
                  nbytes: int | None, desc: str, chain_bytes: int = 0):
@@ -45,6 +45,9 @@ class Op:
         #: A single-tensor all_reduce's bytes, for chaining two-level all_reduces (0: never).
         self.chain_bytes = chain_bytes
         self.t0 = 0.0
+        #: When each peer's first contribution arrived (group rank -> time.perf_counter()),
+        #: where the group watches for slow ranks (collectives/straggler.py): set by finish.
+        self.arrivals = None
 
 
 class FlightHook:
@@ -94,6 +97,9 @@ class Lifecycle:
         self.ctx = ctx
         self.rank = rank
         self.hooks: list = []
+        #: Whether ops record when each peer's first contribution arrived (Comm.arrivals):
+        #: while the group watches for slow ranks (collectives/straggler.py).
+        self.arrivals = False
 
     def add(self, hook) -> None:
         self.hooks.append(hook)
@@ -108,6 +114,8 @@ class Lifecycle:
 
     def begin(self, ops, comm: Comm) -> None:
         now = time.perf_counter()
+        if self.arrivals:
+            comm.arrivals = {}
         for op in ops:
             op.t0 = now
             for h in self.hooks:
@@ -126,6 +134,7 @@ class Lifecycle:
             return
         seconds = time.perf_counter() - ops[0].t0
         comm.end()
+        ops[0].arrivals = comm.arrivals
         algo = comm.algorithm if algorithm is None else algorithm
         if len(ops) == 1:
             op = ops[0]

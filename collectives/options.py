@@ -58,6 +58,12 @@ class Options:
     #: Where each rank writes its flight recorder on a timeout (``{rank}`` replaced, else
     #: ``.rank<R>.json`` appended); empty: ``linerate-flight`` in the temporary folder.
     flight_dump: str = ""
+    #: Slow ranks (collectives/straggler.py): a rank that enters collectives at least this many
+    #: milliseconds after the others, in most of the recent ones, is named the slowest.
+    slow_rank_ms: float = 5.0
+    #: Log a warning naming a persistently late rank or slow link at most once per this many
+    #: seconds; 0: no log line.
+    slow_log_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":

@@ -361,16 +361,25 @@ class Engine:
             if _WEAK_ORDER:  # the ticks seen before the data they announce
                 self.seg.fence()
             return
+        comm = self.comm
+        arr = comm.arrivals
+        # Peers that have not published anything in this op yet (at or before its base
+        # tick): when their first contribution comes is noted (collectives/straggler.py).
+        first = None
+        if arr is not None:
+            base, ticks = self.base, prog.tolist()
+            first = [q for q in (who or range(self.P)) if ticks[q] <= base and q != self.r]
         for _ in range(self.spin):
             if _ready(prog, t, who):
                 break
-        comm = self.comm
         seg = self.seg
         bells = seg.bells
         row = ctrl[self.r]
         live_at = time.monotonic() + LIVE_S  # the first look at the peers' processes
         try:
             while not _ready(prog, t, who):
+                if first:
+                    self._arrived(first, arr)
                 if self.ctrl is None:
                     self._closed()
                 self._check(t, who, ctrl)
@@ -401,11 +410,26 @@ class Engine:
                 seg.sleep(seen, min(POLL_S, left))
         finally:
             row[_WANT] = 0
+        if first:
+            self._arrived(first, arr)
         if not self._checked:
             if self._check(t, who, ctrl):
                 self._settle(t, who, ctrl)
         if _WEAK_ORDER:
             seg.fence()
+
+    def _arrived(self, first: list, arr: dict) -> None:
+        """Note the time for the peers in ``first`` that published in this op meanwhile."""
+        ticks = self.prog.tolist()
+        base = self.base
+        now = None
+        for q in [q for q in first if ticks[q] > base]:
+            if now is None:
+                now = time.perf_counter()
+            first.remove(q)
+            g = self.gr[q]
+            if g not in arr or now < arr[g]:
+                arr[g] = now
 
     def _settle(self, t: int, who, ctrl) -> None:
         """Every rank waited for is at tick ``t`` but one was caught beginning its next op

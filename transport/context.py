@@ -450,9 +450,17 @@ class Context(LinkSink):
         if bad is not None:
             self.report_error(str(self._mismatch(bad)))
 
-    def end_call(self, tag: int) -> None:
+    def end_call(self, tag: int) -> dict | None:
+        """The call ``tag`` ended: when each peer's first message of it began to arrive
+        (peer -> ``time.perf_counter()``) while arrivals are recorded, else None."""
         with self._lock:
-            self.matcher.end_call(tag)
+            return self.matcher.end_call(tag)
+
+    def record_arrivals(self, on: bool = True) -> None:
+        """Note when each peer's first message of a call (CHANNEL_COLLECTIVE) begins to arrive,
+        for ``end_call`` to return (collectives/straggler.py: who makes the others wait)."""
+        with self._lock:
+            self.matcher.arrivals = {} if on else None
 
     def _mismatch(self, m: Mismatch) -> MismatchError:
         """The error for a mismatch's facts, in the words of ``describe`` (else neutral ones)."""

@@ -31,12 +31,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 
 import numpy as np
 
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, FrameError
 from .memory import anon_bytes
 
+#: Calls whose arrivals are kept at most (``Matcher.arrivals``).
+_MAX_ARRIVAL_CALLS = 1024
 #: Stands in ``inflight`` for a message whose receive failed: its chunks are dropped.
 DEAD = object()
 
@@ -122,6 +125,9 @@ class Matcher:
         self.ready: list = []
         self._free: dict[int, list] = {}
         self._kept = 0
+        #: tag -> {peer: time.perf_counter() of the first chunk of its first message of the
+        #: call} on the checked channel; None: not recorded (Context.record_arrivals).
+        self.arrivals: dict[int, dict] | None = None
 
     # ------------------------------------------------------------------ sends
     def next_send(self, peer: int, channel: int, tag: int) -> int:
@@ -225,6 +231,15 @@ class Matcher:
                 raise FrameError(f"a chunk of message {key} announces {total} bytes, its "
                                  f"first chunk {target.total}")
             return target, None
+        arr = self.arrivals
+        if arr is not None and channel == self.checked:  # a message's first chunk
+            a = arr.get(tag)
+            if a is None:
+                if len(arr) >= _MAX_ARRIVAL_CALLS:  # calls that never ended (failed ones)
+                    arr.clear()
+                arr[tag] = {peer: time.perf_counter()}
+            elif peer not in a:
+                a[peer] = time.perf_counter()
         req = p.posted.pop(key, None)
         if req is None and channel == self.anysource_channel:
             waiting = self.anysource.get(tag)
@@ -303,9 +318,12 @@ class Matcher:
                                     my_tag=tag, my_digest=digest, my_desc=desc)
         return None
 
-    def end_call(self, tag: int) -> None:
-        """*Lock held.*"""
+    def end_call(self, tag: int):
+        """*Lock held.* The call ``tag`` ended: its arrivals (peer -> time the first chunk of
+        the peer's first message of ``tag`` came) while ``arrivals`` are recorded, else None."""
         self.calls.pop(tag, None)
+        arr = self.arrivals
+        return arr.pop(tag, None) if arr is not None else None
 
     def staged_for(self, peer: int) -> list[tuple[int, int, int]]:
         """*Lock held.* (channel, tag, opcode) of each message from ``peer`` that arrived (or is

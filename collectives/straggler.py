@@ -1,0 +1,417 @@
+"""Who makes the others wait: the time each rank waits for each peer, how late each rank enters
+its collectives, and the group's slowest rank, decided from every rank's view.
+
+What one rank measures, per collective (a lifecycle hook, collectives/op.py):
+
+- its own duration, from entering the op to its end;
+- for each peer, how long it waited from its own entry for that peer's first contribution
+  (the first chunk of the op's messages from it over a link, transport/matching.py; its first
+  tick in the shared segment, collectives/shm_algos.py). Only waits are recorded: a peer whose
+  contribution was there before this rank entered cost it nothing.
+
+No rank can tell alone who entered last: over a ring, only a late rank's successor waits for it
+directly. So every rank publishes its view (the durations and waits of its last ``WINDOW``
+collectives, as JSON under a key of the group's torch Store) a few times a second from a thread
+of its own, reads every rank's, and decides with :func:`decide`: in each collective that every
+view holds, the rank with the shortest duration entered last, late by the longest duration less
+its own; the entry counts when it is at least ``LINERATE_SLOW_RANK_MS`` and a peer did wait at
+least half that for the rank's first contribution (the durations alone would mistake a rank
+that merely finishes first, for a large op's last steps, for a late one). A rank late in at
+least ``SHARE`` of at least ``MIN_OPS`` common collectives is the slowest. Every rank computes
+the same answer from the same views.
+
+Exported (``linerate_`` series, the exporter's ``rank`` and ``host`` labels):
+``peer_wait_seconds_total{peer}``, ``entry_skew_seconds{op}`` (a histogram of this rank's own
+lateness relative to the first rank to enter), ``rank_late_ratio{late_rank}`` and
+``rank_lateness_seconds{late_rank}`` (share of the window's collectives each rank entered last,
+and by how much on average), ``slowest_rank`` (the named rank, -1: nobody), and the window's
+size ``slow_window_collectives``. The slow links of collectives/slowlink.py travel in the same
+views. A warning names a slow rank or link at most once per ``LINERATE_SLOW_LOG_S`` seconds.
+
+Nothing read from the Store is evaluated or unpickled: a view is JSON of numbers and short
+strings, checked field by field, and a view that does not parse is skipped.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import logging
+import threading
+import time
+import weakref
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from linerate.transport import metrics
+
+log = logging.getLogger("linerate")
+
+#: Collectives a view holds (and the window the slowest rank is decided over).
+WINDOW = 64
+#: Common collectives needed before anybody is named.
+MIN_OPS = 8
+#: Share of the window's collectives a rank must enter last to be the slowest.
+SHARE = 0.5
+#: Seconds between two publications of this rank's view.
+VIEW_S = 0.1
+#: Waits shorter than this are not published (they name nobody).
+WAIT_FLOOR_S = 0.0005
+#: Upper bounds (seconds) of the entry skew histogram.
+SKEW_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_KEY = "linerate-watch/"
+_MAX_VIEW = 1 << 20  # bytes: a longer value is nobody's view
+
+_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- the decision
+def decide(views: dict[int, list], size: int, late_s: float, share: float = SHARE,
+           min_ops: int = MIN_OPS) -> dict:
+    """The group's verdict from every rank's view.
+
+    ``views``: group rank -> list of ``(seq, seconds, {peer: seconds waited})``, one entry per
+    collective (the peer keys are group ranks). Returns ``{"collectives": n, "late": {rank:
+    (count, mean lateness s)}, "slowest": rank or None, "skew": {rank: {seq: lateness s}}}``
+    over the last ``WINDOW`` collectives that every view holds (``skew``: each rank's lateness
+    relative to the first rank to enter, for the entry skew histogram)."""
+    out = {"collectives": 0, "late": {}, "slowest": None, "skew": {}}
+    if size < 2 or len(views) < size:
+        return out
+    by_rank = []
+    for r in range(size):
+        ops = views.get(r)
+        if ops is None:
+            return out
+        by_rank.append({seq: (d, w) for seq, d, w in ops})
+    common = set(by_rank[0])
+    for m in by_rank[1:]:
+        common &= set(m)
+    seqs = sorted(common)[-WINDOW:]
+    counts: dict[int, int] = {}
+    sums: dict[int, float] = {}
+    skew: dict[int, dict] = {r: {} for r in range(size)}
+    for seq in seqs:
+        ds = [by_rank[r][seq][0] for r in range(size)]
+        hi, lo = max(ds), min(ds)
+        last = ds.index(lo)
+        for r in range(size):
+            skew[r][seq] = hi - ds[r]
+        late = hi - lo
+        if late < late_s:
+            continue
+        seen = max((by_rank[r][seq][1].get(last, 0.0) for r in range(size) if r != last),
+                   default=0.0)
+        if seen < late_s / 2:
+            continue
+        counts[last] = counts.get(last, 0) + 1
+        sums[last] = sums.get(last, 0.0) + late
+    n = len(seqs)
+    out["collectives"] = n
+    out["late"] = {r: (c, sums[r] / c) for r, c in counts.items()}
+    out["skew"] = skew
+    if n >= min_ops and counts:
+        r = max(counts, key=lambda q: (counts[q], sums[q], -q))
+        if counts[r] >= share * n:
+            out["slowest"] = r
+    return out
+
+
+def describe(rank: int, count: int, n: int, mean_s: float) -> str:
+    """'rank 5 entered last in 94% of the last 64 collectives, 38.0 ms late on average'."""
+    return (f"rank {rank} entered last in {100.0 * count / n:.0f}% of the last {n:,} "
+            f"collectives, {mean_s * 1e3:.1f} ms late on average")
+
+
+# ----------------------------------------------------------------------------- views
+def encode(host: str, ops, links) -> str:
+    """This rank's view as JSON: ``ops`` of (seq, seconds, {peer: seconds}); ``links``: the
+    slow-link rows' encoding (collectives/slowlink.py), or None."""
+    return json.dumps({"v": 1, "host": host,
+                       "ops": [[seq, round(d * 1e6), [[q, round(w * 1e6)] for q, w in ws.items()]]
+                               for seq, d, ws in ops],
+                       "links": links}, separators=(",", ":"))
+
+
+def _int(v) -> bool:
+    return type(v) is int and -(1 << 62) < v < 1 << 62
+
+
+def parse(raw: bytes, size: int) -> tuple[str, list, object] | None:
+    """(host, ops, links) from a view, or None for anything that is not a well-formed one."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) > _MAX_VIEW:
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("v") != 1:
+        return None
+    host, ops = doc.get("host"), doc.get("ops")
+    if not isinstance(host, str) or len(host) > 255 or not isinstance(ops, list) \
+            or len(ops) > WINDOW:
+        return None
+    out = []
+    for e in ops:
+        if not (isinstance(e, list) and len(e) == 3 and _int(e[0]) and _int(e[1]) and e[1] >= 0
+                and isinstance(e[2], list) and len(e[2]) <= size):
+            return None
+        waits = {}
+        for w in e[2]:
+            if not (isinstance(w, list) and len(w) == 2 and _int(w[0]) and 0 <= w[0] < size
+                    and _int(w[1]) and w[1] >= 0):
+                return None
+            waits[w[0]] = w[1] / 1e6
+        out.append((e[0], e[1] / 1e6, waits))
+    return host, out, doc.get("links")
+
+
+# ----------------------------------------------------------------------------- one group
+class Watch:
+    """One process group's waits, entry lateness and verdict; a lifecycle hook
+    (``started``/``completed``/``failed``, collectives/op.py)."""
+
+    def __init__(self, store, scope: str, rank: int, size: int, global_ranks, host: str,
+                 late_ms: float, log_s: float, group: str = "", links=None):
+        self.store = store
+        self.rank, self.size = rank, size
+        self.glob = list(global_ranks) if global_ranks and len(global_ranks) == size \
+            else list(range(size))
+        self.host = host
+        self.late_s = late_ms / 1e3
+        self.log_s = log_s
+        self.group = group
+        #: collectives/slowlink.py LinkRates of this group's links (None: links not watched).
+        self.links = links
+        self._keys = [f"{_KEY}{scope}/{q}" for q in range(size)]
+        self._ops: collections.deque = collections.deque(maxlen=WINDOW)  # (seq, s, waits)
+        self._names: dict[int, str] = {}  # seq -> op name, for the skew histogram
+        self._lock = threading.Lock()
+        self.waited = [0.0] * size  # seconds this rank waited for each peer (group ranks)
+        self._done = 0              # collectives recorded
+        self._published = -1
+        self._skew_seen = -1        # the last seq observed in the skew histogram
+        self._skew: dict[str, list] = {}
+        #: The last verdict: decide()'s result with "hosts", "links" (slowlink.group_verdict)
+        self.verdict: dict = {"collectives": 0, "late": {}, "slowest": None, "links": []}
+        self._logged = 0.0
+        self._stop = threading.Event()
+        self._thread = None
+        if size > 1:
+            self._thread = threading.Thread(target=self._run, name="linerate-watch", daemon=True)
+            self._thread.start()
+        with _lock:
+            _watches.add(self)
+
+    # ------------------------------------------------------------------ lifecycle hook
+    def started(self, op) -> None:
+        pass
+
+    def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
+        arr = op.arrivals
+        waits = {}
+        if arr:
+            t0 = op.t0
+            w = self.waited
+            for q, t in arr.items():
+                d = t - t0
+                if d > 0:
+                    w[q] += d
+                    if d >= WAIT_FLOOR_S:
+                        waits[q] = d
+        with self._lock:
+            self._ops.append((op.seq, seconds, waits))
+            names = self._names
+            names[op.seq] = op.name
+            if len(names) > 2 * WINDOW:
+                for s in sorted(names)[:WINDOW]:
+                    del names[s]
+            self._done += 1
+
+    def failed(self, op, error: BaseException, algorithm: str) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the views
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(VIEW_S):
+                self.exchange()
+        except Exception as e:  # noqa: BLE001 - the Store went (a rank exited): stop watching
+            if not self._stop.is_set():
+                log.debug("rank %d: linerate watch stopped: %s", self.glob[self.rank], e)
+
+    def exchange(self) -> None:
+        """Publish this rank's view, read every rank's, decide (one round; the thread runs
+        it every VIEW_S seconds while collectives complete)."""
+        with self._lock:
+            if self._done == self._published:
+                return
+            self._published = self._done
+            ops = list(self._ops)
+        rows = self.links.sample() if self.links is not None else None
+        enc = self.links_encode(rows)
+        self.store.set(self._keys[self.rank], encode(self.host, ops, enc))
+        if not self.store.check(self._keys):
+            return
+        raw = self.store.multi_get(self._keys)
+        views, hosts, links = {}, {}, {}
+        for q, value in enumerate(raw):
+            got = parse(value, self.size)
+            if got is None:
+                continue
+            hosts[q], views[q], links[q] = got
+        v = decide(views, self.size, self.late_s)
+        v["hosts"] = hosts
+        v["links"] = self._link_verdict(hosts, links)
+        self._observe_skew(v.pop("skew").get(self.rank, {}))
+        self.verdict = v
+        if self.log_s > 0 and self.rank == 0:
+            self._log(v)
+
+    def links_encode(self, rows):
+        if rows is None or self.links is None:
+            return None
+        from . import slowlink
+        return slowlink.encode(rows)
+
+    def _link_verdict(self, hosts: dict, links: dict) -> list:
+        if self.links is None:
+            return []
+        from . import slowlink
+        views = {}
+        for q, enc in links.items():
+            if enc is None:
+                continue
+            try:
+                views[self.glob[q]] = (hosts[q], slowlink.decode(enc))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return slowlink.group_verdict(views)
+
+    def _observe_skew(self, mine: dict) -> None:
+        with self._lock:
+            for seq in sorted(mine):
+                if seq <= self._skew_seen:
+                    continue
+                name = self._names.get(seq, "")
+                h = self._skew.get(name)
+                if h is None:
+                    h = self._skew[name] = [0] * (len(SKEW_BUCKETS) + 2)
+                s = mine[seq]
+                h[bisect.bisect_left(SKEW_BUCKETS, s)] += 1
+                h[-1] += s
+                self._skew_seen = seq
+
+    def _log(self, v: dict) -> None:
+        now = time.monotonic()
+        if now - self._logged < self.log_s:
+            return
+        lines = []
+        r = v["slowest"]
+        if r is not None:
+            count, mean = v["late"][r]
+            host = v["hosts"].get(r, "?")
+            lines.append(describe(self.glob[r], count, v["collectives"], mean)
+                         + f" (host {host})")
+        lines += [link["evidence"] for link in v["links"]]
+        if lines:
+            self._logged = now
+            where = f" (group {self.group})" if self.group else ""
+            log.warning("linerate%s: %s", where, "; ".join(lines))
+
+    # ------------------------------------------------------------------ reading
+    def report(self) -> dict:
+        """The last verdict in global ranks: ``{"collectives": n, "slowest": rank or None,
+        "late": {rank: {"share": s, "mean_s": m}}, "text": ..., "links": [...],
+        "waited": {peer: seconds}}``."""
+        v = self.verdict
+        n = v["collectives"]
+        late = {self.glob[r]: {"share": c / n if n else 0.0, "mean_s": m}
+                for r, (c, m) in v["late"].items()}
+        r = v["slowest"]
+        text = ""
+        if r is not None:
+            c, m = v["late"][r]
+            text = describe(self.glob[r], c, n, m)
+        return {"collectives": n, "slowest": None if r is None else self.glob[r], "late": late,
+                "text": text, "links": list(v["links"]),
+                "waited": {self.glob[q]: s for q, s in enumerate(self.waited) if q != self.rank}}
+
+    def skew_histogram(self) -> dict:
+        with self._lock:
+            return {k: list(h) for k, h in self._skew.items()}
+
+
+# ----------------------------------------------------------------------------- export
+class _Collector:
+    def collect(self):
+        base = ["rank", "host"]
+        ids = list(metrics.identity())
+        with _lock:
+            live = list(_watches)
+        wait = CounterMetricFamily("linerate_peer_wait_seconds",
+                                   "Seconds this rank waited, from entering a collective, for a "
+                                   "peer's first contribution", labels=base + ["peer"])
+        skew = HistogramMetricFamily("linerate_entry_skew_seconds",
+                                     "How late this rank entered each collective, relative to "
+                                     "the first rank to enter", labels=base + ["op"])
+        ratio = GaugeMetricFamily("linerate_rank_late_ratio",
+                                  "Share of the recent collectives each rank entered last "
+                                  "(decided from every rank's view)",
+                                  labels=base + ["late_rank"])
+        lateness = GaugeMetricFamily("linerate_rank_lateness_seconds",
+                                     "How late a rank entered, on average, the recent "
+                                     "collectives it entered last", labels=base + ["late_rank"])
+        slowest = GaugeMetricFamily("linerate_slowest_rank",
+                                    "The rank that makes the others wait (-1: nobody)",
+                                    labels=base)
+        window = GaugeMetricFamily("linerate_slow_window_collectives",
+                                   "Collectives the slowest rank is decided over", labels=base)
+        waited: dict[int, float] = {}
+        hists: dict[str, list] = {}
+        late: dict[int, tuple] = {}
+        worst, n = None, 0
+        for w in live:
+            for q, s in enumerate(w.waited):
+                if q != w.rank:
+                    waited[w.glob[q]] = waited.get(w.glob[q], 0.0) + s
+            for op, h in w.skew_histogram().items():
+                acc = hists.setdefault(op, [0] * len(h))
+                for i, c in enumerate(h):
+                    acc[i] += c
+            rep = w.report()
+            if rep["collectives"] >= n:  # the largest group's verdict
+                n = rep["collectives"]
+                late = {r: (d["share"], d["mean_s"]) for r, d in rep["late"].items()}
+                worst = rep["slowest"]
+        for q in sorted(waited):
+            wait.add_metric(ids + [str(q)], waited[q])
+        for op in sorted(hists):
+            h = hists[op]
+            cum, buckets = 0, []
+            for bound, c in zip(SKEW_BUCKETS, h):
+                cum += c
+                buckets.append((repr(float(bound)), cum))
+            cum += h[len(SKEW_BUCKETS)]
+            buckets.append(("+Inf", cum))
+            skew.add_metric(ids + [op], buckets, h[-1])
+        for r in sorted(late):
+            ratio.add_metric(ids + [str(r)], late[r][0])
+            lateness.add_metric(ids + [str(r)], late[r][1])
+        if live:
+            slowest.add_metric(ids, -1 if worst is None else worst)
+            window.add_metric(ids, n)
+        yield wait
+        yield skew
+        yield ratio
+        yield lateness
+        yield slowest
+        yield window
+
+
+metrics.REGISTRY.register(_Collector())
