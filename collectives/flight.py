@@ -52,7 +52,7 @@ class Record:
     """One collective of a group."""
 
     __slots__ = ("seq", "op", "desc", "state", "algorithm", "queued", "started", "ended",
-                 "error", "awaited")
+                 "error", "awaited", "waited")
 
     def __init__(self, seq: int, op: str, desc: str, queued: float):
         self.seq = seq
@@ -65,11 +65,15 @@ class Record:
         self.ended = None
         self.error = None
         self.awaited = None
+        #: [[group rank, seconds], ...]: how long this rank waited, from entering the op, for
+        #: each peer's first contribution (recorded while the group watches for slow ranks).
+        self.waited = None
 
     def as_dict(self) -> dict:
         return {"seq": self.seq, "op": self.op, "desc": self.desc, "state": self.state,
                 "algorithm": self.algorithm, "queued": self.queued, "started": self.started,
-                "ended": self.ended, "error": self.error, "awaited": self.awaited}
+                "ended": self.ended, "error": self.error, "awaited": self.awaited,
+                "waited": self.waited}
 
 
 def is_timeout(e: BaseException | str | None) -> bool:
@@ -145,12 +149,14 @@ class Recorder:
             r.state = "started"
             r.started = time.time()
 
-    def completed(self, seq: int, algorithm: str = "") -> None:
+    def completed(self, seq: int, algorithm: str = "", waited: dict | None = None) -> None:
         r = self._live.pop(seq, None)
         if r is not None:
             r.state = "completed"
             r.ended = time.time()
             r.algorithm = algorithm
+            if waited:
+                r.waited = [[q, round(w, 6)] for q, w in waited.items()]
 
     def failed(self, seq: int, error: BaseException, algorithm: str = "") -> None:
         """The op failed (or was refused); a timeout writes the dump (once per group)."""
@@ -200,7 +206,7 @@ class Off:
     def started(self, seq: int) -> None:
         pass
 
-    def completed(self, seq: int, algorithm: str = "") -> None:
+    def completed(self, seq: int, algorithm: str = "", waited: dict | None = None) -> None:
         pass
 
     def failed(self, seq: int, err: BaseException, algorithm: str = "") -> None:
@@ -241,6 +247,29 @@ def snapshot(reason: str = "", rank: int | None = None) -> dict:
     return {"version": VERSION, "kind": KIND, "rank": rank, "host": socket.gethostname(),
             "pid": os.getpid(), "time": time.time(), "reason": reason, "linerate": version,
             "torch": torch_version, "groups": [g.as_dict() for g in groups]}
+
+
+def dump(path: str | None = None, reason: str = "requested") -> str | None:
+    """Write this process's records (every group's) now, as a timeout would: to ``path``
+    (default: the first group's LINERATE_FR_DUMP, ``{rank}`` replaced or ``.rank<R>.json``
+    appended), for ``linerate flight`` to read beside the other ranks' dumps (which rank
+    entered the collectives last, for a job that is slow rather than stuck). Returns the
+    file, or None where no group records."""
+    groups = sorted((r for r in list(_recorders)), key=lambda r: r.created)
+    if not groups:
+        return None
+    rank = groups[0].global_rank
+    target = rank_path(path or groups[0].dump_path, rank)
+    data = snapshot(reason, rank)
+    d = os.path.dirname(target)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    tmp = f"{target}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=None, separators=(",", ":"))
+        f.write("\n")
+    os.replace(tmp, target)
+    return target
 
 
 def dump_all(trigger: Recorder, reason: str) -> str | None:

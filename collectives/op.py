@@ -50,6 +50,13 @@ class Op:
         self.arrivals = None
 
 
+def waits(op, floor: float = 0.0) -> dict:
+    """How long this rank waited, from entering ``op``, for each peer's first contribution
+    (group rank -> seconds, only those of at least ``floor`` > 0 s), from ``op.arrivals``."""
+    t0 = op.t0
+    return {q: t - t0 for q, t in (op.arrivals or {}).items() if t - t0 > floor}
+
+
 class FlightHook:
     """The flight recorder (collectives/flight.py) as a lifecycle hook."""
 
@@ -62,7 +69,7 @@ class FlightHook:
         self.fr.started(op.seq)
 
     def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
-        self.fr.completed(op.seq, algorithm)
+        self.fr.completed(op.seq, algorithm, waits(op) if op.arrivals else None)
 
     def failed(self, op, error: BaseException, algorithm: str) -> None:
         self.fr.failed(op.seq, error, algorithm)

@@ -45,6 +45,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from linerate.transport import metrics
 
+from .op import waits as waited
+
 log = logging.getLogger("linerate")
 
 #: Collectives a view holds (and the window the slowest rank is decided over).
@@ -69,13 +71,13 @@ _lock = threading.Lock()
 
 # ----------------------------------------------------------------------------- the decision
 def decide(views: dict[int, list], size: int, late_s: float, share: float = SHARE,
-           min_ops: int = MIN_OPS) -> dict:
+           min_ops: int = MIN_OPS, window: int | None = WINDOW) -> dict:
     """The group's verdict from every rank's view.
 
     ``views``: group rank -> list of ``(seq, seconds, {peer: seconds waited})``, one entry per
     collective (the peer keys are group ranks). Returns ``{"collectives": n, "late": {rank:
     (count, mean lateness s)}, "slowest": rank or None, "skew": {rank: {seq: lateness s}}}``
-    over the last ``WINDOW`` collectives that every view holds (``skew``: each rank's lateness
+    over the last ``window`` collectives that every view holds (None: all; ``skew``: each rank's lateness
     relative to the first rank to enter, for the entry skew histogram)."""
     out = {"collectives": 0, "late": {}, "slowest": None, "skew": {}}
     if size < 2 or len(views) < size:
@@ -89,7 +91,9 @@ def decide(views: dict[int, list], size: int, late_s: float, share: float = SHAR
     common = set(by_rank[0])
     for m in by_rank[1:]:
         common &= set(m)
-    seqs = sorted(common)[-WINDOW:]
+    seqs = sorted(common)
+    if window is not None:
+        seqs = seqs[-window:]
     counts: dict[int, int] = {}
     sums: dict[int, float] = {}
     skew: dict[int, dict] = {r: {} for r in range(size)}
@@ -210,17 +214,13 @@ class Watch:
         pass
 
     def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
-        arr = op.arrivals
         waits = {}
-        if arr:
-            t0 = op.t0
+        if op.arrivals:
             w = self.waited
-            for q, t in arr.items():
-                d = t - t0
-                if d > 0:
-                    w[q] += d
-                    if d >= WAIT_FLOOR_S:
-                        waits[q] = d
+            for q, d in waited(op).items():
+                w[q] += d
+                if d >= WAIT_FLOOR_S:
+                    waits[q] = d
         with self._lock:
             self._ops.append((op.seq, seconds, waits))
             names = self._names

@@ -47,6 +47,7 @@ _LAZY = {
                                         "hierarchical_neighbor_allreduce"),
     "DecentralizedDataParallel": ("linerate.collectives.decentralized", "DecentralizedDataParallel"),
     "PriorityDataParallel": ("linerate.collectives.priority", "PriorityDataParallel"),
+    "dump_flight": ("linerate.collectives.flight", "dump"),
     "topology": ("linerate.collectives.topology", None),
     "settings": ("linerate.settings", None),
 }

@@ -21,6 +21,7 @@ import re
 import sys
 
 from linerate.collectives.flight import KIND, VERSION
+from linerate.collectives.straggler import decide, describe
 
 
 class DumpError(Exception):
@@ -124,7 +125,7 @@ def _call(e: dict) -> str:
     return f"{e['op']} [{e.get('desc') or ''}]"
 
 
-def analyze(dumps: list[tuple[str, dict]]) -> dict:
+def analyze(dumps: list[tuple[str, dict]], late_ms: float = 5.0) -> dict:
     """Per group: which ranks entered each op that did not complete everywhere, which never
     joined it (and their last op), mismatched calls, and the first such op."""
     groups: dict[str, dict] = {}
@@ -148,11 +149,45 @@ def analyze(dumps: list[tuple[str, dict]]) -> dict:
             slot.setdefault("times", {})[me] = d.get("time", 0)
     out = {"version": VERSION, "files": [p for p, _ in dumps], "notes": notes, "groups": []}
     for name in sorted(groups, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n)):
-        out["groups"].append(_analyze_group(name, groups[name]))
+        out["groups"].append(_analyze_group(name, groups[name], late_ms))
     return out
 
 
-def _analyze_group(name: str, slot: dict) -> dict:
+def _late(ranks: list, dumped: list, ops: dict, late_ms: float) -> dict | None:
+    """Who entered the group's completed ops last, from every rank's durations and waits
+    (collectives/straggler.py decide, over every op completed on all ranks): None without a
+    dump of every rank."""
+    if len(dumped) != len(ranks) or len(ranks) < 2:
+        return None
+    index = {g: i for i, g in enumerate(ranks)}
+    views = {}
+    for g in dumped:
+        view = []
+        for e in ops[g].values():
+            if e["state"] != "completed" or not all(isinstance(e.get(k), (int, float))
+                                                     for k in ("started", "ended")):
+                continue
+            waited = {}
+            for w in e.get("waited") or []:
+                if (isinstance(w, list) and len(w) == 2 and isinstance(w[0], int)
+                        and 0 <= w[0] < len(ranks) and isinstance(w[1], (int, float))):
+                    waited[w[0]] = float(w[1])
+            view.append((e["seq"], max(0.0, e["ended"] - e["started"]), waited))
+        views[index[g]] = view
+    v = decide(views, len(ranks), late_ms / 1e3, window=None)
+    n = v["collectives"]
+    late = [{"rank": ranks[r], "entered_last": c, "share": c / n, "mean_late_s": round(m, 6)}
+            for r, (c, m) in sorted(v["late"].items(), key=lambda kv: (-kv[1][0], kv[0]))]
+    slowest = v["slowest"]
+    text = ""
+    if slowest is not None:
+        c, m = v["late"][slowest]
+        text = describe(ranks[slowest], c, n, m)
+    return {"collectives": n, "slowest": None if slowest is None else ranks[slowest],
+            "text": text, "ranks": late}
+
+
+def _analyze_group(name: str, slot: dict, late_ms: float = 5.0) -> dict:
     per: dict[int, dict] = slot["per"]
     ranks = slot["ranks"]
     dumped = sorted(per)
@@ -165,6 +200,7 @@ def _analyze_group(name: str, slot: dict) -> dict:
               "missing_dumps": missing, "window": [seqs[0], seqs[-1]] if seqs else None,
               "files": {str(r): slot["files"][r] for r in dumped},
               "ops": [], "mismatches": [], "first_incomplete": None}
+    result["late"] = _late(ranks, dumped, ops, late_ms)
     for s in seqs:
         entries = {r: ops[r].get(s) for r in dumped}
         present = {r: e for r, e in entries.items() if e is not None}
@@ -255,6 +291,14 @@ def report(result: dict) -> str:
         for m in g["mismatches"]:
             parts = "; ".join(f"{_ranks_text(c['ranks'])} called {c['call']}" for c in m["calls"])
             lines.append(f"  MISMATCH at #{m['seq']}: {parts}")
+        late = g.get("late")
+        if late and late["slowest"] is not None:
+            lines.append(f"  {late['text']}")
+        elif late and late["ranks"]:
+            lines.append("  entered late (no rank in most of the " f"{late['collectives']:,} "
+                         "completed collectives): " + ", ".join(
+                             f"rank {x['rank']} in {x['entered_last']}, "
+                             f"{x['mean_late_s'] * 1e3:.1f} ms on average" for x in late["ranks"]))
         if not g["ops"]:
             lines.append("  every recorded op completed on every dumped rank")
             continue
@@ -286,7 +330,7 @@ def _cmd(args) -> int:
     except DumpError as e:
         print(f"linerate flight: {e}", file=sys.stderr)
         return 2
-    result = analyze(dumps)
+    result = analyze(dumps, args.late_ms)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -301,6 +345,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="dump files, folders holding them, or a LINERATE_FR_DUMP prefix")
     p.add_argument("--json", action="store_true", help="the analysis as JSON")
+    p.add_argument("--late-ms", type=float, default=5.0, metavar="MS",
+                   help="a rank entering an op at least this much after the others is late "
+                        "(default 5, as LINERATE_SLOW_RANK_MS)")
     p.set_defaults(func=_cmd)
 
 
