@@ -1,10 +1,13 @@
-"""The Prometheus exporter (transport/metrics.py): names, labels, values against what the
-transport counted, histogram and busbw arithmetic, settings and their errors."""
+"""The Prometheus exporter (transport/metrics.py) and the collectives' series it serves
+(collectives/stats.py): names, labels, values against what the transport counted, histogram
+and busbw arithmetic, the window and identity hooks, settings and their errors."""
 from __future__ import annotations
 
 import logging
 import re
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -12,6 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _harness import free_port, free_port_range, run_ranks
+from linerate.collectives import stats
 from linerate.transport import metrics
 
 # Prometheus naming: base units and the suffix that says so (node_exporter's style).
@@ -32,11 +36,11 @@ def samples(text: str, name: str) -> list:
 
 # ----------------------------------------------------------------------------- in this process
 def test_size_bucket():
-    assert metrics.size_bucket(0) == "4KiB"
-    assert metrics.size_bucket(4096) == "4KiB"
-    assert metrics.size_bucket(4097) == "64KiB"
-    assert metrics.size_bucket(16 << 20) == "16MiB"
-    assert metrics.size_bucket((256 << 20) + 1) == "inf"
+    assert stats.size_bucket(0) == "4KiB"
+    assert stats.size_bucket(4096) == "4KiB"
+    assert stats.size_bucket(4097) == "64KiB"
+    assert stats.size_bucket(16 << 20) == "16MiB"
+    assert stats.size_bucket((256 << 20) + 1) == "inf"
 
 
 def test_link_capacity_from_env(monkeypatch):
@@ -78,15 +82,15 @@ def test_port_in_use_is_logged_not_raised(monkeypatch, caplog):
 
 
 def test_histogram_bytes_and_busbw(monkeypatch):
-    monkeypatch.setattr(metrics, "_hist", {})
-    monkeypatch.setattr(metrics, "_op_bytes", {})
-    monkeypatch.setattr(metrics, "_win_bus", {})
-    monkeypatch.setattr(metrics, "_busbw", {})
+    monkeypatch.setattr(stats, "_hist", {})
+    monkeypatch.setattr(stats, "_op_bytes", {})
+    monkeypatch.setattr(stats, "_win_bus", {})
+    monkeypatch.setattr(stats, "_busbw", {})
     monkeypatch.setattr(metrics, "_enabled", True)
     # 3 all_reduces of 1 MiB on 4 ranks (bus factor 1.5): 0.002 s, 0.002 s, 0.008 s.
     for secs in (0.002, 0.002, 0.008):
-        metrics.record_collective("all_reduce", "ring", 1 << 20, secs, 1.5)
-    metrics.sample(None)
+        stats.record("all_reduce_coalesced", "ring", 1 << 20, secs, 4)
+    metrics.sample(None)  # the sampler's window ends: busbw of the ops that ran in it
     text = generate_latest(metrics.REGISTRY).decode()
     labels = {"op": "all_reduce", "algorithm": "ring", "size_bucket": "1MiB"}
     buckets = {s.labels["le"]: s.value for s in samples(text, "linerate_collective_seconds_bucket")
@@ -102,6 +106,64 @@ def test_histogram_bytes_and_busbw(monkeypatch):
     assert nbytes == 3 << 20
     (busbw,) = [s.value for s in samples(text, "linerate_bus_bandwidth_bytes_per_second")]
     assert busbw == pytest.approx(3 * (1 << 20) * 1.5 / 0.012)
+
+
+def test_busbw_window_rolls_over_with_the_sampler(monkeypatch):
+    monkeypatch.setattr(stats, "_hist", {})
+    monkeypatch.setattr(stats, "_op_bytes", {})
+    monkeypatch.setattr(stats, "_win_bus", {})
+    monkeypatch.setattr(stats, "_busbw", {})
+    monkeypatch.setattr(metrics, "_enabled", True)
+
+    def busbw():
+        text = generate_latest(metrics.REGISTRY).decode()
+        return {s.labels["op"]: s.value
+                for s in samples(text, "linerate_bus_bandwidth_bytes_per_second")}
+
+    stats.record_collective("broadcast", "chain", 1000, 0.001, 1.0)
+    assert busbw() == {"broadcast": pytest.approx(1e6)}  # the open window, before any roll
+    metrics.sample(None)
+    stats.record_collective("broadcast", "chain", 1000, 0.004, 1.0)
+    assert busbw() == {"broadcast": pytest.approx(1e6)}  # the last closed window's
+    metrics.sample(None)
+    assert busbw() == {"broadcast": pytest.approx(250e3)}
+    metrics.sample(None)  # a window without the op keeps its last value
+    assert busbw() == {"broadcast": pytest.approx(250e3)}
+    monkeypatch.setattr(metrics, "_enabled", False)
+    stats.record("broadcast", "chain", 1000, 1.0, 2)  # metrics off: nothing recorded
+    assert stats._op_bytes == {"broadcast": 2000}
+
+
+def test_window_hooks_and_identity(monkeypatch, caplog):
+    monkeypatch.setattr(metrics, "_window_hooks", [])
+    calls = []
+
+    def broken():
+        raise RuntimeError("broken hook")
+
+    metrics.on_window(broken)
+    metrics.on_window(lambda: calls.append(1))
+    metrics.on_window(broken)  # registered once
+    assert len(metrics._window_hooks) == 2
+    with caplog.at_level(logging.ERROR, logger="linerate.metrics"):
+        metrics.sample(None)
+        metrics.sample(None)
+    failed = [r for r in caplog.records if r.exc_info and "broken hook" in str(r.exc_info[1])]
+    assert calls == [1, 1] and len(failed) == 2
+    monkeypatch.setattr(metrics, "_rank_label", "7")
+    monkeypatch.setenv("LINERATE_METRICS_HOST", "hostZ")
+    assert metrics.identity() == ("7", "hostZ")
+
+
+def test_transport_knows_nothing_of_the_collectives():
+    # ``import linerate`` registers the backend (collectives/_autoload.py); the transport's
+    # import must add no module of the collectives to that.
+    code = ("import sys, linerate; before = set(sys.modules); "
+            "import linerate.transport.metrics as m; "
+            "new = sorted(n for n in set(sys.modules) - before if 'collectives' in n); "
+            "assert not new, new; "
+            "assert not hasattr(m, 'record_collective') and not hasattr(m, 'SECONDS_BUCKETS')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_names_follow_prometheus_conventions():

@@ -1,17 +1,21 @@
-"""Prometheus metrics of linerate: one module owns them, the hot path only adds to integers.
+"""Prometheus metrics of linerate: the exporter, its registry and the link series; the hot
+path only adds to integers.
 
 What is counted where:
 - bytes: each connection's ``sent_bytes`` / ``recv_bytes`` (plain ints that the sender and
-  receiver threads add to once per chunk), and for co-located ranks the bytes the collectives
-  moved through the shared segment (collectives/shm_algos.py: one add per phase), both under
-  interface ``shm``. Nothing else runs on the data path.
-- collectives: ``record_collective`` (called once per collective by the backend, only when
-  metrics are enabled) adds to a histogram and to per-window bus-bandwidth sums.
-- everything else (interfaces, capacities, TCP_INFO, queue depths) is read when Prometheus
-  scrapes, by ``_Collector.collect``.
+  receiver threads add to once per chunk), and for co-located ranks the bytes moved through
+  the shared segment (its users add once per phase; ``Context.stats()`` counts them in the
+  peer's ``shm`` link), both under interface ``shm``. Nothing else runs on the data path.
+- everything else of the links (interfaces, capacities, TCP_INFO, queue depths) is read when
+  Prometheus scrapes, from the Contexts' ``stats()`` snapshots, by ``_Collector.collect``.
+
+The layers above add their own series: they register a collector on ``REGISTRY``, label it
+with ``identity()`` (the ``rank`` and ``host`` label values of every series), record only
+while ``enabled()``, and keep per-window state rolled by ``on_window(callback)``.
 
 A sampler thread (started with the exporter) turns byte totals into
-``linerate_link_utilization_ratio`` over a window of ``LINERATE_METRICS_WINDOW`` seconds.
+``linerate_link_utilization_ratio`` over a window of ``LINERATE_METRICS_WINDOW`` seconds, and
+calls the ``on_window`` callbacks once per window.
 
 Settings (``linerate.Options.metrics``, a ``MetricsOptions``, filled from these variables when
 a process group is created, which passes it to ``start_from_env``; before any group, they are
@@ -19,14 +23,13 @@ read through the registry, linerate/settings.py):
   LINERATE_METRICS_PORT     serve /metrics on this port + LOCAL_RANK (unset: no exporter)
   LINERATE_METRICS_ADDR     bind address (default 0.0.0.0: every interface)
   LINERATE_METRICS_HOST     the ``host`` label (default: the hostname)
-  LINERATE_METRICS_WINDOW   utilization and busbw window in seconds (default 1)
+  LINERATE_METRICS_WINDOW   the sampler's window in seconds (default 1)
   LINERATE_LINK_CAPACITY    link rate where the driver reports none (veth, many clouds):
                             ``10gbit`` for every interface, or ``eth0=10gbit,eth1=25gbit``;
                             ``shm=...`` replaces shared memory's measured copy rate
 """
 from __future__ import annotations
 
-import bisect
 import fcntl
 import logging
 import os
@@ -35,9 +38,10 @@ import struct
 import threading
 import time
 import weakref
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from linerate import settings
 
@@ -46,34 +50,23 @@ from .options import MetricsOptions, parse_env
 
 log = logging.getLogger("linerate.metrics")
 
-__all__ = ["REGISTRY", "start_exporter", "start_from_env", "enable", "enabled", "track",
-           "retire", "record_collective", "set_info", "size_bucket", "link_capacity",
-           "interface_of", "conn_interface", "tcp_info", "exporter_ports", "memcpy_rate"]
+__all__ = ["REGISTRY", "start_exporter", "start_from_env", "enable", "enabled", "on_window",
+           "identity", "track", "retire", "set_info", "link_capacity", "interface_of",
+           "conn_interface", "tcp_info", "exporter_ports", "memcpy_rate"]
 
 #: The registry the exporter serves (linerate's series only, no process/platform collectors).
 REGISTRY = CollectorRegistry(auto_describe=False)
-
-#: Upper bounds (seconds) of the collective duration histogram.
-SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-#: size_bucket label values: the upper bound of the message size.
-_SIZE_BOUNDS = ((4 << 10, "4KiB"), (64 << 10, "64KiB"), (1 << 20, "1MiB"), (16 << 20, "16MiB"),
-                (256 << 20, "256MiB"))
-
 
 _lock = threading.Lock()
 _enabled = False
 _contexts: "weakref.WeakSet" = weakref.WeakSet()
 _retired: dict[tuple, list] = {}        # (peer, interface, connection) -> [sent, received]
 _retired_retrans: dict[int, int] = {}   # peer -> retransmits of closed connections
-_hist: dict[tuple, list] = {}           # (op, algorithm, size_bucket) -> [counts..., sum]
-_op_bytes: dict[str, int] = {}
-_win_bus: dict[str, list] = {}          # op -> [bus bytes, seconds] in the current window
-_busbw: dict[str, float] = {}           # op -> busbw of the last window in which it ran
 _util: dict[tuple, float] = {}          # (interface, direction) -> ratio
 _info: dict[str, str] = {"transport": "tcp", "nsocks": "", "algorithm": ""}
 _servers: dict[int, object] = {}
 _sampler: threading.Thread | None = None
+_window_hooks: list[Callable[[], None]] = []  # on_window callbacks, in registration order
 _iface_cache: dict[str, str] = {}
 _rank_label: str | None = None
 #: The settings of the group that configured the exporter (None: read through the registry).
@@ -87,11 +80,14 @@ def _version() -> str:
 
 # ----------------------------------------------------------------------------- hot path
 def enabled() -> bool:
+    """Whether metrics are on (the exporter started, or ``enable()`` called): a series'
+    recording function returns at once while this is False."""
     return _enabled
 
 
 def enable() -> None:
-    """Count collectives and sample utilization (the exporter calls this; tests may too)."""
+    """Turn recording on and start the sampler thread (the exporter calls this; tests may
+    too)."""
     global _enabled, _sampler
     with _lock:
         _enabled = True
@@ -100,33 +96,14 @@ def enable() -> None:
             _sampler.start()
 
 
-def size_bucket(nbytes: int) -> str:
-    for bound, name in _SIZE_BOUNDS:
-        if nbytes <= bound:
-            return name
-    return "inf"
-
-
-def record_collective(op: str, algorithm: str, nbytes: int, seconds: float, bus_factor: float) -> None:
-    """One finished collective: ``nbytes`` is nccl-tests' size (per rank), ``bus_factor`` turns
-    algorithm bandwidth into bus bandwidth."""
-    if not _enabled:
-        return
-    key = (op, algorithm, size_bucket(nbytes))
-    i = bisect.bisect_left(SECONDS_BUCKETS, seconds)
+def on_window(callback: Callable[[], None]) -> None:
+    """Have ``callback()`` (no arguments) called once per window of LINERATE_METRICS_WINDOW
+    seconds by the sampler thread, while metrics are enabled (and by each ``sample`` call): a
+    collector rolls its per-window sums over in it. A callback registered twice runs once; one
+    that raises is logged and the others still run."""
     with _lock:
-        h = _hist.get(key)
-        if h is None:
-            h = _hist[key] = [0] * (len(SECONDS_BUCKETS) + 2)
-        h[i] += 1
-        h[-1] += seconds
-        _op_bytes[op] = _op_bytes.get(op, 0) + nbytes
-        if nbytes and bus_factor:
-            w = _win_bus.get(op)
-            if w is None:
-                w = _win_bus[op] = [0.0, 0.0]
-            w[0] += nbytes * bus_factor
-            w[1] += seconds
+        if callback not in _window_hooks:
+            _window_hooks.append(callback)
 
 
 # ----------------------------------------------------------------------------- contexts
@@ -331,6 +308,14 @@ def _rank() -> str:
     return os.environ.get("RANK", "0")
 
 
+def identity() -> tuple[str, str]:
+    """The ``rank`` and ``host`` label values every series of this process carries: the rank
+    of the group that started the exporter (else of a tracked Context, else ``RANK``, else
+    "0"), and LINERATE_METRICS_HOST (else the hostname). Collectors of other layers label
+    their series with them."""
+    return _rank(), _host()
+
+
 # ----------------------------------------------------------------------------- sampling
 def _env(var: str, default, parse):
     """An environment setting; a bad value raises a ValueError that names the variable."""
@@ -361,14 +346,17 @@ def _iface_totals() -> dict[tuple, int]:
 
 
 def sample(prev: tuple | None) -> tuple:
-    """One sampler step: update utilization and busbw from ``prev`` = (time, totals)."""
+    """One sampler step: update utilization from ``prev`` = (time, totals) and call the
+    ``on_window`` callbacks."""
     now = time.monotonic()
     totals = _iface_totals()
     with _lock:
-        for op, (bus_bytes, seconds) in _win_bus.items():
-            if seconds > 0:
-                _busbw[op] = bus_bytes / seconds
-        _win_bus.clear()
+        hooks = list(_window_hooks)
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - one collector's failure leaves the others theirs
+            log.exception("linerate metrics: window callback %r", hook)
     if prev is not None:
         t0, before = prev
         dt = now - t0
@@ -398,7 +386,7 @@ def _sample_loop() -> None:
 class _Collector:
     def collect(self):
         base = ["rank", "host"]
-        ids = [_rank(), _host()]
+        ids = list(identity())
         with _lock:
             info = dict(_info)
         fam = GaugeMetricFamily("linerate_info", "linerate version and configuration",
@@ -432,40 +420,11 @@ class _Collector:
                                  labels=base + ["interface", "direction"])
         with _lock:
             util_now = dict(_util)
-            hist = {k: list(v) for k, v in _hist.items()}
-            op_bytes = dict(_op_bytes)
-            busbw = dict(_busbw)
-            for op, (bus_bytes, seconds) in _win_bus.items():  # ran only in the open window
-                if op not in busbw and seconds > 0:
-                    busbw[op] = bus_bytes / seconds
             retrans = dict(_retired_retrans)
             live = list(_contexts)
         for (ifname, direction), v in sorted(util_now.items()):
             util.add_metric(ids + [ifname, direction], v)
         yield util
-
-        h = HistogramMetricFamily("linerate_collective_seconds", "Duration of collectives",
-                                  labels=base + ["op", "algorithm", "size_bucket"])
-        for (op, algo, sb), counts in sorted(hist.items()):
-            cum, buckets = 0, []
-            for bound, n in zip(SECONDS_BUCKETS, counts):
-                cum += n
-                buckets.append((_fmt(bound), cum))
-            cum += counts[len(SECONDS_BUCKETS)]
-            buckets.append(("+Inf", cum))
-            h.add_metric(ids + [op, algo, sb], buckets, counts[-1])
-        yield h
-        b = CounterMetricFamily("linerate_collective_bytes", "Message bytes of collectives (per rank)",
-                                labels=base + ["op"])
-        for op, n in sorted(op_bytes.items()):
-            b.add_metric(ids + [op], n)
-        yield b
-        bw = GaugeMetricFamily("linerate_bus_bandwidth_bytes_per_second",
-                               "Bus bandwidth (nccl-tests) over the last window in which the op ran",
-                               labels=base + ["op"])
-        for op, v in sorted(busbw.items()):
-            bw.add_metric(ids + [op], v)
-        yield bw
 
         queued: dict[int, int] = {}
         for ctx in live:
@@ -488,10 +447,6 @@ class _Collector:
         for peer, n in sorted(queued.items()):
             q.add_metric(ids + [str(peer)], n)
         yield q
-
-
-def _fmt(bound: float) -> str:
-    return repr(float(bound))
 
 
 REGISTRY.register(_Collector())
