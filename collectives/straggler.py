@@ -33,6 +33,7 @@ strings, checked field by field, and a view that does not parse is skipped.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import json
@@ -49,8 +50,11 @@ from .op import waits as waited
 
 log = logging.getLogger("linerate")
 
-#: Collectives a view holds (and the window the slowest rank is decided over).
+#: Collectives the slowest rank is decided over (the last this many that every view holds).
 WINDOW = 64
+#: Collectives a view holds: enough that views published a publication period apart still
+#: share a window's worth where collectives take a fraction of a millisecond.
+HISTORY = 1024
 #: Common collectives needed before anybody is named.
 MIN_OPS = 8
 #: Share of the window's collectives a rank must enter last to be the slowest.
@@ -135,7 +139,7 @@ def encode(host: str, ops, links) -> str:
     slow-link rows' encoding (collectives/slowlink.py), or None."""
     return json.dumps({"v": 1, "host": host,
                        "ops": [[seq, round(d * 1e6), [[q, round(w * 1e6)] for q, w in ws.items()]]
-                               for seq, d, ws in ops],
+                               if ws else [seq, round(d * 1e6)] for seq, d, ws in ops],
                        "links": links}, separators=(",", ":"))
 
 
@@ -155,15 +159,15 @@ def parse(raw: bytes, size: int) -> tuple[str, list, object] | None:
         return None
     host, ops = doc.get("host"), doc.get("ops")
     if not isinstance(host, str) or len(host) > 255 or not isinstance(ops, list) \
-            or len(ops) > WINDOW:
+            or len(ops) > HISTORY:
         return None
     out = []
     for e in ops:
-        if not (isinstance(e, list) and len(e) == 3 and _int(e[0]) and _int(e[1]) and e[1] >= 0
-                and isinstance(e[2], list) and len(e[2]) <= size):
+        if not (isinstance(e, list) and len(e) in (2, 3) and _int(e[0]) and _int(e[1])
+                and e[1] >= 0 and (len(e) == 2 or isinstance(e[2], list) and len(e[2]) <= size)):
             return None
         waits = {}
-        for w in e[2]:
+        for w in e[2] if len(e) == 3 else ():
             if not (isinstance(w, list) and len(w) == 2 and _int(w[0]) and 0 <= w[0] < size
                     and _int(w[1]) and w[1] >= 0):
                 return None
@@ -190,7 +194,7 @@ class Watch:
         #: collectives/slowlink.py LinkRates of this group's links (None: links not watched).
         self.links = links
         self._keys = [f"{_KEY}{scope}/{q}" for q in range(size)]
-        self._ops: collections.deque = collections.deque(maxlen=WINDOW)  # (seq, s, waits)
+        self._ops: collections.deque = collections.deque(maxlen=HISTORY)  # (seq, s, waits)
         self._names: dict[int, str] = {}  # seq -> op name, for the skew histogram
         self._lock = threading.Lock()
         self.waited = [0.0] * size  # seconds this rank waited for each peer (group ranks)
@@ -225,8 +229,8 @@ class Watch:
             self._ops.append((op.seq, seconds, waits))
             names = self._names
             names[op.seq] = op.name
-            if len(names) > 2 * WINDOW:
-                for s in sorted(names)[:WINDOW]:
+            if len(names) > 2 * HISTORY:
+                for s in sorted(names)[:HISTORY]:
                     del names[s]
             self._done += 1
 
@@ -235,7 +239,12 @@ class Watch:
 
     # ------------------------------------------------------------------ the views
     def close(self) -> None:
+        """Stop the views' thread (waiting for a Store call under way: a thread left in one
+        when the interpreter exits aborts the process)."""
         self._stop.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=2 * VIEW_S + 5.0)
 
     def _run(self) -> None:
         try:
@@ -415,3 +424,11 @@ class _Collector:
 
 
 metrics.REGISTRY.register(_Collector())
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        live = list(_watches)
+    for w in live:
+        w.close()

@@ -1,0 +1,221 @@
+"""The slow rank is named, from every rank's view, by every rank (collectives/straggler.py).
+
+- decide(): a late rank, a rank that merely finishes first (no peer waited for it), ring-like
+  views where only the late rank's successor waits for it, too few collectives; parse()
+  refuses what is not a view.
+- One host, 4 ranks (shared memory and TCP): one rank, chosen at random, sleeps 20 ms before
+  each all_reduce (a slow data loader); within 20 collectives every rank's report and its
+  exported metrics name it, and the flight records (linerate flight) name it too.
+- A balanced run of 2,000 all_reduces names nobody.
+- netlab, 4 hosts at 1 Gbit/s: the same two checks between hosts.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from _harness import run_netlab_script, run_ranks
+from linerate.collectives import straggler
+from linerate.collectives.straggler import decide, encode, parse
+
+needs_netlab = pytest.mark.netlab
+
+LATE = 0.005
+
+
+def _views(durations: dict[int, list[float]], waits: dict[int, list[dict]]) -> dict:
+    return {r: [(s, d, waits.get(r, [{}] * len(ds))[s]) for s, d in enumerate(ds)]
+            for r, ds in durations.items()}
+
+
+# ----------------------------------------------------------------------------- decide
+def test_a_late_rank_is_named_by_its_waiting_peers():
+    n = 20
+    durs = {0: [0.030] * n, 1: [0.031] * n, 2: [0.010] * n, 3: [0.029] * n}
+    # everybody waited ~20 ms for rank 2's first contribution
+    waits = {r: [{2: 0.02}] * n for r in (0, 1, 3)}
+    v = decide(_views(durs, waits), 4, LATE)
+    assert v["slowest"] == 2 and v["collectives"] == n
+    count, mean = v["late"][2]
+    assert count == n and mean == pytest.approx(0.021)
+    assert straggler.describe(2, count, n, mean) == \
+        "rank 2 entered last in 100% of the last 20 collectives, 21.0 ms late on average"
+    # its own lateness, relative to the first rank in: the skew histogram's samples
+    assert v["skew"][2][0] == pytest.approx(0.021) and v["skew"][1][0] == 0
+
+
+def test_only_the_successor_waits_in_a_ring():
+    n = 12
+    durs = {0: [0.025] * n, 1: [0.026] * n, 2: [0.024] * n, 3: [0.004] * n}
+    waits = {0: [{3: 0.02}] * n}  # rank 3's successor
+    assert decide(_views(durs, waits), 4, LATE)["slowest"] == 3
+
+
+def test_finishing_first_is_not_entering_last():
+    """Durations alone would name rank 1 (a large op's last steps end earlier on it): no peer
+    waited for its first contribution, so nobody is named."""
+    n = 30
+    durs = {0: [0.5] * n, 1: [0.4] * n, 2: [0.5] * n}
+    v = decide(_views(durs, {}), 3, LATE)
+    assert v["slowest"] is None and v["late"] == {}
+
+
+def test_balanced_and_sparse_views_name_nobody():
+    rng = random.Random(1)
+    n = 64
+    durs = {r: [0.001 + rng.random() * 0.002 for _ in range(n)] for r in range(4)}
+    assert decide(_views(durs, {}), 4, LATE)["slowest"] is None
+    # too few collectives in common
+    durs = {0: [0.03] * 5, 1: [0.01] * 5}
+    waits = {0: [{1: 0.02}] * 5}
+    v = decide(_views(durs, waits), 2, LATE)
+    assert v["slowest"] is None and v["late"][1][0] == 5
+    assert decide(_views(durs, waits), 2, LATE, min_ops=5)["slowest"] == 1
+    # late in a minority of collectives: not the slowest
+    n = 20
+    durs = {0: [0.03 if i % 4 == 0 else 0.002 for i in range(n)], 1: [0.002] * n}
+    waits = {0: [{1: 0.028} if i % 4 == 0 else {} for i in range(n)]}
+    assert decide(_views(durs, waits), 2, LATE)["slowest"] is None
+    # a view missing: no verdict
+    assert decide({0: []}, 2, LATE)["slowest"] is None
+
+
+def test_views_round_trip_and_junk_is_refused():
+    ops = [(7, 0.0123, {1: 0.004}), (8, 0.001, {})]
+    raw = encode("h1", ops, None).encode()
+    host, got, links = parse(raw, 4)
+    assert host == "h1" and links is None
+    assert got == [(7, 0.0123, {1: 0.004}), (8, 0.001, {})]
+    for bad in (b"", b"\xff", b"[]", b'{"v":2}', b'{"v":1,"host":3,"ops":[]}',
+                b'{"v":1,"host":"h","ops":[[1,2]]}', b'{"v":1,"host":"h","ops":[[1,-2,[]]]}',
+                b'{"v":1,"host":"h","ops":[[1,2,[[9,1]]]]}',  # peer 9 of 4 ranks
+                b'{"v":1,"host":"h","ops":[[1.5,2,[]]]}', b"x" * (straggler._MAX_VIEW + 1)):
+        assert parse(bad, 4) is None, bad
+
+
+# ----------------------------------------------------------------------------- one host
+def _slowed(rank, world, lr, slow, n, nbytes, dump):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import linerate
+    from linerate.transport import metrics
+
+    pg = lr._get_backend(torch.device("cpu"))
+    t = torch.ones(max(1, nbytes // 4))
+    named_at, wrong = None, []
+    for i in range(n):
+        if rank == slow:
+            time.sleep(0.02)
+        dist.all_reduce(t, group=lr)
+        got = pg.slow_report()["slowest"]
+        if got is not None and got != slow:
+            wrong.append((i, got))
+        if named_at is None and got == slow:
+            named_at = i + 1
+    assert float(t[0]) == world ** n or nbytes == 0 or n > 30
+    exported = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+        for s in fam.samples:
+            if s.name in ("linerate_slowest_rank", "linerate_peer_wait_seconds_total"):
+                exported.setdefault(s.name, {})[s.labels.get("peer", "")] = s.value
+    dist.barrier(group=lr)
+    path = linerate.dump_flight(dump) if dump else None
+    rep = pg.slow_report()
+    return {"named_at": named_at, "wrong": wrong, "report": rep, "exported": exported,
+            "dump": path}
+
+
+def _check_named(results, slow, within=20):
+    for r, res in enumerate(results):
+        assert not res["wrong"], (r, res["wrong"])
+        assert res["named_at"] is not None and res["named_at"] <= within, (r, res)
+        assert res["exported"]["linerate_slowest_rank"][""] == slow, (r, res["exported"])
+        text = res["report"]["text"]
+        assert text.startswith(f"rank {slow} entered last in "), text
+        if r != slow:  # its peers waited for it longest
+            waited = res["exported"]["linerate_peer_wait_seconds_total"]
+            assert max(waited, key=waited.get) == str(slow), (r, waited)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "tcp"])
+def test_a_slowed_rank_is_named_on_one_host(shm, tmp_path):
+    slow = random.Random().randrange(4)
+    results = run_ranks(_slowed, 4, slow, 30, 4096, str(tmp_path / "fr"), timeout=90,
+                        env={"LINERATE_SHM": shm, "LINERATE_SLOW_LOG_S": "60"})
+    print(f"slowed rank {slow}: named after",
+          [r["named_at"] for r in results], "collectives;", results[0]["report"]["text"])
+    _check_named(results, slow)
+    # The flight records say the same (linerate flight).
+    from linerate.tools import flight as tool
+    dumps = [(r["dump"], tool.load(r["dump"])) for r in results]
+    g = tool.analyze(dumps)["groups"][0]
+    assert g["late"]["slowest"] == slow, g["late"]
+    assert f"rank {slow} entered last in" in tool.report(tool.analyze(dumps))
+
+
+@pytest.mark.timeout(120)
+def test_a_balanced_run_names_nobody():
+    results = run_ranks(_slowed, 4, -1, 2000, 4096, "", timeout=100,
+                        env={"LINERATE_SLOW_LOG_S": "60"})
+    for r, res in enumerate(results):
+        assert res["named_at"] is None and not res["wrong"], (r, res)
+        assert res["report"]["collectives"] >= straggler.MIN_OPS, res["report"]
+        assert res["exported"]["linerate_slowest_rank"][""] == -1
+
+
+# ----------------------------------------------------------------------------- netlab
+NETLAB_SCRIPT = r'''
+import json, os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+slow, n = int(os.environ["SLOW"]), int(os.environ["N"])
+t = torch.ones(int(os.environ["NB"]) // 4)
+named_at, wrong = None, []
+for i in range(n):
+    if rank == slow:
+        time.sleep(0.02)
+    dist.all_reduce(t)
+    got = pg.slow_report()["slowest"]
+    if got is not None and got != slow:
+        wrong.append([i, got])
+    if named_at is None and got == slow:
+        named_at = i + 1
+dist.barrier()
+rep = pg.slow_report()
+print("SLOW", rank, json.dumps({"named_at": named_at, "wrong": wrong, "text": rep["text"],
+                               "n": rep["collectives"]}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@needs_netlab
+@pytest.mark.timeout(150)
+def test_a_slowed_rank_is_named_between_hosts(lab_name, tmp_path):
+    slow = random.Random().randrange(4)
+    up = ["--hosts", "4", "--rate", "1gbit"]
+    res, out = run_netlab_script(lab_name, tmp_path, NETLAB_SCRIPT, up, "SLOW",
+                                 env={"SLOW": str(slow), "N": "30", "NB": str(1 << 20),  # a DDP bucket
+                                      "LINERATE_SLOW_LOG_S": "60"})
+    assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-3000:] + res.stderr[-3000:]
+    print(f"slowed rank {slow}:", {r: o["named_at"] for r, o in out.items()}, out[0]["text"])
+    for r, o in out.items():
+        assert not o["wrong"] and o["named_at"] is not None and o["named_at"] <= 20, (r, o)
+    # balanced, on the same lab: nobody
+    (tmp_path / "b").mkdir()
+    res, out = run_netlab_script(lab_name, tmp_path / "b", NETLAB_SCRIPT, up, "SLOW",
+                                 env={"SLOW": "-1", "N": "2000", "NB": "4096",
+                                      "LINERATE_SLOW_LOG_S": "60"})
+    assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-3000:] + res.stderr[-3000:]
+    for r, o in out.items():
+        assert o["named_at"] is None and not o["wrong"] and o["n"] >= 8, (r, o)
