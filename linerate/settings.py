@@ -399,6 +399,12 @@ _ALL = [
        "gbps is gigaBYTES/s)", "link rate where the driver reports none; shm=RATE: shared "
        "memory's (default: the host's memory copy rate, measured once per process)", "metrics",
        "metrics.link_capacity"),
+    _S("LINERATE_SLOW_LINK_RATIO", _number,
+       lambda v: _is_num(v) and math.isfinite(v) and 0 <= v < 1, 0.6, "0.6",
+       "a number from 0 (off) to below 1",
+       "a TCP connection whose rate while sending stays below this share of the median rate "
+       "of its rank's other measured connections is named a slow link (read when a group's "
+       "links start being watched)", "metrics"),
     # ---------------------------------------------------------------- tools
     _S("LINERATE_NETLAB", _text, _is_str, "", "(set by netlab)",
        "a netlab lab name", "the lab a rank runs in (netlab sets it for the ranks it starts)",
@@ -597,6 +603,13 @@ DETAILS: dict[str, str] = {
     "LINERATE_LINK_CAPACITY": (
         "Utilization is bytes carried over this capacity. Beware tc's units: `10gbps` is "
         "80 Gbit/s."),
+    "LINERATE_SLOW_LINK_RATIO": (
+        "The rate is the kernel's: bytes acknowledged over the time the connection had data "
+        "in flight, less the time the peer's receive window held it back (TCP_INFO). A "
+        "connection is measured when it moved at least 1 MiB in at least 10 ms since the last "
+        "sample; its ratio to its siblings is smoothed, and it is named after two samples in a "
+        "row below the threshold. Every rank's measurements together name the host and rail "
+        "at fault. See [Slow links](metrics.md#slow-links)."),
     "LINERATE_WORKERS": ("See docker/README.md in the repository."),
 }
 

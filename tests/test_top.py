@@ -168,6 +168,47 @@ def test_peers_hidden_unless_nonzero_or_all():
     assert frame["peers"][0]["retransmits_total"] == 3.0 and frame["peers_hidden"] == 0
 
 
+def link_rate_text(r, rows):
+    """The slow-link gauges of rank ``r``: rows of (peer, interface, connection, bytes/s,
+    ratio, slow)."""
+    lines = []
+    for name, i in (("linerate_link_rate_bytes_per_second", 3), ("linerate_link_rate_ratio", 4),
+                    ("linerate_slow_link", 5)):
+        lines.append(f"# TYPE {name} gauge")
+        for row in rows:
+            lines.append(f'{name}{{{SERIES.format(r=r)},peer="{row[0]}",interface="{row[1]}",'
+                         f'connection="{row[2]}"}} {float(row[i])}')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.timeout(10)
+def test_slow_links_shown_and_the_others_with_all():
+    rank3 = link_rate_text(3, [(0, "eth0", 0, 25e6, 2.0, 0), (0, "eth1", 1, 11.5e6, 0.43, 1)])
+    rank0 = link_rate_text(0, [(1, "eth0", 0, 25e6, 1.02, 0), (1, "eth1", 1, 24e6, 0.98, 0)])
+    cur = [scrape_of(rank0, 1.0, "http://h0:9400/metrics"),
+           scrape_of(rank3, 1.0, "http://h3:9400/metrics")]
+    frame = top.compute_frame(None, cur)  # gauges: no previous scrape needed
+    assert frame["slow_links"] == 1 and frame["link_rates_hidden"] == 3
+    [row] = frame["link_rates"]
+    assert row == {"host": "h3", "rank": 3, "peer": 0, "interface": "eth1", "connection": 1,
+                   "bytes_per_second": 11.5e6, "bits_per_second": 92e6, "ratio": 0.43,
+                   "slow": True}
+    text = top.render(frame)
+    [line] = [x for x in text.splitlines() if x.startswith("h3 ")]
+    assert line.split() == ["h3", "3", "0", "eth1", "1", "92.0", "Mbit/s", "11.5", "MB/s",
+                            "0.43x", "SLOW"]
+    assert "4 connection rate(s) measured, 1 slow (--all lists every one)" in text
+    frame = top.compute_frame(None, cur, show_all=True)
+    assert [(r["rank"], r["interface"], r["slow"]) for r in frame["link_rates"]] == [
+        (0, "eth0", False), (0, "eth1", False), (3, "eth0", False), (3, "eth1", True)]
+    assert frame["link_rates_hidden"] == 0
+    json.dumps(frame, allow_nan=False)
+    frame = top.compute_frame(None, cur[:1])
+    assert frame["link_rates"] == [] and frame["slow_links"] == 0
+    assert "2 connection rate(s) measured, none slow" in top.render(frame)
+    assert "connection rate" not in top.render(known_frame())
+
+
 # ----------------------------------------------------------------------------- histograms
 @pytest.mark.timeout(10)
 def test_histogram_quantile():

@@ -10,7 +10,9 @@ scraped in parallel; rates are the counter deltas between two scrapes. Shown: pe
 rank, interface, direction) the byte rate, the capacity and the utilization; per collective the
 bus bandwidth (min/max over ranks), collectives per second, mean and p99 latency, and the
 slowest rank; per peer the TCP retransmits per second and the send queue (nonzero rows only,
-unless --all). Endpoints that do not answer are listed as down.
+unless --all); per TCP connection measured by the ranks' slow-link watch, its rate while
+sending and its ratio to its siblings (the connections named slow only, unless --all).
+Endpoints that do not answer are listed as down.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ OP_BYTES = "linerate_collective_bytes_total"
 BUSBW = "linerate_bus_bandwidth_bytes_per_second"
 RETRANSMITS = "linerate_tcp_retransmits_total"
 SEND_QUEUE = "linerate_send_queue_bytes"
+LINK_RATE = "linerate_link_rate_bytes_per_second"
+LINK_RATIO = "linerate_link_rate_ratio"
+SLOW_LINK = "linerate_slow_link"
 INFO = "linerate_info"
 
 #: Row order of the collectives table (the spec's op values); other names follow, sorted.
@@ -311,6 +316,7 @@ def compute_frame(prev: list[Scrape | None] | None, cur: list[Scrape], show_all:
         "links": _links(pairs),
         **_collectives(pairs),
         **_peers(pairs, show_all),
+        **_link_rates(pairs, show_all),
     }
 
 
@@ -468,6 +474,40 @@ def _peers(pairs: list[_Pair], show_all: bool) -> dict:
     return {"peers": out, "peers_hidden": hidden}
 
 
+def _link_rates(pairs: list[_Pair], show_all: bool) -> dict:
+    """Each connection's rate while sending and its ratio to its siblings (gauges of the
+    ranks' slow-link watch, collectives/slowlink.py): the slow ones, or all with ``show_all``."""
+    rows: dict[tuple, dict] = {}
+    for pair in pairs:
+        for name, field_ in ((LINK_RATE, "bytes_per_second"), (LINK_RATIO, "ratio"),
+                             (SLOW_LINK, "slow")):
+            for key, value in pair.series(name).items():
+                labels = _labels(key)
+                host, rank = pair.ident(labels)
+                r = rows.setdefault((host, rank, labels.get("peer", "?"),
+                                     labels.get("interface", "?"), labels.get("connection", "?")),
+                                    {"bytes_per_second": None, "ratio": None, "slow": None})
+                r[field_] = bool(value) if field_ == "slow" else value
+    out, hidden, slow = [], 0, 0
+    for (host, rank, peer, iface, conn), r in sorted(rows.items(), key=lambda kv: (
+            _rank_sort(kv[0][1]), kv[0][0], _peer_sort(kv[0][2]), kv[0][3],
+            _peer_sort(kv[0][4]))):
+        slow += bool(r["slow"])
+        if not (show_all or r["slow"]):
+            hidden += 1
+            continue
+        out.append({"host": host, "rank": rank, "peer": _rank_value(peer), "interface": iface,
+                    "connection": _rank_value(conn),
+                    "bits_per_second": (r["bytes_per_second"] * 8
+                                        if r["bytes_per_second"] is not None else None),
+                    **r})
+    return {"link_rates": out, "link_rates_hidden": hidden, "slow_links": slow}
+
+
+def format_ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 # ----------------------------------------------------------------------------- rendering
 def _scaled(value: float, units: tuple[str, ...], base: float) -> str:
     i = 0
@@ -582,6 +622,20 @@ def render(frame: dict) -> str:
                          "UTIL", ""], rows, right={1, 4, 5, 6, 7})
     else:
         lines.append("LINKS  none reported yet")
+    rates = frame.get("link_rates") or []
+    if rates:
+        rows = [[_host(r["host"]), _rank(r["rank"]), str(r["peer"]), r["interface"],
+                 str(r["connection"]), format_bits(r["bytes_per_second"]),
+                 format_byte_rate(r["bytes_per_second"]), format_ratio(r["ratio"]),
+                 "SLOW" if r["slow"] else ""] for r in rates]
+        lines.append("")
+        lines += _table(["CONN HOST", "RANK", "PEER", "IFACE", "CONN", "RATE SENDING", "BYTES",
+                         "VS SIBLINGS", ""], rows, right={1, 2, 4, 5, 6, 7})
+    hidden = frame.get("link_rates_hidden") or 0
+    if hidden:
+        nslow = frame.get("slow_links") or 0
+        lines.append(f"{len(rates) + hidden} connection rate(s) measured, "
+                     f"{nslow or 'none'} slow (--all lists every one)")
     lines.append("")
 
     ops = frame["ops"]
@@ -658,7 +712,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print each frame as one line of JSON instead of a table")
     parser.add_argument("--all", action="store_true",
-                        help="list every peer, also those without retransmits or queued bytes")
+                        help="list every peer, also those without retransmits or queued "
+                             "bytes, and every measured connection's rate, also those not slow")
     parser.set_defaults(func=run)
 
 

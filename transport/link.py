@@ -46,7 +46,8 @@ Verbs (all non-blocking; none waits for the peer)
         ``messages_received``, ``queued_bytes`` (not yet handed to the wire, the kernel's
         or NIC's queue included), ``retransmits`` (or None), and ``connections``: one dict
         per stream (``index``, ``local``, ``remote``, ``device`` (an RDMA port or None),
-        ``sent_bytes``, ``received_bytes``).
+        ``sent_bytes``, ``received_bytes``, and for a TCP connection ``tcp``: its
+        ``tcp_info`` fields).
     ``begin_close()``, ``wait_sent(until)``, ``close(deadline)``
         Closing, in three steps so that a Context closes all its links at once:
         ``begin_close`` lets each stream's sender send what is queued, then a CLOSE frame,
@@ -105,7 +106,11 @@ log = logging.getLogger("linerate.transport")
 _CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
 _TIOCOUTQ = 0x5411          # bytes in a socket's send queue not yet acknowledged
 _TCPI_TOTAL_RETRANS = 100   # offsets in struct tcp_info (linux/tcp.h)
+_TCPI_BYTES_ACKED = 120     # u64
 _TCPI_SEGS_OUT = 136
+_TCPI_BUSY_TIME = 168       # u64 microseconds, the three below (rwnd, sndbuf limited) included
+_TCPI_RWND_LIMITED = 176    # u64 microseconds
+_TCPI_SNDBUF_LIMITED = 184  # u64 microseconds
 _TCPI_BYTES_SENT = 200
 
 
@@ -355,6 +360,7 @@ class StreamLink(Link):
             info = tcp_info(st.sock)
             if info is not None:
                 retrans = (retrans or 0) + info["total_retrans"]
+                conns[-1]["tcp"] = info
             kq += kernel_queued(st.sock)
         with self._cond:
             queued = 0
@@ -592,7 +598,12 @@ def recv_into(sock, view: memoryview, n: int) -> bool:
 
 def tcp_info(sock) -> dict | None:
     """A few fields of the kernel's TCP_INFO for a connection (None if it is closed or not
-    a TCP socket)."""
+    a TCP socket): ``total_retrans``, and where the kernel's struct is long enough
+    ``bytes_acked``, ``segs_out``, ``busy_us`` (microseconds with data in flight or queued,
+    counted in jiffies: 1 to 10 ms steps), ``rwnd_limited_us`` and ``sndbuf_limited_us`` (the
+    parts of ``busy_us`` that the peer's receive window, or this side's send buffer, held the
+    sender back), ``bytes_sent`` (retransmissions included). Read only when asked
+    (``stats()``), never on the data path."""
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except (OSError, AttributeError, TypeError):
@@ -600,8 +611,13 @@ def tcp_info(sock) -> dict | None:
     if not isinstance(raw, (bytes, bytearray)) or len(raw) < _TCPI_TOTAL_RETRANS + 4:
         return None
     out = {"total_retrans": struct.unpack_from("<I", raw, _TCPI_TOTAL_RETRANS)[0]}
+    if len(raw) >= _TCPI_BYTES_ACKED + 8:
+        out["bytes_acked"] = struct.unpack_from("<Q", raw, _TCPI_BYTES_ACKED)[0]
     if len(raw) >= _TCPI_SEGS_OUT + 4:
         out["segs_out"] = struct.unpack_from("<I", raw, _TCPI_SEGS_OUT)[0]
+    if len(raw) >= _TCPI_SNDBUF_LIMITED + 8:
+        busy, rwnd, sndbuf = struct.unpack_from("<QQQ", raw, _TCPI_BUSY_TIME)
+        out.update(busy_us=busy, rwnd_limited_us=rwnd, sndbuf_limited_us=sndbuf)
     if len(raw) >= _TCPI_BYTES_SENT + 8:
         out["bytes_sent"] = struct.unpack_from("<Q", raw, _TCPI_BYTES_SENT)[0]
     return out
