@@ -80,8 +80,11 @@ CMA_KEEP = 3
 CMA_PIECE = 1 << 20
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
-#: Checks of the counters before a waiting rank sleeps on the bell.
-SPIN = 20
+#: Seconds a waiting rank polls the counters before it sleeps on its bell, where the segment's
+#: ranks have a core each: a futex sleep and wake-up costs tens of microseconds on each side,
+#: more than a small op's peer usually keeps it waiting. Where ranks outnumber cores it sleeps
+#: at once: a polling rank would take the core the rank it waits for needs.
+SPIN_S = 100e-6
 #: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
 #: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up (where there are
 #: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
@@ -205,7 +208,7 @@ class Engine:
         self.prog = seg.ctrl[:, _PROG]
         self.want = seg.ctrl[:, _WANT]
         # More ranks than cores: a spinning rank takes the core a rank it waits for needs.
-        self.spin = SPIN if P <= len(os.sched_getaffinity(0)) else 0
+        self.spin = SPIN_S if P <= len(os.sched_getaffinity(0)) else 0.0
         self.tick = 0
         self.base = 0
         nareas = 2 * P + 2
@@ -369,9 +372,11 @@ class Engine:
         if arr is not None:
             base, ticks = self.base, prog.tolist()
             first = [q for q in (who or range(self.P)) if ticks[q] <= base and q != self.r]
-        for _ in range(self.spin):
-            if _ready(prog, t, who):
-                break
+        if self.spin:
+            clock = time.perf_counter
+            until = clock() + self.spin
+            while not _ready(prog, t, who) and clock() < until:
+                pass
         seg = self.seg
         bells = seg.bells
         row = ctrl[self.r]
