@@ -381,14 +381,6 @@ def _name(place: tuple, idx: list[int], slow: set, edges: list, also: list) -> d
 
 
 # ----------------------------------------------------------------------------- export
-def _identity() -> tuple[str, str]:
-    ident = getattr(metrics, "identity", None)
-    if ident is not None:
-        rank, host = ident()
-        return str(rank), str(host)
-    return metrics._rank(), metrics._host()
-
-
 class _Collector:
     def collect(self):
         labels = ["rank", "host", "peer", "interface", "connection"]
@@ -412,7 +404,7 @@ class _Collector:
                 if old is None or _worse(row, old):
                     best[key] = row
         if best:
-            ids = list(_identity())
+            ids = list(metrics.identity())
             for key in sorted(best):
                 row = best[key]
                 rate.add_metric(ids + list(key), row["rate"])
