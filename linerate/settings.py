@@ -380,6 +380,14 @@ _ALL = [
        "linerate-flight in the temporary folder)",
        "where each rank writes its flight recorder on a timeout", "collectives",
        "flight_dump"),
+    _S("LINERATE_SLOW_RANK_MS", _number, _duration(limit=1e7), 5.0, "5",
+       "a finite number of milliseconds > 0",
+       "a rank entering collectives at least this much later than the others, in most of the "
+       "recent ones, is named the slowest", "collectives", "slow_rank_ms"),
+    _S("LINERATE_SLOW_LOG_S", _number, _duration(zero_ok=True, limit=1e7), 0.0, "0",
+       "a finite number of seconds from 0 (off)",
+       "log a warning naming a persistently late rank or slow link at most once per this many "
+       "seconds; 0: no log line", "collectives", "slow_log_s"),
     # ---------------------------------------------------------------- metrics
     _S("LINERATE_METRICS_PORT", _port_or_off, _int_in(0, 65536), 0, "(off)",
        "a TCP port from 1 to 65535 (0 or empty: no exporter)",
@@ -595,6 +603,14 @@ DETAILS: dict[str, str] = {
         "An all_reduce that somebody already waits on is not held back."),
     "LINERATE_FR_ENTRIES": ("See [Faults and the flight recorder](faults.md)."),
     "LINERATE_FR_DUMP": ("`/tmp/fr` gives `/tmp/fr.rank0.json`, `/tmp/fr.rank1.json`, ..."),
+    "LINERATE_SLOW_RANK_MS": (
+        "Watched while the exporter runs or LINERATE_SLOW_LOG_S is set: every rank publishes "
+        "how long its recent collectives took and how long it waited for each peer, and every "
+        "rank names the same slowest rank from all of them. See "
+        "[Slow ranks](metrics.md#slow-ranks)."),
+    "LINERATE_SLOW_LOG_S": (
+        "One line from the group's rank 0, with the evidence (share of collectives entered "
+        "last, mean lateness; a slow link's rate against its siblings')."),
     "LINERATE_METRICS_PORT": (
         "Each rank of a host gets its own port. See [Metrics](metrics.md)."),
     "LINERATE_METRICS_ADDR": (

@@ -34,7 +34,7 @@ def pytest_configure(config):
 
 #: Files whose tests run in this process, ranks (if any) as threads: the ``unit`` tier.
 UNIT_FILES = {"test_unit_backend.py", "test_matching.py", "test_model.py", "test_whatif.py",
-              "test_fuzz.py", "test_dashboard.py", "test_settings.py"}
+              "test_fuzz.py", "test_dashboard.py", "test_settings.py", "test_slowlink.py"}
 #: Single tests of other files that start no rank process.
 UNIT_TESTS = {"test_docs.py": ("test_every_directive_is_understood",
                                "test_settings_page_is_generated_from_the_registry",
@@ -42,6 +42,11 @@ UNIT_TESTS = {"test_docs.py": ("test_every_directive_is_understood",
                                "test_readme_is_a_guide",
                                "test_no_file_speaks_of_numbered_working_periods",
                                "test_docs_site_builds_strictly"),
+              "test_straggler.py": ("test_a_late_rank_is_named_by_its_waiting_peers",
+                                    "test_only_the_successor_waits_in_a_ring",
+                                    "test_finishing_first_is_not_entering_last",
+                                    "test_balanced_and_sparse_views_name_nobody",
+                                    "test_views_round_trip_and_junk_is_refused"),
               "test_perf_report.py": ("test_bench_rows_memory_and_link_bounds",
                                       "test_latency_and_fusion_rows",
                                       "test_a_rerun_replaces_its_section_and_keeps_the_others",

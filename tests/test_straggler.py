@@ -89,7 +89,7 @@ def test_views_round_trip_and_junk_is_refused():
     assert host == "h1" and links is None
     assert got == [(7, 0.0123, {1: 0.004}), (8, 0.001, {})]
     for bad in (b"", b"\xff", b"[]", b'{"v":2}', b'{"v":1,"host":3,"ops":[]}',
-                b'{"v":1,"host":"h","ops":[[1,2]]}', b'{"v":1,"host":"h","ops":[[1,-2,[]]]}',
+                b'{"v":1,"host":"h","ops":[[1]]}', b'{"v":1,"host":"h","ops":[[1,-2,[]]]}',
                 b'{"v":1,"host":"h","ops":[[1,2,[[9,1]]]]}',  # peer 9 of 4 ranks
                 b'{"v":1,"host":"h","ops":[[1.5,2,[]]]}', b"x" * (straggler._MAX_VIEW + 1)):
         assert parse(bad, 4) is None, bad
