@@ -121,7 +121,8 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
             named_at = i + 1
     assert float(t[0]) == world ** n or nbytes == 0 or n > 30
     exported = {}
-    for fam in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+    text = generate_latest(metrics.REGISTRY).decode()
+    for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in ("linerate_slowest_rank", "linerate_peer_wait_seconds_total"):
                 exported.setdefault(s.name, {})[s.labels.get("peer", "")] = s.value
@@ -129,10 +130,17 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
     path = linerate.dump_flight(dump) if dump else None
     rep = pg.slow_report()
     return {"named_at": named_at, "wrong": wrong, "report": rep, "exported": exported,
-            "dump": path}
+            "dump": path, "text": text}
 
 
 def _check_named(results, slow, within=20):
+    from linerate.tools import top
+    # linerate top, from every rank's /metrics text after the 30 collectives
+    frame = top.compute_frame(None, [top.Scrape(f"http://h:{9400 + r}/metrics", 1.0,
+                                                samples=top.parse_metrics(res["text"]))
+                                     for r, res in enumerate(results)])
+    assert frame["late_rank"]["rank"] == slow, frame["late_rank"]
+    assert f"SLOW RANK  rank {slow} entered last in" in top.render(frame)
     for r, res in enumerate(results):
         assert not res["wrong"], (r, res["wrong"])
         assert res["named_at"] is not None and res["named_at"] <= within, (r, res)

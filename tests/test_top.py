@@ -209,6 +209,50 @@ def test_slow_links_shown_and_the_others_with_all():
     assert "connection rate" not in top.render(known_frame())
 
 
+def late_text(r, slowest, late=(), waited=()):
+    """The slow-rank series of rank ``r``: its group's verdict ``slowest`` (-1: nobody),
+    ``late`` rows (late_rank, share, mean seconds), ``waited`` rows (peer, seconds)."""
+    ids = SERIES.format(r=r)
+    lines = ["# TYPE linerate_slowest_rank gauge", f"linerate_slowest_rank{{{ids}}} {slowest}",
+             "# TYPE linerate_slow_window_collectives gauge",
+             f"linerate_slow_window_collectives{{{ids}}} 64",
+             "# TYPE linerate_rank_late_ratio gauge", "# TYPE linerate_rank_lateness_seconds gauge"]
+    for q, share, mean in late:
+        lines.append(f'linerate_rank_late_ratio{{{ids},late_rank="{q}"}} {share}')
+        lines.append(f'linerate_rank_lateness_seconds{{{ids},late_rank="{q}"}} {mean}')
+    lines.append("# TYPE linerate_peer_wait_seconds_total counter")
+    for q, w in waited:
+        lines.append(f'linerate_peer_wait_seconds_total{{{ids},peer="{q}"}} {w}')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.timeout(10)
+def test_the_slow_rank_and_the_waits_for_it():
+    prev = [scrape_of(late_text(0, -1, waited=[(1, 0.0), (2, 1.0)]), 0.0, "http://h0:9400/metrics"),
+            scrape_of(late_text(1, -1, waited=[(0, 0.0), (2, 1.0)]), 0.0, "http://h1:9400/metrics")]
+    cur = [scrape_of(late_text(0, 2, [(2, 0.94, 0.0382)], [(1, 0.001), (2, 1.5)]), 1.0,
+                     "http://h0:9400/metrics"),
+           scrape_of(late_text(1, 2, [(2, 0.94, 0.0382)], [(0, 0.0), (2, 1.4)]), 1.0,
+                     "http://h1:9400/metrics")]
+    frame = top.compute_frame(prev, cur)
+    assert frame["late_rank"] == {"rank": 2, "named_by": 2, "watched": 2, "collectives": 64,
+                                  "share": 0.94, "mean_late_seconds": 0.0382}
+    assert [(p["rank"], p["peer"], round(p["waited_per_second"], 3)) for p in frame["peers"]] \
+        == [(0, 2, 0.5), (1, 2, 0.4)]
+    assert frame["peers_hidden"] == 2  # the peers nobody waited for
+    text = top.render(frame)
+    assert ("SLOW RANK  rank 2 entered last in 94% of the last 64 collectives, 38.2 ms late on "
+            "average  (named by 2/2 ranks)") in text
+    [line] = [x for x in text.splitlines() if x.startswith("h0 ")]
+    assert line.split()[-1] == "50.0%"
+    frame = top.compute_frame(None, [scrape_of(late_text(0, -1), 1.0)])
+    assert frame["late_rank"]["rank"] is None
+    assert "SLOW RANK  none named (1 rank(s) watching, 64 collectives in the window)" \
+        in top.render(frame)
+    json.dumps(frame, allow_nan=False)
+    assert top.compute_frame(None, [scrape_of(link_text(0, 0, None, 0), 1.0)])["late_rank"] is None
+
+
 # ----------------------------------------------------------------------------- histograms
 @pytest.mark.timeout(10)
 def test_histogram_quantile():
@@ -350,8 +394,8 @@ def test_render_known_frame():
         assert figure in ar, figure
     assert "slowest: all_reduce on rank 1 (n2)  mean 2.60 ms  p99 5.10 ms" in text
     [peer] = [line for line in text.splitlines() if line.startswith("n2")]
-    assert peer.split() == ["n2", "1", "0", "12.0", "2.00", "MiB"]
-    assert "1 peer(s) without retransmits or queued bytes not shown (--all)" in text
+    assert peer.split() == ["n2", "1", "0", "12.0", "2.00", "MiB", "-"]
+    assert "1 peer(s) without retransmits, queued bytes or waits not shown (--all)" in text
     assert "DOWN   http://n3:9400/metrics  Connection refused" in text
     assert "EMPTY  http://n4:9400/metrics  answers, but with no linerate_* series" in text
 

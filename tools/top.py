@@ -9,8 +9,10 @@ Each ENDPOINT is HOST:PORT, HOST:PORT1-PORT2 (one rank per port), a bare PORT or
 scraped in parallel; rates are the counter deltas between two scrapes. Shown: per link (host,
 rank, interface, direction) the byte rate, the capacity and the utilization; per collective the
 bus bandwidth (min/max over ranks), collectives per second, mean and p99 latency, and the
-slowest rank; per peer the TCP retransmits per second and the send queue (nonzero rows only,
-unless --all); per TCP connection measured by the ranks' slow-link watch, its rate while
+slowest rank; the rank that makes the others wait, as the ranks decided it together
+(collectives/straggler.py: the share of recent collectives it entered last, how late); per peer
+the TCP retransmits per second, the send queue and the share of time the rank spent waiting for
+that peer's contributions (nonzero rows only, unless --all); per TCP connection measured by the ranks' slow-link watch, its rate while
 sending and its ratio to its siblings (the connections named slow only, unless --all).
 Endpoints that do not answer are listed as down.
 """
@@ -54,6 +56,11 @@ SEND_QUEUE = "linerate_send_queue_bytes"
 LINK_RATE = "linerate_link_rate_bytes_per_second"
 LINK_RATIO = "linerate_link_rate_ratio"
 SLOW_LINK = "linerate_slow_link"
+SLOWEST_RANK = "linerate_slowest_rank"
+LATE_RATIO = "linerate_rank_late_ratio"
+LATENESS = "linerate_rank_lateness_seconds"
+SLOW_WINDOW = "linerate_slow_window_collectives"
+PEER_WAIT = "linerate_peer_wait_seconds_total"
 INFO = "linerate_info"
 
 #: Row order of the collectives table (the spec's op values); other names follow, sorted.
@@ -317,7 +324,38 @@ def compute_frame(prev: list[Scrape | None] | None, cur: list[Scrape], show_all:
         **_collectives(pairs),
         **_peers(pairs, show_all),
         **_link_rates(pairs, show_all),
+        "late_rank": _late_rank(pairs),
     }
+
+
+def _late_rank(pairs: list[_Pair]) -> dict | None:
+    """The ranks' verdict on who makes the others wait (collectives/straggler.py): every
+    endpoint exports the one its group decided from all ranks' views. None where no rank is
+    watched; ``rank`` None where nobody is named."""
+    named: dict[int, int] = {}
+    watched = 0
+    window = 0
+    shares: dict[int, tuple] = {}
+    for pair in pairs:
+        for key, value in pair.series(SLOWEST_RANK).items():
+            watched += 1
+            if value >= 0:
+                named[int(value)] = named.get(int(value), 0) + 1
+        for key, value in pair.series(SLOW_WINDOW).items():
+            window = max(window, int(value))
+        lateness = {_labels(k).get("late_rank"): v for k, v in pair.series(LATENESS).items()}
+        for key, value in pair.series(LATE_RATIO).items():
+            r = _labels(key).get("late_rank")
+            if r is not None and r.lstrip("-").isdigit():
+                shares.setdefault(int(r), (value, lateness.get(r)))
+    if not watched:
+        return None
+    if not named:
+        return {"rank": None, "named_by": 0, "watched": watched, "collectives": window}
+    rank = max(named, key=lambda r: (named[r], -r))
+    share, mean = shares.get(rank, (None, None))
+    return {"rank": rank, "named_by": named[rank], "watched": watched, "collectives": window,
+            "share": share, "mean_late_seconds": mean}
 
 
 def _links(pairs: list[_Pair]) -> list[dict]:
@@ -451,7 +489,7 @@ def _peers(pairs: list[_Pair], show_all: bool) -> dict:
         host, rank = pair.ident(labels)
         return rows.setdefault((host, rank, labels.get("peer", "?")),
                                {"retransmits_per_second": None, "retransmits_total": None,
-                                "send_queue_bytes": None})
+                                "send_queue_bytes": None, "waited_per_second": None})
 
     for pair in pairs:
         for key, value in pair.series(RETRANSMITS).items():
@@ -463,11 +501,16 @@ def _peers(pairs: list[_Pair], show_all: bool) -> dict:
         for key, value in pair.series(SEND_QUEUE).items():
             r = row(pair, _labels(key))
             r["send_queue_bytes"] = (r["send_queue_bytes"] or 0.0) + value
+        for key in pair.series(PEER_WAIT):
+            d = pair.delta(PEER_WAIT, key)
+            if d is not None:
+                r = row(pair, _labels(key))
+                r["waited_per_second"] = (r["waited_per_second"] or 0.0) + d / pair.dt
     out, hidden = [], 0
     for (host, rank, peer), r in sorted(rows.items(), key=lambda kv: (
             _rank_sort(kv[0][1]), kv[0][0], _peer_sort(kv[0][2]))):
         if not (show_all or (r["retransmits_per_second"] or 0) > 0
-                or (r["send_queue_bytes"] or 0) > 0):
+                or (r["send_queue_bytes"] or 0) > 0 or (r["waited_per_second"] or 0) >= 0.01):
             hidden += 1
             continue
         out.append({"host": host, "rank": rank, "peer": _rank_value(peer), **r})
@@ -608,7 +651,22 @@ def render(frame: dict) -> str:
         head += "  " + " ".join(f"{k}={v}" for k, v in next(iter(infos)))
     elif len(infos) > 1:
         head += "  (ranks differ in linerate_info: see --json)"
-    lines = [head, ""]
+    lines = [head]
+    late = frame.get("late_rank")
+    if late is not None:
+        if late["rank"] is None:
+            lines.append(f"SLOW RANK  none named ({late['watched']} rank(s) watching, "
+                         f"{late['collectives']:,} collectives in the window)")
+        else:
+            text = f"SLOW RANK  rank {late['rank']}"
+            if late.get("share") is not None:
+                text += f" entered last in {100 * late['share']:.0f}% of the last " \
+                        f"{late['collectives']:,} collectives"
+            if late.get("mean_late_seconds") is not None:
+                text += f", {late['mean_late_seconds'] * 1e3:.1f} ms late on average"
+            text += f"  (named by {late['named_by']}/{late['watched']} ranks)"
+            lines.append(text)
+    lines.append("")
 
     links = frame["links"]
     if links:
@@ -659,13 +717,14 @@ def render(frame: dict) -> str:
     peers = frame["peers"]
     if peers:
         rows = [[_host(r["host"]), _rank(r["rank"]), str(r["peer"]),
-                 format_rate(r["retransmits_per_second"]), format_bytes(r["send_queue_bytes"])]
+                 format_rate(r["retransmits_per_second"]), format_bytes(r["send_queue_bytes"]),
+                 format_percent(r.get("waited_per_second"))]
                 for r in peers]
-        lines += _table(["PEER HOST", "RANK", "PEER", "RETRANS/S", "SEND QUEUE"], rows,
-                        right={1, 2, 3, 4})
+        lines += _table(["PEER HOST", "RANK", "PEER", "RETRANS/S", "SEND QUEUE", "WAITED"], rows,
+                        right={1, 2, 3, 4, 5})
     if frame["peers_hidden"]:
         lines.append(f"{'' if peers else 'PEERS  '}{frame['peers_hidden']} peer(s) without "
-                     "retransmits or queued bytes not shown (--all)")
+                     "retransmits, queued bytes or waits not shown (--all)")
     elif not peers:
         lines.append("PEERS  none reported yet")
 
@@ -712,8 +771,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print each frame as one line of JSON instead of a table")
     parser.add_argument("--all", action="store_true",
-                        help="list every peer, also those without retransmits or queued "
-                             "bytes, and every measured connection's rate, also those not slow")
+                        help="list every peer, also those without retransmits, queued bytes "
+                             "or waits, and every measured connection's rate, also those not "
+                             "slow")
     parser.set_defaults(func=run)
 
 
