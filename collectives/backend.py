@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from linerate.transport import Context, metrics, shm
+from linerate.transport import Context, metrics
 
 from . import (algorithms, flight, fusion, shm_algos, straggler,
                timeline, two_level)
@@ -121,15 +121,12 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""
-        shm.take_layout()  # a stale one (a group whose creation failed) is dropped
         self._ctx = Context(store, rank, size, self._options.transport, OPNAMES,
                             label=group_name or "", scope=_incarnation(),
                             agreed=self._options.agreed())
         if global_ranks and len(global_ranks) == size:
             self._ctx.global_ranks = list(global_ranks)
-        #: Where the group's ranks are (transport/shm.py: hosts' group ranks, whether each
-        #: host's co-located ranks share a segment): the same on every rank.
-        self._layout = shm.take_layout() or shm.Layout((tuple(range(size)),), False)
+        layout = self._ctx.layout  # learnt at rendezvous (the ``layout`` property)
         seg = self._ctx.shm
         # Every rank on this host with a shared segment: the worker's ops run on it.
         self._shm = shm_algos.Engine(seg) if seg is not None and seg.size == size else None
@@ -137,9 +134,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         # phases of the two-level algorithms (collectives/two_level.py).
         self._local = shm_algos.Engine(seg) if seg is not None and seg.size < size else None
         #: What the algorithm table (collectives/algorithms.py) knows of the group.
-        self._shape = algorithms.Shape(size, self._layout.hosts, self._layout.shared)
+        self._shape = algorithms.Shape(size, layout.hosts, layout.shared)
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
-        self._plan = (two_level.Plan(self._layout.hosts, rank, self._options.pipeline)
+        self._plan = (two_level.Plan(layout.hosts, rank, self._options.pipeline)
                       if self._shape.two_level_ok else None)
         #: The algorithm table's choices, run (collectives/dispatch.py).
         self._algos = Dispatch(self._options, self._shape, self._plan, self._shm, self._local)
@@ -250,8 +247,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def layout(self):
         """Where the group's ranks are (transport/shm.py ``Layout``: ``hosts``, the group ranks
         of each host, and ``shared``, whether each host's co-located ranks share a segment):
-        the same on every rank."""
-        return self._layout
+        the same on every rank, as the transport Context learnt it at rendezvous."""
+        return self._ctx.layout
 
     @property
     def host_engine(self):

@@ -111,7 +111,7 @@ def _pair(kind, pki=None, nsocks=2):
             rv = rendezvous.Rendezvous(store, rank, deadline, 20.0, f"linerate/links-{kind}/")
             secret = rv.agree(rendezvous.agreed_settings(opts, 1))
             if kind == "shm":
-                seg = shm.establish(rv, rank, 2, secret, "1", rv.prefix, rv.generation)
+                seg, _ = shm.establish(rv, rank, 2, secret, "1", rv.prefix, rv.generation)
                 links = shmlink.build_links(seg, rank, [1 - rank])
             elif kind == "rdma":
                 ports = rdma.open_ports(rank, opts)

@@ -151,6 +151,10 @@ class Context(LinkSink):
         self.transport = "tcp"
         #: The group's shared-memory segment (transport/shm.py), or None.
         self.shm = None
+        #: Where the group's ranks are (transport/shm.py ``Layout``: the group ranks of each
+        #: host, whether each host's co-located ranks share a segment), the same on every
+        #: rank: learnt at rendezvous; until then (and in a group of one) one host, unshared.
+        self.layout = shm.Layout((tuple(range(size)),), False)
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
         self._tcp: tcp.TcpMesh | None = None  # TCP set-up (its listeners), while it runs
@@ -221,8 +225,8 @@ class Context(LinkSink):
         if later and self.transport == "tcp":
             mesh = self._listen(rv, opts)
         if mesh is not None:  # which rails each link uses (a host's rails over its ranks)
-            layout = shm.last_layout()
-            mesh.plan_rails(layout.hosts if layout is not None and layout.shared else None)
+            layout = self.layout
+            mesh.plan_rails(layout.hosts if layout.shared else None)
         if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
             ports = rdma.open_ports(self.rank, opts)
             self._use_rails(len(ports))
@@ -267,8 +271,8 @@ class Context(LinkSink):
         # Ranks of one host that can map one segment share memory (transport/shm.py): the
         # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
         # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
-        self.shm = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
-                                 self._prefix, rv.generation, rv.offered, offer)
+        self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
+                                              self._prefix, rv.generation, rv.offered, offer)
         return mesh, later, agreed, opts
 
     @property

@@ -25,8 +25,8 @@ ranks could not and why); ``1``: co-located ranks must share memory, group creat
 every rank naming the ranks that cannot (ranks alone on their host need none); ``0`` never
 tries. Every rank must use the same setting.
 
-A rank alone on its host (of this group) gets no Segment; every rank can read the layout with
-``take_layout()`` on the thread that built the group, right after ``establish`` returned.
+A rank alone on its host (of this group) gets no Segment; every rank gets the layout from
+``establish`` beside its Segment (the transport Context keeps it as ``Context.layout``).
 
 What the segment holds is the collectives' business (collectives/shm_algos.py), except its
 point-to-point area (``p2p_layout``: the rings of transport/shmlink.py). The transport
@@ -93,18 +93,6 @@ class Layout(NamedTuple):
             if rank in ranks:
                 return h
         raise ValueError(f"rank {rank} is not in the layout {self.hosts}")
-
-
-_last = threading.local()
-
-
-def take_layout() -> Layout | None:
-    """The layout that the last ``establish`` on this thread computed (None if none since the
-    last call): a rank without a Segment (alone on its host, LINERATE_SHM=0) learns the
-    group's layout here. Taken once."""
-    layout = getattr(_last, "layout", None)
-    _last.layout = None
-    return layout
 
 
 def pid_alive(pid: int) -> bool:
@@ -210,12 +198,6 @@ def watchable_pid(pid: int, pidns: int, my_pidns: int) -> int:
     """A co-located rank's published pid where this process can watch it (``PidWatch``), else
     0: none published yet, or another pid namespace (or one that cannot be told)."""
     return 0 if pid <= 0 or pidns != my_pidns or not my_pidns else pid
-
-
-def last_layout() -> Layout | None:
-    """The layout of the last ``establish`` on this thread, left in place for
-    ``take_layout``."""
-    return getattr(_last, "layout", None)
 
 
 def group_hosts(ids: list[str]) -> tuple:
@@ -725,13 +707,14 @@ def was_offered(record: bytes) -> bool:
 
 def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str,
               generation: str, offered: bytes | None = None,
-              mine_offer: Offer | None = None) -> Segment | None:
+              mine_offer: Offer | None = None) -> tuple[Segment | None, Layout]:
     """Agree with the group's other ranks on a shared segment per host (every rank calls it,
     at rendezvous, before the links are chosen). Returns this rank's Segment (shared with the other
     ranks of its host), or None where this rank shares none: alone on its host, LINERATE_SHM=0,
     or (under auto) some host's ranks could not map theirs, which leaves every rank without
-    (all ranks agree). With ``mode == "1"`` a group whose co-located ranks cannot share memory
-    raises ShmError naming the ranks, on every rank. The layout is left for ``take_layout()``.
+    (all ranks agree); and the group's Layout (the same on every rank, with or without a
+    Segment). With ``mode == "1"`` a group whose co-located ranks cannot share memory raises
+    ShmError naming the ranks, on every rank.
 
     ``offered``: rank 0's offer record, as every rank read it with the group's settings
     (``Rendezvous.offered``); ``mine_offer``: on rank 0, the Offer itself. Every rank on rank
@@ -742,10 +725,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
 
     ``store`` has ``set``/``get`` (get waits for the key, failing when another rank gave up);
     keys are under ``prefix + "shm/" + generation`` (this group's incarnation)."""
-    _last.layout = None
     if size < 2:
-        _last.layout = Layout(((rank,),), True)
-        return None
+        return None, Layout(((rank,),), True)
     base = f"{prefix}shm/{generation}/"
     me = {"host": host_id(), "mode": mode}
     offer_rec = _loads(offered, 0) if offered else {}
@@ -782,8 +763,7 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     hosts = group_hosts([str(p.get("host")) for p in peers])
     shared = [h for h in hosts if len(h) >= 2]
     if mode == "0" or not shared:
-        _last.layout = Layout(hosts, False)
-        return None
+        return None, Layout(hosts, False)
     bad: dict[int, str] = {}
     if segment_offered and len(hosts) == 1:
         # Every rank is on rank 0's host and tried the offered segment: their records say how.
@@ -810,16 +790,14 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         if rank == 0:
             log.warning("linerate: group of %d ranks uses TCP, not shared memory: %s",
                         size, detail)
-        _last.layout = Layout(hosts, False)
-        return None
+        return None, Layout(hosts, False)
     layout = Layout(hosts, True)
-    _last.layout = layout
     if buf is None:
-        return None  # alone on its host
+        return None, layout  # alone on its host
     if rank == 0 and len(hosts) > 1:
         log.info("linerate: group of %d ranks on %d hosts (%s): shared memory within each host",
                  size, len(hosts), "+".join(str(len(h)) for h in hosts))
-    return Segment(buf, len(mine), mine.index(rank), name, mine, layout)
+    return Segment(buf, len(mine), mine.index(rank), name, mine, layout), layout
 
 
 def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
