@@ -10,7 +10,7 @@ What one rank measures, per collective (a lifecycle hook, collectives/op.py):
   contribution was there before this rank entered cost it nothing.
 
 No rank can tell alone who entered last: over a ring, only a late rank's successor waits for it
-directly. So every rank publishes its view (the durations and waits of its last ``WINDOW``
+directly. So every rank publishes its view (the durations and waits of its last ``HISTORY``
 collectives, as JSON under a key of the group's torch Store) a few times a second from a thread
 of its own, reads every rank's, and decides with :func:`decide`: in each collective that every
 view holds, the rank with the shortest duration entered last, late by the longest duration less
@@ -135,45 +135,71 @@ def describe(rank: int, count: int, n: int, mean_s: float) -> str:
 
 # ----------------------------------------------------------------------------- views
 def encode(host: str, ops, links) -> str:
-    """This rank's view as JSON: ``ops`` of (seq, seconds, {peer: seconds}); ``links``: the
-    slow-link rows' encoding (collectives/slowlink.py), or None."""
-    return json.dumps({"v": 1, "host": host,
-                       "ops": [[seq, round(d * 1e6), [[q, round(w * 1e6)] for q, w in ws.items()]]
-                               if ws else [seq, round(d * 1e6)] for seq, d, ws in ops],
-                       "links": links}, separators=(",", ":"))
+    """This rank's view as JSON: ``ops`` of (seq, seconds, {peer: seconds}) in increasing
+    ``seq``, written as the first seq ``s0``, the durations in microseconds from it (-1 where a
+    seq has no record: a failed op, another kind of call) and the waits as sparse
+    ``[seq, peer, µs]`` triples; ``links``: the slow-link rows' encoding
+    (collectives/slowlink.py), or None."""
+    s0 = ops[0][0] if ops else 0
+    d = [-1] * (ops[-1][0] - s0 + 1 if ops else 0)
+    w = []
+    for seq, sec, ws in ops:
+        d[seq - s0] = round(sec * 1e6)
+        for q, x in ws.items():
+            w.append([seq, q, round(x * 1e6)])
+    return json.dumps({"v": 2, "host": host, "s0": s0, "d": d, "w": w, "links": links},
+                      separators=(",", ":"))
 
 
 def _int(v) -> bool:
     return type(v) is int and -(1 << 62) < v < 1 << 62
 
 
-def parse(raw: bytes, size: int) -> tuple[str, list, object] | None:
-    """(host, ops, links) from a view, or None for anything that is not a well-formed one."""
+class View:
+    """One rank's parsed view: ``host``, ``s0``, ``d`` (µs per seq from ``s0``, -1: none),
+    ``waits`` (seq -> {peer: seconds}), ``links`` (the slow-link encoding, unchecked here)."""
+
+    __slots__ = ("host", "s0", "d", "waits", "links")
+
+    def __init__(self, host, s0, d, waits, links):
+        self.host, self.s0, self.d, self.waits, self.links = host, s0, d, waits, links
+
+    def ops(self, lo: int, hi: int) -> list:
+        """(seq, seconds, waits) for the seqs in [lo, hi) this view holds."""
+        d, s0, waits = self.d, self.s0, self.waits
+        return [(s, d[s - s0] / 1e6, waits.get(s, {})) for s in range(lo, hi)
+                if 0 <= s - s0 < len(d) and d[s - s0] >= 0]
+
+
+def parse(raw: bytes, size: int) -> View | None:
+    """A view from its bytes, or None for anything that is not a well-formed one."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) > _MAX_VIEW:
         return None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(doc, dict) or doc.get("v") != 1:
+    if not isinstance(doc, dict) or doc.get("v") != 2:
         return None
-    host, ops = doc.get("host"), doc.get("ops")
-    if not isinstance(host, str) or len(host) > 255 or not isinstance(ops, list) \
-            or len(ops) > HISTORY:
+    host, s0, d, w = doc.get("host"), doc.get("s0"), doc.get("d"), doc.get("w")
+    if not (isinstance(host, str) and len(host) <= 255 and _int(s0) and isinstance(d, list)
+            and len(d) <= HISTORY and all(_int(x) and x >= -1 for x in d)
+            and isinstance(w, list) and len(w) <= HISTORY * size):
         return None
-    out = []
-    for e in ops:
-        if not (isinstance(e, list) and len(e) in (2, 3) and _int(e[0]) and _int(e[1])
-                and e[1] >= 0 and (len(e) == 2 or isinstance(e[2], list) and len(e[2]) <= size)):
+    waits: dict[int, dict] = {}
+    for e in w:
+        if not (isinstance(e, list) and len(e) == 3 and _int(e[0]) and 0 <= e[0] - s0 < len(d)
+                and _int(e[1]) and 0 <= e[1] < size and _int(e[2]) and e[2] >= 0):
             return None
-        waits = {}
-        for w in e[2] if len(e) == 3 else ():
-            if not (isinstance(w, list) and len(w) == 2 and _int(w[0]) and 0 <= w[0] < size
-                    and _int(w[1]) and w[1] >= 0):
-                return None
-            waits[w[0]] = w[1] / 1e6
-        out.append((e[0], e[1] / 1e6, waits))
-    return host, out, doc.get("links")
+        waits.setdefault(e[0], {})[e[1]] = e[2] / 1e6
+    return View(host, s0, d, waits, doc.get("links"))
+
+
+def common(views: dict[int, View]) -> tuple[int, int]:
+    """The seqs [lo, hi) that every view covers (lo >= hi: none)."""
+    lo = max(v.s0 for v in views.values())
+    hi = min(v.s0 + len(v.d) for v in views.values())
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------- one group
@@ -268,12 +294,18 @@ class Watch:
         if not self.store.check(self._keys):
             return
         raw = self.store.multi_get(self._keys)
-        views, hosts, links = {}, {}, {}
+        parsed = {}
         for q, value in enumerate(raw):
             got = parse(value, self.size)
-            if got is None:
-                continue
-            hosts[q], views[q], links[q] = got
+            if got is not None:
+                parsed[q] = got
+        hosts = {q: v.host for q, v in parsed.items()}
+        links = {q: v.links for q, v in parsed.items()}
+        views = {}
+        if len(parsed) == self.size:  # only the window decide() looks at is unpacked
+            lo, hi = common(parsed)
+            lo = max(lo, hi - WINDOW)
+            views = {q: v.ops(lo, hi) for q, v in parsed.items()}
         v = decide(views, self.size, self.late_s)
         v["hosts"] = hosts
         v["links"] = self._link_verdict(hosts, links)

@@ -83,15 +83,23 @@ def test_balanced_and_sparse_views_name_nobody():
 
 
 def test_views_round_trip_and_junk_is_refused():
-    ops = [(7, 0.0123, {1: 0.004}), (8, 0.001, {})]
+    ops = [(7, 0.0123, {1: 0.004}), (9, 0.001, {})]  # no record of 8
     raw = encode("h1", ops, None).encode()
-    host, got, links = parse(raw, 4)
-    assert host == "h1" and links is None
-    assert got == [(7, 0.0123, {1: 0.004}), (8, 0.001, {})]
-    for bad in (b"", b"\xff", b"[]", b'{"v":2}', b'{"v":1,"host":3,"ops":[]}',
-                b'{"v":1,"host":"h","ops":[[1]]}', b'{"v":1,"host":"h","ops":[[1,-2,[]]]}',
-                b'{"v":1,"host":"h","ops":[[1,2,[[9,1]]]]}',  # peer 9 of 4 ranks
-                b'{"v":1,"host":"h","ops":[[1.5,2,[]]]}', b"x" * (straggler._MAX_VIEW + 1)):
+    v = parse(raw, 4)
+    assert v.host == "h1" and v.links is None and (v.s0, v.d) == (7, [12300, -1, 1000])
+    assert v.ops(0, 100) == [(7, 0.0123, {1: 0.004}), (9, 0.001, {})]
+    assert v.ops(8, 10) == [(9, 0.001, {})]
+    other = parse(encode("h2", [(8, 0.002, {}), (9, 0.002, {}), (10, 0.001, {})], [1]).encode(), 4)
+    assert straggler.common({0: v, 1: other}) == (8, 10) and other.links == [1]
+    assert parse(encode("h", [], None).encode(), 4).ops(0, 10) == []
+    ok = {"v": 2, "host": "h", "s0": 5, "d": [1, 2], "w": [[5, 1, 3]], "links": None}
+    assert parse(json.dumps(ok).encode(), 4).waits == {5: {1: 3e-6}}
+    for bad in ({"v": 1}, {"host": 3}, {"s0": 1.5}, {"d": [1, -2]}, {"d": [True]},
+                {"d": [0] * (straggler.HISTORY + 1)}, {"w": [[5, 9, 1]]},  # peer 9 of 4
+                {"w": [[7, 1, 1]]},  # a seq the view does not hold
+                {"w": [[5, 1, -1]]}, {"w": [[5, 1]]}, {"d": "12"}):
+        assert parse(json.dumps({**ok, **bad}).encode(), 4) is None, bad
+    for bad in (b"", b"\xff", b"[]", b"x" * (straggler._MAX_VIEW + 1)):
         assert parse(bad, 4) is None, bad
 
 
