@@ -329,14 +329,12 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         prev, self._chained = self._chained, None  # the op before, chained to this one
         try:
             life.usable(op.name, op.seq)
+            # The shared-memory engines are this op's (worker=True).
             comm = Comm(self._ctx, op.name, op.seq, op.timeout, self._options.piece_bytes,
-                        self._scratch)
-            comm.shm = self._shm
-            comm.worker = True  # the shared-memory engines are this op's
+                        self._scratch, True, self._shm)
             comm.set_call(op.desc)
             life.begin((op,), comm)
             comm.before_tail = prev
-            comm.deferred_tail = None
             if op.chain_bytes >= CHAIN_MIN_BYTES:
                 # The host's ranks agree in every such op (the same calls on every rank),
                 # wherever it runs; only the worker offers to chain.
@@ -392,12 +390,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         try:
             life.usable("all_reduce", head.seq)
             comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
-                        self._options.piece_bytes, self._scratch)
+                        self._options.piece_bytes, self._scratch, True, self._shm)
             # The head call is part of the digest: a head that differs (dtype, size, op) is
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")
-            comm.shm = self._shm
-            comm.worker = True
             life.begin((head,), comm)
             how = self._algos.choose(comm, "agree", 0)
             if how == "two_level":
@@ -966,7 +962,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def abort(self) -> None:
         """Close every connection now; pending operations fail."""
-        if self._shut and self._ctx._closing:
+        if self._shut and self._ctx.closing:
             return
         self._shut = True
         if self._watch is not None:

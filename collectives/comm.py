@@ -126,7 +126,7 @@ class Comm:
     """One collective's view of the group: rank, size, send, recv, deadline."""
 
     def __init__(self, ctx: Context, op: str, seq: int, timeout: float, piece_bytes: int,
-                 scratch: Scratch | None = None):
+                 scratch: Scratch | None = None, worker: bool = False, shm=None):
         self.ctx = ctx
         self.rank = ctx.rank
         self.size = ctx.size
@@ -136,7 +136,8 @@ class Comm:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.piece_bytes = piece_bytes
-        self._desc = f"{op} #{seq}"
+        #: The op as errors name it: ``all_reduce #12``.
+        self.desc = f"{op} #{seq}"
         self._block = 0
         self.scratch = scratch or Scratch()
         #: This op's SubComm views, by (group ranks, tag): one per subset, so that its blocks
@@ -146,12 +147,28 @@ class Comm:
         self.algorithm = "direct"
         self.call = 0
         self.call_text = ""
-        self._req_desc = self._desc
+        self._req_desc = self.desc
         #: Priority of this op's sends (lower goes first; transport Context.isend).
         self.priority = 0
         #: When each peer's first contribution arrived (group rank -> time.perf_counter()):
         #: a dict where the group watches for slow ranks (op.Lifecycle.begin), else None.
         self.arrivals = None
+        #: Whether the op runs where the group's shared-memory engines are its own (the
+        #: group's worker, or a synchronous caller on the worker's turn): the algorithm
+        #: table offers shared-memory algorithms only then (collectives/algorithms.py).
+        self.worker = worker
+        #: The shared-memory engine of every rank of the group (collectives/shm_algos.py),
+        #: given where ``worker``; None where the op has none.
+        self.shm = shm
+        #: Two-level all_reduces chained to each other (collectives/two_level.py), set by the
+        #: group for an op on its worker: ``chain_next()`` says whether the next op queued
+        #: can be chained to this one (None: never offered); ``before_tail(loc)`` is the end
+        #: of the op before, for this op's algorithm to run once its own first phase is
+        #: under way (None once run); the algorithm leaves this op's own end, for the next
+        #: op to run, in ``deferred_tail(loc)`` (None: it ended here).
+        self.chain_next = None
+        self.before_tail = None
+        self.deferred_tail = None
         # What this rank tells a peer that asks how far it got (a timeout's diagnosis).
         if seq > ctx.progress:
             ctx.progress = seq
@@ -173,7 +190,7 @@ class Comm:
         own digest differs fails the op and tells every peer (transport: MismatchError)."""
         self.call_text = desc
         self.call = call_digest(self.op, desc)
-        self._req_desc = f"{self._desc} [{desc}]" if desc else self._desc
+        self._req_desc = f"{self.desc} [{desc}]" if desc else self.desc
         self.ctx.begin_call(self.seq, self.call, self._req_desc)
 
     def end(self) -> None:
@@ -247,7 +264,7 @@ class Comm:
             silent = "".join(f"; rank {r} has acknowledged nothing for {s:.1f}s while data to it "
                              f"is outstanding: its host or link is down?"
                              for r, s in sorted(self.ctx.unacknowledged().items()))
-            raise OpTimeout(f"rank {self.rank}: {self._desc} did not complete within the "
+            raise OpTimeout(f"rank {self.rank}: {self.desc} did not complete within the "
                             f"{self.timeout:.1f}s timeout{self._absent()}: this rank was still "
                             f"waiting for {who} ({what}){silent}{hint}") from None
 
@@ -304,10 +321,10 @@ class SubComm:
         if not 1 <= tag <= MAX_VIEW_TAG:
             raise ValueError(f"a sub-communicator's tag must be in 1..{MAX_VIEW_TAG}, got {tag}")
         if len(set(ranks)) != len(ranks) or any(not 0 <= q < parent.size for q in ranks):
-            raise ValueError(f"rank {parent.rank}: {parent._desc}: sub-group {list(ranks)} must "
+            raise ValueError(f"rank {parent.rank}: {parent.desc}: sub-group {list(ranks)} must "
                              f"be distinct ranks of the group of size {parent.size}")
         if parent.rank not in ranks:
-            raise ValueError(f"rank {parent.rank}: {parent._desc}: not a member of sub-group "
+            raise ValueError(f"rank {parent.rank}: {parent.desc}: not a member of sub-group "
                              f"{list(ranks)}")
         root = parent
         if isinstance(parent, SubComm):  # compose: sub-ranks of a sub-group -> group ranks

@@ -30,7 +30,7 @@ class Dispatch:
         return algorithms.choose(op, nbytes, self.shape,
                                  allreduce_algo=allreduce_algo or o.allreduce_algo,
                                  rooted_algo=o.rooted_algo, small_bytes=o.small_bytes,
-                                 worker=getattr(comm, "worker", False))
+                                 worker=comm.worker)
 
     def run(self, comm: Comm, op: str, nbytes: int, *args, algo: str | None = None) -> str:
         """Run ``op`` by the table's choice (``choose`` names the algorithm,

@@ -295,9 +295,9 @@ class Engine:
     # ------------------------------------------------------------------ op life
     def begin(self, comm: Comm) -> None:
         if self.ctrl is None:
-            raise TransportError(f"rank {self.me}: {comm._desc}: the process group was closed")
+            raise TransportError(f"rank {self.me}: {comm.desc}: the process group was closed")
         if comm.size != self.P or comm.rank != self.r:
-            raise TransportError(f"rank {self.me}: {comm._desc}: the shared segment of ranks "
+            raise TransportError(f"rank {self.me}: {comm.desc}: the shared segment of ranks "
                                  f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
         row = self.ctrl[self.r]
         #: The last tick before this op: a peer at a later tick is in this op or past it.
@@ -401,7 +401,7 @@ class Engine:
                     where = ", ".join(f"rank {self.gr[q]} is in op #{int(ctrl[q, _SEQ])}"
                                       for q in late)
                     late = [self.gr[q] for q in late]
-                    raise OpTimeout(f"rank {self.me}: {comm._desc} did not complete within the "
+                    raise OpTimeout(f"rank {self.me}: {comm.desc} did not complete within the "
                                     f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
                                     f"(shared memory; {where})")
                 # Say what this rank waits for (a publisher that completes it rings this
@@ -445,7 +445,7 @@ class Engine:
             if time.monotonic() > comm.deadline:
                 stuck = [self.gr[q] for q in (who or range(self.P))
                          if q != self.r and int(ctrl[q, _SEQ]) == 0]
-                raise OpTimeout(f"rank {self.me}: {comm._desc} did not complete within the "
+                raise OpTimeout(f"rank {self.me}: {comm.desc} did not complete within the "
                                 f"{comm.timeout:.1f}s timeout: ranks {stuck} never finished "
                                 f"beginning their next op (shared memory; their sequence "
                                 f"number stayed 0)")
@@ -460,19 +460,19 @@ class Engine:
         ctx = comm.ctx
         late = [q for q in (who or range(self.P)) if prog[q] < t]
         for q in late:
-            peer = ctx.peers.get(self.gr[q])
-            if peer is not None and peer.failure is not None:
+            failure = ctx.peer_failure(self.gr[q])
+            if failure is not None:
                 # (a peer that failed because of another rank and then closed or exited
                 # names that rank: Context.lost)
-                raise ctx.lost(self.gr[q], str(peer.failure), f"rank {self.me}: {comm._desc}")
+                raise ctx.lost(self.gr[q], str(failure), f"rank {self.me}: {comm.desc}")
         pids = {q: self._pid(q, ctrl) for q in late}
         gone = self.seg.watch.exited([p for p in pids.values() if p])  # one syscall
         for q in late:
             if pids[q] in gone:
-                err = ctx.lost(self.gr[q], f"rank {self.me}: {comm._desc}: rank {self.gr[q]} "
+                err = ctx.lost(self.gr[q], f"rank {self.me}: {comm.desc}: rank {self.gr[q]} "
                                            f"(process {int(ctrl[q, _PID])} on this host) has "
-                                           f"exited{ctx._where()}",
-                               f"rank {self.me}: {comm._desc}")
+                                           f"exited{ctx.where()}",
+                               f"rank {self.me}: {comm.desc}")
                 ctx.report_error(str(err), err.root)  # the other ranks hear of it at once
                 raise err
 
@@ -485,9 +485,9 @@ class Engine:
         comm = self.comm
         if comm is None:
             raise TransportError(f"rank {self.me}: the process group was closed")
-        why = getattr(comm.ctx, "_close_error", None)
+        why = comm.ctx.close_error
         raise TransportError(str(why) if why is not None else
-                             f"rank {self.me}: {comm._desc}: the process group was closed")
+                             f"rank {self.me}: {comm.desc}: the process group was closed")
 
     def _check(self, t: int, who, ctrl) -> bool:
         """A peer in this op with another call, or past this op without this rank, or at this
@@ -547,7 +547,7 @@ class Engine:
     def _mismatch(self, q: int, what: str, why: str) -> None:
         comm = self.comm
         msg = (f"rank {self.me}: rank {self.gr[q]} {what} while rank {self.me} called {comm.op}"
-               f"({comm.call_text}) #{comm.seq}: {why}{comm.ctx._where()}")
+               f"({comm.call_text}) #{comm.seq}: {why}{comm.ctx.where()}")
         comm.ctx.report_error(msg)
         raise MismatchError(msg)
 
@@ -776,9 +776,9 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
             # ESRCH, EFAULT: rank q is gone, or left this op; where it (or another rank)
             # recorded that it failed because of another rank, that rank is named.
             ctx = comm.ctx
-            err = ctx.lost(E.gr[q], f"rank {E.me}: {comm._desc}: reading rank {E.gr[q]}'s "
+            err = ctx.lost(E.gr[q], f"rank {E.me}: {comm.desc}: reading rank {E.gr[q]}'s "
                                     f"tensor (process {pids[q]}, cross-memory attach) failed: "
-                                    f"{e}{ctx._where()}", f"rank {E.me}: {comm._desc}")
+                                    f"{e}{ctx.where()}", f"rank {E.me}: {comm.desc}")
             ctx.report_error(str(err), err.root)
             raise err from None
 
@@ -1183,7 +1183,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
                     if q != r and sent != want:
                         msg = (f"rank {r}: in all_to_all #{comm.seq} rank {a} sends {sent} bytes "
                                f"to rank {b}, which expects {want} bytes from it: the ranks "
-                               f"passed other split sizes{comm.ctx._where()}")
+                               f"passed other split sizes{comm.ctx.where()}")
                         comm.ctx.report_error(msg)
                         raise MismatchError(msg)
         ph += 1

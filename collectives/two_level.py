@@ -375,7 +375,7 @@ def all_reduce(comm, flat: torch.Tensor, op, plan: Plan, engine, small_bytes: in
         if futures and not in_tail and not isinstance(e, TransportError):
             # the peers (and this rank's helper threads, whose rings wait on them) hear of it
             # now, not after the helpers' waits ran out
-            comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
+            comm.ctx.report_error(f"rank {comm.rank}: {comm.desc} failed: {e}")
         _wait_futures(comm, futures)
         raise
     finally:
@@ -397,7 +397,7 @@ def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = Fal
             try:
                 futures[k].result(timeout=max(0.0, left))
             except concurrent.futures.TimeoutError:
-                raise OpTimeout(f"rank {comm.rank}: {comm._desc} did not complete within the "
+                raise OpTimeout(f"rank {comm.rank}: {comm.desc} did not complete within the "
                                 f"{comm.timeout:.1f}s timeout: its inter-host phase (chunk {k} of "
                                 f"{len(chunks)}) had not finished") from None
             if late and k == len(chunks) - 1 and _agree_chain(comm, loc):
@@ -410,7 +410,7 @@ def _tail(comm, flat: torch.Tensor, chunks, mine, futures, loc, late: bool = Fal
                 shm_algos.gather_v(loc, [x[a:b] for a, b in mine[k]])
     except BaseException as e:
         if not isinstance(e, TransportError):
-            comm.ctx.report_error(f"rank {comm.rank}: {comm._desc} failed: {e}")
+            comm.ctx.report_error(f"rank {comm.rank}: {comm.desc} failed: {e}")
         _wait_futures(comm, futures)
         raise
     if done is not None:
@@ -440,7 +440,7 @@ def _exchange(loc, subs, vals: list[float]) -> list[float]:
 
 def _run_before_tail(comm, loc) -> None:
     """The chained previous op's tail (Comm ``before_tail``), run here on this op's local view."""
-    fn = getattr(comm, "before_tail", None)
+    fn = comm.before_tail
     if fn is not None:
         comm.before_tail = None
         fn(loc)
@@ -450,7 +450,7 @@ def _agree_chain(comm, loc) -> bool:
     """Whether every rank of this host has the next op, a chainable all_reduce, queued
     (``comm.chain_next()``; no offer: False without a round). One small round on the
     segment: the same answer on each of the host's ranks."""
-    offer = getattr(comm, "chain_next", None)
+    offer = comm.chain_next
     if offer is None:
         return False
     want = torch.tensor([1 if offer() else 0], dtype=torch.int32)

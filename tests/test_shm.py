@@ -522,16 +522,19 @@ def test_mismatched_calls_are_named_on_every_rank(kind):
 class _Ctx:
     """What an Engine asks of its transport context, for two engines in one process."""
     broken = None
-    _close_error = None
+    close_error = None
 
     def __init__(self):
-        self.peers, self.reported = {}, []
+        self.reported = []
 
     def report_error(self, msg):
         self.reported.append(msg)
 
-    def _where(self):
+    def where(self):
         return ""
+
+    def peer_failure(self, peer):
+        return None
 
 
 class _Call:
@@ -542,7 +545,7 @@ class _Call:
     def __init__(self, ctx, rank, seq, op, digest):
         _Call.live.append(self)
         self.ctx, self.rank, self.size, self.seq, self.op = ctx, rank, 2, seq, op
-        self.call, self.call_text, self._desc = digest, "x", f"{op} #{seq}"
+        self.call, self.call_text, self.desc = digest, "x", f"{op} #{seq}"
         self.timeout = 5.0
         self.deadline = time.monotonic() + self.timeout
 

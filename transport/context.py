@@ -116,6 +116,9 @@ class Context(LinkSink):
         self.describe = describe
         self.label = label
         self._closing = False
+        #: What transfers fail with once the group is closed (close()): "the process group was
+        #: shut down", "... aborted".
+        self._close_error: TransportError | None = None
         #: An opaque number the user of this Context keeps (the collectives: the sequence
         #: number of the last operation entered); peers can ask for it (peer_progress).
         self.progress = 0
@@ -476,7 +479,7 @@ class Context(LinkSink):
                     f"{m.their_total} bytes) does not match what rank {self.rank} expects (tag "
                     f"{m.my_tag}, opcode {m.my_opcode}, digest {m.my_digest:#x}, {m.my_total} "
                     f"bytes): {m.reason} differs")
-        return MismatchError(text + self._where(), facts=m)
+        return MismatchError(text + self.where(), facts=m)
 
     def _refusal(self, channel: int):
         """Why a new transfer on ``channel`` cannot start (None if it can)."""
@@ -506,8 +509,16 @@ class Context(LinkSink):
         with self._lock:
             return sorted(self.matcher.staged_for(peer))
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """The group's name as an error message ends with it: `` (group <label>)``, or ""
+        for a group without a label."""
         return f" (group {self.label})" if self.label else ""
+
+    def peer_failure(self, peer: int) -> BaseException | None:
+        """Why group rank ``peer``'s links failed (it crashed, closed, reported an error),
+        None while they work (and for this rank or a rank outside the group)."""
+        p = self.peers.get(peer)
+        return None if p is None else p.failure
 
     def _peer(self, peer: int) -> _Peer:
         try:
@@ -665,6 +676,17 @@ class Context(LinkSink):
         """Why collectives on this context can no longer run (None while healthy)."""
         return self._broken or self._coll_broken
 
+    @property
+    def closing(self) -> bool:
+        """Whether close() (a shutdown or an abort) has begun."""
+        return self._closing
+
+    @property
+    def close_error(self) -> TransportError | None:
+        """What pending and new transfers fail with once the group is closed ("the process
+        group was shut down", "... aborted"); None before close()."""
+        return self._close_error
+
     def report_error(self, message: str, root: int | None = None) -> None:
         """Tell every peer that this rank failed the current collective (an ERROR frame).
         ``root``: the rank whose failure caused it (default: the group's first failure as this
@@ -738,7 +760,7 @@ class Context(LinkSink):
             root, text = cause
             log.info("%s (the group had failed because of rank %d)", symptom, root)
             text = _root_text(root, text)
-            where = self._where()
+            where = self.where()
             err = TransportError(f"{prefix}: {_BECAUSE.format(root)}{text}"
                                  f"{'' if where in text else where}")
         else:
