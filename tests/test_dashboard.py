@@ -1,8 +1,10 @@
 """The monitoring files in docker/ agree with the metrics contract (docs/metrics-spec.md).
 
 No Prometheus, Grafana or Docker engine is needed: the dashboard's PromQL expressions are
-checked against the metric names of the spec, and the compose / Prometheus / provisioning
-files are parsed (and `docker compose config` is run where a compose CLI exists).
+checked against the metric names of the spec, the committed dashboard against its generator
+(tools/dev/dashboard.py, where grafana-foundation-sdk is installed), and the compose /
+Prometheus / provisioning files are parsed (and `docker compose config` is run where a compose
+CLI exists).
 """
 from __future__ import annotations
 
@@ -100,8 +102,10 @@ def test_dashboard_loads():
     for name in ("job", "host"):
         v = variables[name]
         assert v["type"] == "query"
-        assert "label_values(" in v["definition"] and v["definition"].endswith(f", {name})")
+        query = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        assert query.startswith("label_values(linerate_info") and query.endswith(f", {name})")
         assert v["datasource"]["uid"] == "${datasource}"
+        assert v["includeAll"] and v["allValue"] == ".*", name  # the selectors' =~ take "All"
     ids = [p["id"] for p in all_panels(dash)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for p in all_panels(dash):
@@ -166,9 +170,10 @@ def test_dashboard_units():
         if title not in units:
             continue
         unit = units[title]
-        if "utilization" in title.lower():
+        if "utilization" in title.lower() or "against siblings" in title.lower() \
+                or "time waited" in title.lower():
             assert unit == "percentunit", title
-        elif "latency" in title.lower():
+        elif "latency" in title.lower() or "skew" in title.lower():
             assert unit == "s", title
         elif "bytes/s" in title.lower() or "bandwidth" in title.lower() or "capacity" in title.lower():
             assert unit == "Bps", title
@@ -190,6 +195,52 @@ def test_dashboard_panels_present():
     tables = [p for p in all_panels(dash) if p["type"] == "table"]
     assert any(t["targets"][0]["expr"].startswith("linerate_info") and t["targets"][0].get("instant")
                for t in tables)
+
+
+def test_dashboard_slow_ranks_and_links_row():
+    dash = load_dashboard()
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert rows == ["Links", "Peers", "Collectives", "Slow ranks and links", "Ranks"], rows
+    start = next(i for i, p in enumerate(dash["panels"]) if p["title"] == "Slow ranks and links")
+    row = []
+    for p in dash["panels"][start + 1:]:
+        if p["type"] == "row":
+            break
+        row.append(p)
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in row}
+    text = "\n".join(e for es in exprs.values() for e in es)
+    for needle in ('"kind", "shm", "interface", "shm"', '"kind", "rdma", "interface", ".+:.+"',
+                   "sum by (peer) (rate(linerate_peer_wait_seconds_total",
+                   "max by (job) (linerate_slowest_rank", "linerate_slow_window_collectives",
+                   "max by (job, late_rank) (linerate_rank_late_ratio",
+                   "max by (job, late_rank) (linerate_rank_lateness_seconds",
+                   "histogram_quantile(0.5, sum by (op, le) (rate(linerate_entry_skew_seconds_bucket",
+                   "histogram_quantile(0.99, sum by (op, le) (rate(linerate_entry_skew_seconds_bucket",
+                   "linerate_link_rate_ratio", "linerate_slow_link",
+                   "linerate_link_rate_bytes_per_second"):
+        assert needle in text, needle
+    by_type = {p["title"]: p for p in row}
+    slowest = by_type["Slowest rank"]
+    assert slowest["type"] == "stat"
+    mapping = slowest["fieldConfig"]["defaults"]["mappings"][0]
+    assert mapping["type"] == "value" and mapping["options"]["-1"]["text"] == "nobody"
+    late = by_type["Ranks entering last"]
+    assert late["type"] == "table" and all(t["instant"] for t in late["targets"])
+    kinds = by_type["Bytes/s per interface kind"]["targets"]
+    assert [t["legendFormat"] for t in kinds] == ["{{host}} {{kind}} tx", "{{host}} {{kind}} rx"]
+
+
+# ----------------------------------------------------------------------------- the generator
+def test_dashboard_is_the_generators_output():
+    """docker/grafana/dashboards/linerate.json is what tools/dev/dashboard.py builds (edit the
+    generator, then `python -m linerate.tools.dev.dashboard --write`)."""
+    pytest.importorskip("grafana_foundation_sdk",
+                        reason="grafana-foundation-sdk (the test extra, Python >= 3.11)")
+    from linerate.tools.dev import dashboard
+
+    assert DASHBOARD.read_text() == dashboard.render(), \
+        "the committed dashboard is not the generator's output: run " \
+        "`python -m linerate.tools.dev.dashboard --write`"
 
 
 # ----------------------------------------------------------------------------- provisioning

@@ -1,6 +1,13 @@
 """End to end with a real Prometheus: 4 linerate ranks on loopback export metrics, Prometheus
 scrapes them every second, and every query of the Grafana dashboard must return data.
 
+The ranks move traffic of every kind the dashboard shows: all_reduces of 1 to 8 MiB over TCP
+(the default group, LINERATE_SHM=0: the byte counters, link rates and utilization), a few over
+shared memory (a second group, created with LINERATE_SHM=auto: ``interface="shm"``), then
+small all_reduces that one rank enters 20 ms late each time, so that every rank names it as
+``linerate_slowest_rank``. LINERATE_SLOW_LOG_S turns the slow-rank watch on for the default
+group, which exists before the rank starts its exporter.
+
 Needs the ``prometheus`` binary on PATH (tools/quickstart.sh installs it on CI machines); the
 test is skipped without it. Only the standard library talks to Prometheus (urllib).
 """
@@ -9,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -23,18 +31,22 @@ from _harness import free_port, free_port_range, run_ranks
 from test_dashboard import dashboard_exprs
 
 WORLD = 4
-TRAFFIC_S = 6.0      # all_reduce loop
+TRAFFIC_S = 5.0      # all_reduce loop over TCP
 KEEP_ALIVE_S = 3.0   # ranks keep serving /metrics this long after the traffic stopped
 SCRAPE_S = 1
 SIZES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)  # bytes per all_reduce, cycled
+SHM_ITERS, SHM_BYTES = 12, 4 << 20           # all_reduces over shared memory
+SLOW_RANK, SLOW_ITERS, SLOW_BYTES = 2, 64, 4096  # the rank entering late, 20 ms each time
+SLOW_SLEEP_S = 0.02
 
 PROMETHEUS = shutil.which("prometheus")
 
 
 # ----------------------------------------------------------------------------- rank side
 def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
-    """Serve metrics on base_port + rank, all_reduce for ``traffic_s`` seconds (rank 0
-    decides when to stop), then keep serving. Returns what this rank knows it did."""
+    """Serve metrics on base_port + rank; all_reduce over TCP for ``traffic_s`` seconds (rank 0
+    decides when to stop), then over shared memory, then late on SLOW_RANK; then keep serving.
+    Returns what this rank knows it did."""
     import torch
     import torch.distributed as dist
 
@@ -43,7 +55,15 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
     # The harness gives every rank the same environment (no per-rank LOCAL_RANK), so the
     # exporter is started here rather than through LINERATE_METRICS_PORT.
     metrics.start_exporter(base_port + rank, "127.0.0.1")
-    pg = lr._get_backend(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    pg = lr._get_backend(cpu)
+    # A group's settings are read when it is created: this one shares memory.
+    os.environ["LINERATE_SHM"] = "auto"
+    shm_group = dist.new_group(backend="linerate")
+    shm_pg = shm_group._get_backend(cpu)
+    os.environ["LINERATE_SHM"] = "0"
+    assert shm_pg._shm is not None, "the second group has no shared segment"
+
     expected = world_size * (world_size + 1) / 2
     deadline = time.monotonic() + traffic_s
     iters = payload = 0
@@ -60,11 +80,27 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
         payload += nbytes + go.numel() * go.element_size()
         if int(go.item()) == 0:
             break
+    t = torch.empty(SHM_BYTES // 4, dtype=torch.float32)
+    for i in range(SHM_ITERS):
+        t.fill_(float(rank + 1))
+        dist.all_reduce(t, group=shm_group)
+        if not bool((t == expected).all()):
+            raise AssertionError(f"rank {rank}: wrong shared-memory all_reduce result ({i})")
+        payload += SHM_BYTES
+    small = torch.ones(SLOW_BYTES // 4, dtype=torch.float32)
+    for _ in range(SLOW_ITERS):
+        if rank == SLOW_RANK:
+            time.sleep(SLOW_SLEEP_S)
+        dist.all_reduce(small, group=lr)
+        payload += SLOW_BYTES
     dist.barrier(group=lr)
     end = time.time()
     time.sleep(keep_alive_s)  # a few scrapes of the final values
-    sent = sum(c["sent_bytes"] for c in pg.connection_stats())
-    return {"rank": rank, "sent": sent, "iters": iters, "payload": payload, "end": end}
+    stats = pg.connection_stats() + shm_pg.connection_stats()
+    sent = sum(c["sent_bytes"] for c in stats if c["local"] != "shm")
+    shm_sent = sum(c["sent_bytes"] for c in stats if c["local"] == "shm")
+    return {"rank": rank, "sent": sent, "shm_sent": shm_sent, "iters": iters, "payload": payload,
+            "end": end, "report": pg.slow_report()}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -120,7 +156,7 @@ def _targets_report(api: str) -> str:
 @pytest.mark.skipif(PROMETHEUS is None,
                     reason="prometheus is not on PATH (tools/quickstart.sh installs it; "
                            "Debian/Ubuntu: apt-get install prometheus)")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_dashboard_queries_against_real_prometheus(tmp_path):
     t_start = time.monotonic()
     base = free_port_range(WORLD)
@@ -148,8 +184,9 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         _wait_ready(api, proc, log_path)
         env = {"LINERATE_LINK_CAPACITY": "10gbit",  # loopback reports no speed
                "LINERATE_METRICS_WINDOW": "1",
-               "LINERATE_SHM": "0"}  # TCP: the links carry the traffic queried below
-        results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, timeout=50,
+               "LINERATE_SHM": "0",  # the default group over TCP (the second one: shm)
+               "LINERATE_SLOW_LOG_S": "60"}  # watch the default group's ranks and links
+        results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, timeout=45,
                             env=env, backend="linerate")
         ends = [r["end"] for r in results]
         # Evaluate while every exporter was still up, after the final values were scraped.
@@ -169,20 +206,25 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         assert not empty, ("dashboard queries without data:\n  " + "\n  ".join(empty)
                            + f"\ntargets: {_targets_report(api)}")
 
-        # (b) the exported byte counters are the transport's own
-        series = _query(api, 'sum by (rank) (linerate_sent_bytes_total{job="linerate"})', at)
-        exported = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
-        assert sorted(exported) == list(range(WORLD)), (series, _targets_report(api))
-        for r in results:
-            assert r["sent"] > 0
-            assert math.isclose(exported[r["rank"]], r["sent"], rel_tol=0.01), \
-                f"rank {r['rank']}: exported {exported[r['rank']]:.0f} B, transport counted {r['sent']} B"
+        # (b) the exported byte counters are the transport's own, over TCP and shared memory
+        for interface, key in (('interface!="shm"', "sent"), ('interface="shm"', "shm_sent")):
+            series = _query(api, f'sum by (rank) (linerate_sent_bytes_total'
+                                 f'{{job="linerate", {interface}}})', at)
+            exported = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
+            assert sorted(exported) == list(range(WORLD)), (interface, series,
+                                                           _targets_report(api))
+            for r in results:
+                assert r[key] > 0, (key, r)
+                assert math.isclose(exported[r["rank"]], r[key], rel_tol=0.01), \
+                    f"rank {r['rank']} {interface}: exported {exported[r['rank']]:.0f} B, " \
+                    f"transport counted {r[key]} B"
 
         # collectives: the histogram counted every all_reduce, the bytes counter their sizes
         series = _query(api, 'sum by (rank) (linerate_collective_seconds_count'
                              '{job="linerate", op="all_reduce"})', at)
         counts = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
-        assert counts == {r: 2.0 * n_iters for r in range(WORLD)}, counts
+        want = 2.0 * n_iters + SHM_ITERS + SLOW_ITERS
+        assert counts == {r: want for r in range(WORLD)}, counts
         series = _query(api, 'sum by (rank) (linerate_collective_bytes_total'
                              '{job="linerate", op="all_reduce"})', at)
         op_bytes = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
@@ -191,12 +233,33 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         # (c) the send rate over the run is plausible
         moved = sum(r["sent"] for r in results)
         window = int(TRAFFIC_S + KEEP_ALIVE_S + 20)
-        (peak,) = _query(api, f'max_over_time(sum(rate(linerate_sent_bytes_total{{job="linerate"}}'
-                              f'[5s]))[{window}s:1s])', at)
+        (peak,) = _query(api, f'max_over_time(sum(rate(linerate_sent_bytes_total'
+                              f'{{job="linerate", interface!="shm"}}[5s]))[{window}s:1s])', at)
         peak_rate = float(peak["value"][1])
         assert 0 < peak_rate < moved / 1.0, (peak_rate, moved)
         # the busiest 5 s held most of the traffic: the peak is not far below the average
         assert peak_rate > 0.2 * moved / TRAFFIC_S, (peak_rate, moved)
+
+        # (d) the interface kinds panel saw both kinds move bytes
+        kinds = next(e for t, e in dashboard_exprs() if t == "Bytes/s per interface kind")  # tx
+        series = _query(api, f"max_over_time(({_substitute(kinds)})[{window}s:1s])", at)
+        peaks = {s["metric"]["kind"]: float(s["value"][1]) for s in series}
+        assert peaks.get("shm", 0) > 0 and peaks.get("tcp", 0) > 0, peaks
+
+        # (e) every rank names the late rank, in Prometheus as in its own report
+        series = _query(api, 'linerate_slowest_rank{job="linerate"}', at)
+        named = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
+        reports = {r["rank"]: r["report"] for r in results}
+        assert named == {r: float(SLOW_RANK) for r in range(WORLD)}, (named, reports)
+        assert all(rep["slowest"] == SLOW_RANK for rep in reports.values()), reports
+        series = _query(api, 'linerate_rank_late_ratio{job="linerate"}', at)
+        shares = {(int(s["metric"]["rank"]), int(s["metric"]["late_rank"])): float(s["value"][1])
+                  for s in series}
+        assert all(shares.get((r, SLOW_RANK), 0) >= 0.5 for r in range(WORLD)), shares
+        series = _query(api, 'sum by (peer) (linerate_peer_wait_seconds_total{job="linerate"})', at)
+        waited = {int(s["metric"]["peer"]): float(s["value"][1]) for s in series}
+        # the others waited for the late rank at least most of its sleeps, all together
+        assert waited.get(SLOW_RANK, 0) > 0.5 * SLOW_ITERS * SLOW_SLEEP_S, waited
     finally:
         proc.terminate()
         try:
