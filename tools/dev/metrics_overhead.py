@@ -1,12 +1,15 @@
-"""What the metrics cost: all_reduce busbw with metrics off and on, measured in one run.
+"""What the metrics cost: all_reduce busbw and per-op time with metrics off and on, in one run.
 
     python -m linerate.tools.dev.metrics_overhead [--nproc 4] [--sizes 4K,1M,64M] [--rounds 6]
 
-Each rank alternates rounds with metrics off and on (on: collectives recorded, the sampler
-running, and a scraper thread reading the rank's own /metrics every second, more often than
-any Prometheus would). Rounds interleave so that drift on a shared machine hits both sides;
-the figure of each side is the median over its rounds. Under torchrun it measures the ranks
-it is started in; otherwise it starts ``--nproc`` local ranks.
+Each rank alternates rounds with metrics off and on. Off: the default group, created before
+the exporter, records nothing. On: a group created after the exporter started, so everything
+a user with ``LINERATE_METRICS_PORT`` gets runs: collectives recorded, the sampler, the
+slow-rank and slow-link watch (collectives/straggler.py: arrivals noted in every op, views
+exchanged through the Store), and a scraper thread reading the rank's own /metrics every
+second, more often than any Prometheus would. Rounds interleave so that drift on a shared
+machine hits both sides; the figure of each side is the median over its rounds. Under
+torchrun it measures the ranks it is started in; otherwise it starts ``--nproc`` local ranks.
 """
 from __future__ import annotations
 
@@ -63,6 +66,9 @@ def _rank(args) -> int:
     dist.init_process_group("linerate", timeout=timedelta(seconds=120))
     port = metrics.start_exporter(args.metrics_port + int(os.environ.get("LOCAL_RANK", rank)),
                                   "127.0.0.1")
+    # Created with the exporter on: this group is watched (collectives/straggler.py).
+    watched = dist.new_group(backend="linerate", timeout=timedelta(seconds=120))
+    groups = {False: dist.group.WORLD, True: watched}
     scraping = threading.Event()
 
     def scrape():
@@ -80,6 +86,7 @@ def _rank(args) -> int:
         t = torch.ones(max(1, size // 4))
         for _ in range(3):
             dist.all_reduce(t)
+            dist.all_reduce(t, group=watched)
         # Iterations per round, agreed by all ranks, from one timed call.
         t0 = time.perf_counter()
         dist.all_reduce(t)
@@ -91,10 +98,11 @@ def _rank(args) -> int:
             on = (r % 2 == 1) if (r // 2) % 2 == 0 else (r % 2 == 0)  # off,on,on,off,...
             metrics._enabled = on
             scraping.set() if on else scraping.clear()
+            g = groups[on]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
-                dist.all_reduce(t)
+                dist.all_reduce(t, group=g)
             el = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(el, op=dist.ReduceOp.MAX)
             laps[on].append(el.item() / iters)
@@ -104,12 +112,14 @@ def _rank(args) -> int:
     metrics._enabled = True
     if rank == 0:
         print(f"# metrics overhead: all_reduce float32, {world} ranks, {args.rounds} rounds per "
-              f"side of ~{args.seconds:g} s, median per side; on = recording + sampler + a "
-              f"scrape every {args.scrape_interval:g} s (0: none)")
-        print(f"# {'size(B)':>10} {'iters':>6} {'busbw off(GB/s)':>16} {'busbw on(GB/s)':>15} "
-              f"{'on/off':>7}")
+              f"side of ~{args.seconds:g} s, median per side; on = recording + sampler + the "
+              f"slow-rank/link watch + a scrape every {args.scrape_interval:g} s (0: none)")
+        print(f"# {'size(B)':>10} {'iters':>6} {'µs/op off':>10} {'µs/op on':>9} "
+              f"{'busbw off(GB/s)':>16} {'busbw on(GB/s)':>15} {'on/off':>7}")
         for nbytes, iters, off, on in rows:
-            print(f"  {nbytes:>10} {iters:>6} {off / 1e9:>16.4f} {on / 1e9:>15.4f} {on / off:>7.3f}")
+            f = nbytes * factor
+            print(f"  {nbytes:>10} {iters:>6} {f / off * 1e6:>10.1f} {f / on * 1e6:>9.1f} "
+                  f"{off / 1e9:>16.4f} {on / 1e9:>15.4f} {on / off:>7.3f}")
         sys.stdout.flush()
     dist.destroy_process_group()
     return 0
