@@ -235,3 +235,34 @@ def test_a_slowed_rank_is_named_between_hosts(lab_name, tmp_path):
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-3000:] + res.stderr[-3000:]
     for r, o in out.items():
         assert o["named_at"] is None and not o["wrong"] and o["n"] >= 8, (r, o)
+
+
+def test_the_log_line_names_the_rank_and_link_at_most_once_per_period(caplog, monkeypatch):
+    import logging
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
+    w = straggler.Watch(store, "t", 0, 4, [10, 11, 12, 13], "h0", 5.0, 60.0, group="g")
+    w.close()
+    v = {"collectives": 64, "late": {2: (60, 0.0382)}, "slowest": 2, "hosts": {2: "h2"},
+         "links": [{"evidence": "slow link: host h3 eth1 (rail 1): 2 of 2 connections"}]}
+    clock = [1000.0]
+    monkeypatch.setattr(straggler.time, "monotonic", lambda: clock[0])
+    with caplog.at_level(logging.WARNING, logger="linerate"):
+        w._log(v)
+        clock[0] += 30
+        w._log(v)  # within the period: nothing
+        clock[0] += 31
+        w._log({**v, "slowest": None, "links": []})  # nothing to say
+        w._log(v)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == 2 * ["linerate (group g): rank 12 entered last in 94% of the last 64 "
+                         "collectives, 38.2 ms late on average (host h2); slow link: host h3 "
+                         "eth1 (rail 1): 2 of 2 connections"]
+    # the report speaks global ranks
+    w.verdict = {**v, "late": {2: (60, 0.0382)}}
+    rep = w.report()
+    assert rep["slowest"] == 12 and rep["late"] == {12: {"share": 60 / 64, "mean_s": 0.0382}}
+    assert set(rep["waited"]) == {11, 12, 13}
