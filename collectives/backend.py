@@ -28,6 +28,7 @@ from . import (algorithms, flight, fusion, shm_algos, straggler,
                timeline, two_level)
 from .comm import OPNAMES, Comm, Scratch
 from .dispatch import Dispatch
+from .mixing import mix
 from .op import FlightHook, Lifecycle, MetricsHook, Op
 from .scheduler import Scheduler
 from .p2p import PointToPoint
@@ -610,7 +611,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def neighbor_allreduce(self, tensor, self_weight, in_weights: dict, out_peers: list,
                            timeout=None, call: str = "", out=None, plan=None):
         """``tensor <- self_weight * tensor + sum_j in_weights[j] * (rank j's tensor)``, sending
-        this rank's tensor to every rank in ``out_peers`` (collectives.neighbor.mix). ``call``
+        this rank's tensor to every rank in ``out_peers`` (collectives/mixing.py ``mix``). ``call``
         names the mixing step (topology and step) and must be the same on every rank, like the
         dtype and size; the weights and peers are this rank's own. With ``out`` the result goes
         there instead (same shape and dtype, not overlapping ``tensor``). ``plan(comm, flat,
@@ -653,7 +654,6 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         handshake = tensor.numel() * tensor.element_size() > self._options.small_bytes  # same on every rank
 
         def run(comm: Comm):
-            from .neighbor import mix
             if plan is not None:
                 return plan(comm, _flat(buf), None if out is None else _flat(dst))
             mix(comm, _flat(buf), sw, ins, outs, handshake, out=None if out is None else _flat(dst))
