@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import os
 import threading
 import time
@@ -34,7 +33,6 @@ from .scheduler import Scheduler
 from .p2p import PointToPoint
 from .stage import Stage
 from .validate import Checks
-from .validate import desc as tensor_desc
 from .options import Options
 from .reduce_ops import RedOpType, finish_avg, op_name, op_type
 from .work import Work
@@ -438,6 +436,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         what = "all_reduce"
+        # validate.CHECKS["all_reduce"], inline: this is the latency-critical path.
         for t in tensors:
             self._check_tensor(t, what)
         op = op_type(opts.reduceOp)
@@ -502,9 +501,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         layer and partition, is part of what they must agree on). The caller must leave the
         tensor alone until the Work completes. Used by PriorityDataParallel."""
         what = "all_reduce"
-        self._check_tensor(tensor, what)
         op = op_type(op)
-        self._check_op(op, tensor, what)
+        self._validate(what, tensors=(tensor,), op=op)
         if self._shut:
             raise RuntimeError(f"linerate: {what} on a process group that was shut down")
         stage = Stage(self._rank, what)
@@ -582,9 +580,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         opts = opts or dist.AllreduceCoalescedOptions()
         what = "all_reduce_coalesced"
         op = op_type(opts.reduceOp)
-        for t in tensors:
-            self._check_tensor(t, what)
-            self._check_op(op, t, what)
+        self._validate(what, tensors=tensors, op=op)
         stage = Stage(self._rank, what)
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
@@ -618,29 +614,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         out_flat_or_None)``, where given, runs instead of the point-to-point mix (a group average
         on shared memory, the hierarchical all-reduce: collectives/neighbor.py). Returns a Work."""
         what = "neighbor_allreduce"
-        me, size = self._rank, self._size
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"rank {me}: {what}: expected a tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided:
-            raise ValueError(f"rank {me}: {what}: {tensor.layout} tensors are not supported (dense only)")
-        if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            raise ValueError(f"rank {me}: {what} of {tensor_desc(tensor)}: dtype {tensor.dtype} is not "
-                             f"supported (float32, float64, float16, bfloat16)")
-        ins = []
-        for j, w in sorted(in_weights.items()):
-            if not isinstance(j, int) or not 0 <= j < size or j == me:
-                raise ValueError(f"rank {me}: {what}: in-neighbor {j!r} is not another rank of the "
-                                 f"group of size {size}")
-            if not math.isfinite(float(w)):
-                raise ValueError(f"rank {me}: {what}: weight {w!r} of in-neighbor {j} is not finite")
-            ins.append((j, float(w)))
+        self._validate(what, tensor=tensor, in_weights=in_weights, out_peers=out_peers,
+                       self_weight=self_weight, out=out)
+        ins = [(j, float(w)) for j, w in sorted(in_weights.items())]
         outs = [int(q) for q in out_peers]
-        if any(not 0 <= q < size or q == me for q in outs) or len(set(outs)) != len(outs):
-            raise ValueError(f"rank {me}: {what}: out-peers {outs} must be distinct other ranks of "
-                             f"the group of size {size}")
         sw = float(self_weight)
-        if not math.isfinite(sw):
-            raise ValueError(f"rank {me}: {what}: self weight {self_weight!r} is not finite")
         if timeout is None:
             timeout = self._timeout
         elif isinstance(timeout, timedelta):
@@ -649,7 +627,6 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if out is None:
             buf = dst = stage.out(tensor, keep=True)
         else:
-            self._check_out(tensor, out, what)
             buf, dst = stage.inp(tensor), stage.out(out)
         handshake = tensor.numel() * tensor.element_size() > self._options.small_bytes  # same on every rank
 
@@ -665,9 +642,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         what = "broadcast"
-        t = self._single(tensors, what)
         root = opts.rootRank
-        self._check_root(root, what)
+        self._validate(what, tensors=tensors, root=root)
+        t = tensors[0]
         stage = Stage(self._rank, what)
         buf = stage.out(t, keep=(self._rank == root))
         return self._submit(what, lambda comm: self._algos.rooted(comm, "broadcast", _flat(buf), root),
@@ -677,11 +654,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         what = "reduce"
-        t = self._single(tensors, what)
         root = opts.rootRank
-        self._check_root(root, what)
         op = op_type(opts.reduceOp)
-        self._check_op(op, t, what)
+        self._validate(what, tensors=tensors, root=root, op=op)
+        t = tensors[0]
         stage = Stage(self._rank, what)
         is_root = self._rank == root
         buf = stage.out(t, keep=True) if is_root else stage.inp(t)
@@ -698,20 +674,12 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def gather(self, output_lists, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         what = "gather"
-        t = self._single(input_tensors, what)
         root = opts.rootRank
-        self._check_root(root, what)
+        self._validate(what, inputs=input_tensors, outputs=output_lists, root=root)
+        t = input_tensors[0]
         stage = Stage(self._rank, what)
         src = stage.inp(t)
-        outs = None
-        if self._rank == root:
-            if len(output_lists) != 1 or len(output_lists[0]) != self._size:
-                raise ValueError(f"rank {self._rank}: gather: the root needs a list of {self._size} "
-                                 f"output tensors")
-            for i, o in enumerate(output_lists[0]):
-                self._check_tensor(o, what)
-                self._check_same(t, o, f"gather output {i}")
-            outs = [_flat(stage.out(o)) for o in output_lists[0]]
+        outs = [_flat(stage.out(o)) for o in output_lists[0]] if self._rank == root else None
 
         def run(comm: Comm):
             self._algos.run(comm, "gather", 0, _flat(src), outs, root)
@@ -724,19 +692,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def scatter(self, output_tensors, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
         what = "scatter"
-        t = self._single(output_tensors, what)
         root = opts.rootRank
-        self._check_root(root, what)
+        self._validate(what, outputs=output_tensors, inputs=input_lists, root=root)
+        t = output_tensors[0]
         stage = Stage(self._rank, what)
-        ins = None
-        if self._rank == root:
-            if len(input_lists) != 1 or len(input_lists[0]) != self._size:
-                raise ValueError(f"rank {self._rank}: scatter: the root needs a list of {self._size} "
-                                 f"input tensors")
-            for i, x in enumerate(input_lists[0]):
-                self._check_tensor(x, what)
-                self._check_same(t, x, f"scatter input {i}")
-            ins = [_flat(stage.inp(x)) for x in input_lists[0]]
+        ins = [_flat(stage.inp(x)) for x in input_lists[0]] if self._rank == root else None
         out = stage.out(t)
 
         def run(comm: Comm):
@@ -753,17 +713,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def allgather(self, output_lists, input_tensors, opts=None):
         what = "all_gather"
-        t = self._single(input_tensors, what)
-        if len(output_lists) != 1 or len(output_lists[0]) != self._size:
-            raise ValueError(f"rank {self._rank}: all_gather: expected a list of {self._size} output "
-                             f"tensors")
+        self._validate(what, inputs=input_tensors, outputs=output_lists)
+        t = input_tensors[0]
         outs = output_lists[0]
-        for i, o in enumerate(outs):
-            self._check_tensor(o, what)
-            if o.dtype != t.dtype:
-                raise ValueError(f"rank {self._rank}: all_gather: output {i} has dtype {o.dtype}, "
-                                 f"input {t.dtype}")
-        self._check_same(t, outs[self._rank], f"all_gather output {self._rank}")
         stage = Stage(self._rank, what)
         src, segs = self._gather_segs(stage, t, outs)
         return self._submit(what, lambda comm: self._algos.all_gather(comm, src, segs),
@@ -773,22 +725,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """``output_lists[i][j]`` receives rank i's ``input_tensors[j]`` (torch's layout)."""
         what = "all_gather_coalesced"
-        P = self._size
-        if len(output_lists) != P or any(len(o) != len(input_tensors) for o in output_lists):
-            raise ValueError(f"rank {self._rank}: {what}: expected {P} output lists (one per "
-                             f"rank) of {len(input_tensors)} tensors each")
+        self._validate(what, outputs=output_lists, inputs=input_tensors)
         stage = Stage(self._rank, what)
-        jobs = []
-        for j, t in enumerate(input_tensors):
-            self._check_tensor(t, what)
-            outs = [output_lists[i][j] for i in range(P)]
-            for o in outs:
-                self._check_tensor(o, what)
-                if o.dtype != t.dtype:
-                    raise ValueError(f"rank {self._rank}: {what}: output dtype {o.dtype} != input "
-                                     f"{j}'s {t.dtype}")
-            self._check_same(t, outs[self._rank], f"{what} output for input {j}")
-            jobs.append(self._gather_segs(stage, t, outs))
+        jobs = [self._gather_segs(stage, t, [outs[j] for outs in output_lists])
+                for j, t in enumerate(input_tensors)]
 
         def run(comm: Comm):
             for src, segs in jobs:
@@ -798,18 +738,16 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         return self._submit(what, run, result, stage, self._op_timeout(opts),
                             desc=_dts(input_tensors), opts=opts)
 
-    def _single_gather_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor, what: str):
-        self._check_tensor(out, what)
-        self._check_tensor(inp, what)
-        self._check_same(inp, out, f"{what} output", numel=inp.numel() * self._size)
+    def _single_gather_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor):
         o = _flat(stage.out(out))
         n = inp.numel()
         return _flat(stage.inp(inp)), [o[i * n:(i + 1) * n] for i in range(self._size)]
 
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
+        self._validate(what, outputs=(output,), inputs=(input,))
         stage = Stage(self._rank, what)
-        src, segs = self._single_gather_job(stage, output, input, what)
+        src, segs = self._single_gather_job(stage, output, input)
         return self._submit("all_gather", lambda comm: self._algos.all_gather(comm, src, segs),
                             [output], stage, self._op_timeout(opts),
                             desc=_dts([input]), opts=opts)
@@ -818,10 +756,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         what = "all_gather_into_tensor_coalesced"
+        self._validate(what, outputs=outputs, inputs=inputs)
         stage = Stage(self._rank, what)
-        jobs = [self._single_gather_job(stage, o, i, what) for o, i in zip(outputs, inputs)]
-        if len(outputs) != len(inputs):
-            raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        jobs = [self._single_gather_job(stage, o, i) for o, i in zip(outputs, inputs)]
 
         def run(comm: Comm):
             for src, segs in jobs:
@@ -833,36 +770,20 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ------------------------------------------------------------------ reduce-scatter
-    def _scatter_job(self, stage: Stage, out: torch.Tensor, ins: list[torch.Tensor], op, what: str):
-        self._check_tensor(out, what)
-        self._check_op(op, out, what)
-        if len(ins) != self._size:
-            raise ValueError(f"rank {self._rank}: {what}: expected {self._size} input tensors, got {len(ins)}")
-        for i, x in enumerate(ins):
-            self._check_tensor(x, what)
-            if x.dtype != out.dtype:
-                raise ValueError(f"rank {self._rank}: {what}: input {i} has dtype {x.dtype}, output {out.dtype}")
-        self._check_same(out, ins[self._rank], f"{what} input {self._rank}")
-        return [_flat(stage.inp(x)) for x in ins], _flat(stage.out(out))
-
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         what = "reduce_scatter"
-        out = self._single(output_tensors, what)
-        if len(input_lists) != 1:
-            raise ValueError(f"rank {self._rank}: {what}: expected one list of inputs")
         op = op_type(opts.reduceOp)
+        self._validate(what, outputs=output_tensors, inputs=input_lists, op=op)
+        out = output_tensors[0]
         stage = Stage(self._rank, what)
-        segs, o = self._scatter_job(stage, out, input_lists[0], op, what)
+        segs = [_flat(stage.inp(x)) for x in input_lists[0]]
+        o = _flat(stage.out(out))
         return self._submit(what, lambda comm: self._algos.reduce_scatter(comm, segs, o, op),
                             [out], stage, self._op_timeout(opts),
                             desc=f"{_dts([out])} op={_rop(op)}", opts=opts)
 
-    def _single_scatter_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor, op, what: str):
-        self._check_tensor(out, what)
-        self._check_tensor(inp, what)
-        self._check_op(op, out, what)
-        self._check_same(out, inp, f"{what} input", numel=out.numel() * self._size)
+    def _single_scatter_job(self, stage: Stage, out: torch.Tensor, inp: torch.Tensor):
         n = out.numel()
         flat = _flat(stage.inp(inp))
         return [flat[i * n:(i + 1) * n] for i in range(self._size)], _flat(stage.out(out))
@@ -870,8 +791,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         op = op_type(opts.reduceOp)
+        self._validate("reduce_scatter_tensor", outputs=(output,), inputs=(input,), op=op)
         stage = Stage(self._rank)
-        segs, o = self._single_scatter_job(stage, output, input, op, "reduce_scatter_tensor")
+        segs, o = self._single_scatter_job(stage, output, input)
         return self._submit("reduce_scatter", lambda comm: self._algos.reduce_scatter(comm, segs, o, op),
                             [output], stage, self._op_timeout(opts),
                             desc=f"{_dts([output])} op={_rop(op)}", opts=opts)
@@ -881,11 +803,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         what = "reduce_scatter_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(f"rank {self._rank}: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         op = op_type(opts.reduceOp)
+        self._validate(what, outputs=outputs, inputs=inputs, op=op)
         stage = Stage(self._rank, what)
-        jobs = [self._single_scatter_job(stage, o, i, op, what) for o, i in zip(outputs, inputs)]
+        jobs = [self._single_scatter_job(stage, o, i) for o, i in zip(outputs, inputs)]
 
         def run(comm: Comm):
             for segs, o in jobs:
@@ -899,16 +820,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     # ------------------------------------------------------------------ all-to-all
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
-        P = self._size
-        if len(output_tensors) != P or len(input_tensors) != P:
-            raise ValueError(f"rank {self._rank}: {what}: expected {P} input and {P} output tensors, "
-                             f"got {len(input_tensors)} and {len(output_tensors)}")
+        self._validate(what, outputs=output_tensors, inputs=input_tensors)
         ref = input_tensors[0]
-        for t in list(output_tensors) + list(input_tensors):
-            self._check_tensor(t, what)
-            if t.dtype != ref.dtype:
-                raise ValueError(f"rank {self._rank}: {what}: mixed dtypes {ref.dtype} and {t.dtype}")
-        self._check_same(input_tensors[self._rank], output_tensors[self._rank], f"{what} output {self._rank}")
         stage = Stage(self._rank, what)
         ins = [_flat(stage.inp(x)) for x in input_tensors]
         outs = [_flat(stage.out(o)) for o in output_tensors]
@@ -918,10 +831,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
-        self._check_tensor(output, what)
-        self._check_tensor(input, what)
-        if output.dtype != input.dtype:
-            raise ValueError(f"rank {self._rank}: {what}: output dtype {output.dtype} != input dtype {input.dtype}")
+        self._validate(what, output=output, input=input, output_splits=output_split_sizes,
+                       input_splits=input_split_sizes)
         in_splits = self._splits(input, input_split_sizes, "input")
         out_splits = self._splits(output, output_split_sizes, "output")
         stage = Stage(self._rank, what)
@@ -929,9 +840,6 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         dst = stage.out(output)
         ins = self._split_views(src, in_splits)
         outs = self._split_views(dst, out_splits)
-        if ins[self._rank].numel() != outs[self._rank].numel():
-            raise ValueError(f"rank {self._rank}: {what}: this rank sends itself "
-                             f"{ins[self._rank].numel()} elements but expects {outs[self._rank].numel()}")
         return self._submit("all_to_all", lambda comm: self._algos.run(comm, "all_to_all", 0, outs, ins),
                             [output], stage, self._op_timeout(opts),
                             desc=str(input.dtype).replace("torch.", ""), opts=opts)
@@ -941,6 +849,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
+        self._validate("barrier")
         return self._submit("barrier", lambda comm: self._algos.run(comm, "barrier", 0), [],
                             Stage(), self._op_timeout(opts),
                             desc="", opts=opts)

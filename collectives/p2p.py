@@ -12,7 +12,7 @@ from .work import Work
 
 class PointToPoint:
     """The point-to-point methods of the process group (``_ctx``, ``_rank``, ``_timeout``,
-    ``_check_p2p``)."""
+    ``_validate``: validate.CHECKS)."""
 
     def _p2p_work(self, desc: str, result: list, stage: Stage, req) -> Work:
         work = Work(desc, result, stage.devices, timeout=self._timeout)
@@ -30,21 +30,24 @@ class PointToPoint:
         return work
 
     def send(self, tensors, dst: int, tag: int = 0):
-        t = self._check_p2p(tensors, dst, tag, "send")
+        self._validate("send", tensors=tensors, peer=dst, tag=tag)
+        t = tensors[0]
         stage = Stage(self._rank)
         buf = stage.inp(t)
         req = self._ctx.isend(dst, byte_view(buf), CHANNEL_P2P, tag, 0, f"send to rank {dst} tag {tag}")
         return self._p2p_work(f"send to rank {dst} (tag {tag}, {desc(t)})", list(tensors), stage, req)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        t = self._check_p2p(tensors, src, tag, "recv")
+        self._validate("recv", tensors=tensors, peer=src, tag=tag)
+        t = tensors[0]
         stage = Stage(self._rank)
         buf = stage.out(t)
         req = self._ctx.irecv(src, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from rank {src} tag {tag}")
         return self._p2p_work(f"recv from rank {src} (tag {tag}, {desc(t)})", list(tensors), stage, req)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        t = self._check_p2p(tensors, None, tag, "recv")
+        self._validate("recv", tensors=tensors, peer=None, tag=tag)
+        t = tensors[0]
         stage = Stage(self._rank)
         buf = stage.out(t)
         req = self._ctx.irecv(None, byte_view(buf), CHANNEL_P2P, tag, 0, f"recv from any rank tag {tag}")
