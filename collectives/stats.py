@@ -7,14 +7,16 @@ the series made of it, served by the exporter of transport/metrics.py on its ``R
   linerate_bus_bandwidth_bytes_per_second{rank,host,op}            busbw of the last window
                                                                    in which the op ran
 
-``record`` (called once per finished collective by op.py) adds to them only while
-``metrics.enabled()``; the busbw window rolls over with the exporter's sampler
+``record`` (called once per finished collective by op.py, on the caller's path) only appends
+the facts to a queue while ``metrics.enabled()``; they are folded into the series when the
+window rolls or Prometheus scrapes (``_drain``), off the collectives' path. The busbw window rolls over with the exporter's sampler
 (``metrics.on_window``, every LINERATE_METRICS_WINDOW seconds); ``rank`` and ``host`` are
 ``metrics.identity()``, as on the transport's series.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -49,6 +51,10 @@ _hist: dict[tuple, list] = {}           # (op, algorithm, size_bucket) -> [count
 _op_bytes: dict[str, int] = {}
 _win_bus: dict[str, list] = {}          # op -> [bus bytes, seconds] in the current window
 _busbw: dict[str, float] = {}           # op -> busbw of the last window in which it ran
+#: Finished collectives not folded into the series yet: (op, algorithm, bytes, seconds, world).
+_pending: collections.deque = collections.deque()
+#: Folded at once beyond this many (no sampler or scrape for a long while).
+_PENDING_MAX = 100_000
 
 
 def canonical(op: str) -> str:
@@ -84,8 +90,22 @@ def size_bucket(nbytes: int) -> str:
 
 
 def record(op: str, algorithm: str, nbytes: int, seconds: float, world: int) -> None:
-    """One finished collective of a group of ``world`` ranks (nothing while metrics are off)."""
+    """One finished collective of a group of ``world`` ranks (nothing while metrics are off):
+    queued, folded into the series by ``_drain``."""
     if metrics.enabled():
+        _pending.append((op, algorithm, nbytes, seconds, world))
+        if len(_pending) > _PENDING_MAX:
+            _drain()
+
+
+def _drain() -> None:
+    """Fold the queued collectives into the series (the sampler's window, a scrape)."""
+    pop = _pending.popleft
+    while True:
+        try:
+            op, algorithm, nbytes, seconds, world = pop()
+        except IndexError:
+            return
         name = canonical(op)
         record_collective(name, algorithm, nbytes, seconds, bus_factor(name, world))
 
@@ -114,6 +134,7 @@ def record_collective(op: str, algorithm: str, nbytes: int, seconds: float, bus_
 
 def _roll_window() -> None:
     """The end of a window (the exporter's sampler): each op that ran in it gets its busbw."""
+    _drain()
     with _lock:
         for op, (bus_bytes, seconds) in _win_bus.items():
             if seconds > 0:
@@ -131,6 +152,7 @@ class _Collector:
     def collect(self):
         base = ["rank", "host"]
         ids = list(metrics.identity())
+        _drain()
         with _lock:
             hist = {k: list(v) for k, v in _hist.items()}
             op_bytes = dict(_op_bytes)

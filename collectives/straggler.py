@@ -52,15 +52,23 @@ log = logging.getLogger("linerate")
 
 #: Collectives the slowest rank is decided over (the last this many that every view holds).
 WINDOW = 64
-#: Collectives a view holds: enough that views published a publication period apart still
-#: share a window's worth where collectives take a fraction of a millisecond.
-HISTORY = 1024
+#: Collectives a view holds: views published a period (VIEW_S) apart share a window's worth
+#: while collectives take at least VIEW_S / (HISTORY - WINDOW) (0.5 ms); a rank late by
+#: LINERATE_SLOW_RANK_MS makes every collective take at least that long. Faster collectives
+#: are late by less than any threshold: their views may share none, and nobody is named.
+HISTORY = 256
 #: Common collectives needed before anybody is named.
 MIN_OPS = 8
 #: Share of the window's collectives a rank must enter last to be the slowest.
 SHARE = 0.5
-#: Seconds between two publications of this rank's view.
+#: Seconds between two publications of this rank's view while some rank entered late in the
+#: last round's window; a round where none did doubles the period, up to VIEW_MAX_S (a
+#: balanced job spends a few hundredths of a percent of a core on its views).
 VIEW_S = 0.1
+VIEW_MAX_S = 1.0
+#: Publications between two samples of the links' rates (collectives/slowlink.py: each reads
+#: every connection's TCP_INFO).
+LINK_EVERY = 3
 #: Waits shorter than this are not published (they name nobody).
 WAIT_FLOOR_S = 0.0005
 #: Upper bounds (seconds) of the entry skew histogram.
@@ -220,12 +228,15 @@ class Watch:
         #: collectives/slowlink.py LinkRates of this group's links (None: links not watched).
         self.links = links
         self._keys = [f"{_KEY}{scope}/{q}" for q in range(size)]
-        self._ops: collections.deque = collections.deque(maxlen=HISTORY)  # (seq, s, waits)
-        self._names: dict[int, str] = {}  # seq -> op name, for the skew histogram
+        #: (seq, seconds, waits, op name) of the last HISTORY collectives.
+        self._ops: collections.deque = collections.deque(maxlen=HISTORY)
         self._lock = threading.Lock()
         self.waited = [0.0] * size  # seconds this rank waited for each peer (group ranks)
         self._done = 0              # collectives recorded
         self._published = -1
+        self._rounds = 0
+        self._period = VIEW_S
+        self._rows = None           # the links' last sample (published with every view)
         self._skew_seen = -1        # the last seq observed in the skew histogram
         self._skew: dict[str, list] = {}
         #: The last verdict: decide()'s result with "hosts", "links" (slowlink.group_verdict)
@@ -251,14 +262,10 @@ class Watch:
                 w[q] += d
                 if d >= WAIT_FLOOR_S:
                     waits[q] = d
-        with self._lock:
-            self._ops.append((op.seq, seconds, waits))
-            names = self._names
-            names[op.seq] = op.name
-            if len(names) > 2 * HISTORY:
-                for s in sorted(names)[:HISTORY]:
-                    del names[s]
-            self._done += 1
+        # No lock on the collectives' path: a deque's append is atomic, and a count that
+        # two threads finishing ops at once miss one of only delays a publication.
+        self._ops.append((op.seq, seconds, waits, op.name))
+        self._done += 1
 
     def failed(self, op, error: BaseException, algorithm: str) -> None:
         pass
@@ -270,11 +277,11 @@ class Watch:
         self._stop.set()
         t = self._thread
         if t is not None and t.is_alive() and t is not threading.current_thread():
-            t.join(timeout=2 * VIEW_S + 5.0)
+            t.join(timeout=VIEW_MAX_S + 5.0)
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(VIEW_S):
+            while not self._stop.wait(self._period):
                 self.exchange()
         except Exception as e:  # noqa: BLE001 - the Store went (a rank exited): stop watching
             if not self._stop.is_set():
@@ -282,14 +289,17 @@ class Watch:
 
     def exchange(self) -> None:
         """Publish this rank's view, read every rank's, decide (one round; the thread runs
-        it every VIEW_S seconds while collectives complete)."""
-        with self._lock:
-            if self._done == self._published:
-                return
-            self._published = self._done
-            ops = list(self._ops)
-        rows = self.links.sample() if self.links is not None else None
-        enc = self.links_encode(rows)
+        it every VIEW_S to VIEW_MAX_S seconds while collectives complete)."""
+        if self._done == self._published:
+            return
+        self._published = self._done
+        ops = list(self._ops)  # one C call: no append can come between
+        names = {seq: name for seq, _, _, name in ops}
+        ops = [(seq, sec, w) for seq, sec, w, _ in ops]
+        self._rounds += 1
+        if self.links is not None and (self._rows is None or self._rounds % LINK_EVERY == 0):
+            self._rows = self.links.sample()
+        enc = self.links_encode(self._rows)
         self.store.set(self._keys[self.rank], encode(self.host, ops, enc))
         if not self.store.check(self._keys):
             return
@@ -307,9 +317,10 @@ class Watch:
             lo = max(lo, hi - WINDOW)
             views = {q: v.ops(lo, hi) for q, v in parsed.items()}
         v = decide(views, self.size, self.late_s)
+        self._period = VIEW_S if v["late"] else min(VIEW_MAX_S, 2 * self._period)
         v["hosts"] = hosts
         v["links"] = self._link_verdict(hosts, links)
-        self._observe_skew(v.pop("skew").get(self.rank, {}))
+        self._observe_skew(v.pop("skew").get(self.rank, {}), names)
         self.verdict = v
         if self.log_s > 0 and self.rank == 0:
             self._log(v)
@@ -334,12 +345,12 @@ class Watch:
                 continue
         return slowlink.group_verdict(views)
 
-    def _observe_skew(self, mine: dict) -> None:
+    def _observe_skew(self, mine: dict, names: dict) -> None:
         with self._lock:
             for seq in sorted(mine):
                 if seq <= self._skew_seen:
                     continue
-                name = self._names.get(seq, "")
+                name = names.get(seq, "")
                 h = self._skew.get(name)
                 if h is None:
                     h = self._skew[name] = [0] * (len(SKEW_BUCKETS) + 2)

@@ -21,7 +21,10 @@ from linerate.transport import metrics
 # Prometheus naming: base units and the suffix that says so (node_exporter's style).
 _NAME_RULES = {
     "counter": re.compile(r"^linerate_[a-z_]+_total$"),
-    "gauge": re.compile(r"^linerate_(info|[a-z_]+(_bytes|_ratio|_bytes_per_second))$"),
+    # a unit suffix, or one of the unitless gauges: a rank's number, a count of collectives,
+    # a 0/1 flag
+    "gauge": re.compile(r"^linerate_(info|slowest_rank|slow_window_collectives|slow_link|"
+                        r"[a-z_]+(_bytes|_ratio|_bytes_per_second|_seconds))$"),
     "histogram": re.compile(r"^linerate_[a-z_]+_seconds$"),
 }
 
@@ -167,7 +170,28 @@ def test_transport_knows_nothing_of_the_collectives():
 
 
 def test_names_follow_prometheus_conventions():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from linerate.collectives import slowlink, straggler
+
+    # a watched group's series (collectives/straggler.py, slowlink.py) are there too
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
+    w = straggler.Watch(store, "names", 0, 2, None, "h", 5.0, 0.0)
+    w.close()
+    w.verdict = {"collectives": 8, "late": {1: (8, 0.02)}, "slowest": 1, "links": []}
+
+    class _Ctx:
+        addresses = []
+
+        def stats(self):
+            return {"rank": 0, "global_rank": 0, "size": 2, "peers": []}
+
+    rates = slowlink.LinkRates(_Ctx())
     fams = families(generate_latest(metrics.REGISTRY).decode())
+    assert "linerate_slowest_rank" in fams and "linerate_rank_lateness_seconds" in fams
+    del rates
     assert "linerate_info" in fams and "linerate_sent_bytes" in fams
     for name, fam in fams.items():
         full = name + "_total" if fam.type == "counter" else name

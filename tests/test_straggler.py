@@ -6,7 +6,7 @@
 - One host, 4 ranks (shared memory and TCP): one rank, chosen at random, sleeps 20 ms before
   each all_reduce (a slow data loader); within 20 collectives every rank's report and its
   exported metrics name it, and the flight records (linerate flight) name it too.
-- A balanced run of 2,000 all_reduces names nobody.
+- A balanced run of 2,000 all_reduces (1 MB, a DDP bucket) names nobody.
 - netlab, 4 hosts at 1 Gbit/s: the same two checks between hosts.
 """
 from __future__ import annotations
@@ -117,12 +117,14 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
 
     pg = lr._get_backend(torch.device("cpu"))
     t = torch.ones(max(1, nbytes // 4))
-    named_at, wrong = None, []
+    named_at, wrong, decided = None, [], 0
     for i in range(n):
         if rank == slow:
             time.sleep(0.02)
         dist.all_reduce(t, group=lr)
-        got = pg.slow_report()["slowest"]
+        rep = pg.slow_report()
+        got = rep["slowest"]
+        decided = max(decided, rep["collectives"])
         if got is not None and got != slow:
             wrong.append((i, got))
         if named_at is None and got == slow:
@@ -138,7 +140,7 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
     path = linerate.dump_flight(dump) if dump else None
     rep = pg.slow_report()
     return {"named_at": named_at, "wrong": wrong, "report": rep, "exported": exported,
-            "dump": path, "text": text}
+            "dump": path, "text": text, "decided": decided}
 
 
 def _check_named(results, slow, within=20):
@@ -179,11 +181,11 @@ def test_a_slowed_rank_is_named_on_one_host(shm, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_balanced_run_names_nobody():
-    results = run_ranks(_slowed, 4, -1, 2000, 4096, "", timeout=100,
+    results = run_ranks(_slowed, 4, -1, 2000, 1 << 20, "", timeout=100,
                         env={"LINERATE_SLOW_LOG_S": "60"})
     for r, res in enumerate(results):
         assert res["named_at"] is None and not res["wrong"], (r, res)
-        assert res["report"]["collectives"] >= straggler.MIN_OPS, res["report"]
+        assert res["decided"] >= straggler.MIN_OPS, res  # views were compared
         assert res["exported"]["linerate_slowest_rank"][""] == -1
 
 
@@ -197,12 +199,14 @@ rank, P = dist.get_rank(), dist.get_world_size()
 pg = dist.group.WORLD._get_backend(torch.device("cpu"))
 slow, n = int(os.environ["SLOW"]), int(os.environ["N"])
 t = torch.ones(int(os.environ["NB"]) // 4)
-named_at, wrong = None, []
+named_at, wrong, decided = None, [], 0
 for i in range(n):
     if rank == slow:
         time.sleep(0.02)
     dist.all_reduce(t)
-    got = pg.slow_report()["slowest"]
+    rep = pg.slow_report()
+    got = rep["slowest"]
+    decided = max(decided, rep["collectives"])
     if got is not None and got != slow:
         wrong.append([i, got])
     if named_at is None and got == slow:
@@ -210,7 +214,7 @@ for i in range(n):
 dist.barrier()
 rep = pg.slow_report()
 print("SLOW", rank, json.dumps({"named_at": named_at, "wrong": wrong, "text": rep["text"],
-                               "n": rep["collectives"]}), flush=True)
+                               "n": decided}), flush=True)
 dist.destroy_process_group()
 '''
 
@@ -230,7 +234,7 @@ def test_a_slowed_rank_is_named_between_hosts(lab_name, tmp_path):
     # balanced, on the same lab: nobody
     (tmp_path / "b").mkdir()
     res, out = run_netlab_script(lab_name, tmp_path / "b", NETLAB_SCRIPT, up, "SLOW",
-                                 env={"SLOW": "-1", "N": "2000", "NB": "4096",
+                                 env={"SLOW": "-1", "N": "2000", "NB": str(64 << 10),
                                       "LINERATE_SLOW_LOG_S": "60"})
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-3000:] + res.stderr[-3000:]
     for r, o in out.items():
