@@ -306,7 +306,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         result, stage.devices)
-            self._flight.queued(name, seq, desc)
+            self._life.queued(name, seq, desc)
             op = Op(name, seq, fn, stage, timeout, work, result, nbytes, desc, chain_bytes)
             here = here and self._sched.take_turn()
             if not here:
@@ -478,7 +478,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
             work._on_wait = self._sched.expedite
-            self._flight.queued(what, seq, desc)
+            self._life.queued(what, seq, desc)
             entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                  self._chain)
             here = sync and self._sched.take_turn()
@@ -516,7 +516,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'}, "
                         f"priority {priority})", [tensor], stage.devices)
-            self._flight.queued(what, seq, desc)
+            self._life.queued(what, seq, desc)
             if self._priority_on_worker():
                 # Shared memory (one host, or two-level over hosts): the engine runs one op at
                 # a time, on the worker, in call order; its sends keep their priority.

@@ -6,9 +6,10 @@ next op, a prioritized all_reduce on a thread of its own) goes through ``Lifecyc
 flight recorder, the metrics, telling the peers why an op failed, naming this rank's call in
 an error, and completing the Work each happen here and nowhere else.
 
-Observers of the lifecycle (the flight recorder, the metrics) are hooks: objects with
-``started(op)``, ``completed(op, algorithm, seconds, nbytes)`` and ``failed(op, error,
-algorithm)``, called in the order they were added.
+Observers of the lifecycle (the flight recorder, the metrics, the slow-rank watch) are hooks:
+objects with ``started(op)``, ``completed(op, algorithm, seconds, nbytes)`` and ``failed(op,
+error, algorithm)``, called in the order they were added, and optionally ``queued(name, seq,
+desc)``, called when a call is numbered (before it runs, or waits in the queue).
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ class FlightHook:
     def __init__(self, fr):
         self.fr = fr
 
+    def queued(self, name: str, seq: int, desc: str) -> None:
+        self.fr.queued(name, seq, desc)
+
     def started(self, op) -> None:
         self.fr.started(op.seq)
 
@@ -104,12 +108,20 @@ class Lifecycle:
         self.ctx = ctx
         self.rank = rank
         self.hooks: list = []
+        self._queued: list = []  # the hooks with a queued() method
         #: Whether ops record when each peer's first contribution arrived (Comm.arrivals):
         #: while the group watches for slow ranks (collectives/straggler.py).
         self.arrivals = False
 
     def add(self, hook) -> None:
         self.hooks.append(hook)
+        if hasattr(hook, "queued"):
+            self._queued.append(hook)
+
+    def queued(self, name: str, seq: int, desc: str) -> None:
+        """A call got its sequence number (it runs now, or waits in the group's queue)."""
+        for h in self._queued:
+            h.queued(name, seq, desc)
 
     # ------------------------------------------------------------------ begin
     def usable(self, name: str, seq) -> None:
