@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from linerate.transport import Context, metrics
 
-from . import (algorithms, flight, fusion, shm_algos, straggler,
+from . import (algorithms, flight, fusion, shm_algos, slowlink, straggler,
                timeline, two_level)
 from .comm import OPNAMES, Comm, Scratch
 from .dispatch import Dispatch
@@ -84,14 +84,6 @@ def _rop(op) -> str:
     return op_name(op)
 
 
-
-
-def _link_rates(ctx):
-    try:
-        from . import slowlink
-    except ImportError:
-        return None
-    return slowlink.LinkRates(ctx)
 
 
 def _incarnation() -> str:
@@ -185,7 +177,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             self._watch = straggler.Watch(
                 store, _incarnation(), rank, size, self._ctx.global_ranks or None,
                 metrics.identity()[1], self._options.slow_rank_ms, self._options.slow_log_s,
-                group_name, links=_link_rates(self._ctx))
+                group_name, links=slowlink.LinkRates(self._ctx))
             self._ctx.record_arrivals()
             self._life.arrivals = True
             self._life.add(self._watch)
