@@ -122,6 +122,13 @@ def call_digest(op: str, desc: str) -> int:
     return d
 
 
+def answer_wait(timeout: float) -> float:
+    """Seconds a timed-out op waits for the peers to say how far they got: a tenth of the
+    timeout, from 0.05 s to 0.5 s. On a host whose ranks outnumber its cores, a receive thread
+    may wait its turn for a few hundred milliseconds before it answers."""
+    return min(0.5, max(0.05, timeout / 10))
+
+
 class Comm:
     """One collective's view of the group: rank, size, send, recv, deadline."""
 
@@ -269,12 +276,12 @@ class Comm:
                             f"waiting for {who} ({what}){silent}{hint}") from None
 
     def _absent(self) -> str:
-        """Which ranks have not entered this op, as far as they answer within a quarter second
-        (their receive threads answer at once; a rank whose link is down never does, and the
-        error waits for it that long): the rank a ring waits for may itself be waiting for the
-        one that never came."""
+        """Which ranks have not entered this op, as far as they answer within answer_wait() (their
+        receive threads answer at once, but on a loaded host a thread may wait its turn for a
+        while; a rank whose link is down never does, and the error waits for it that long):
+        the rank a ring waits for may itself be waiting for the one that never came."""
         late, silent = [], []
-        for r, progress in sorted(self.ctx.peer_progress(min(0.25, max(0.05, self.timeout / 20))).items()):
+        for r, progress in sorted(self.ctx.peer_progress(answer_wait(self.timeout)).items()):
             if progress is None:
                 silent.append(r)
             elif progress < self.seq:
