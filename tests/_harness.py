@@ -313,20 +313,21 @@ def netlab_reason() -> str | None:
     return _netlab["reason"]
 
 
-def run_netlab_script(lab_name: str, tmp_path, text: str, up: list, tag: str,
+def run_netlab_script(lab_name: str, tmp_path, text: str, up: list | None, tag: str,
                       env: dict | None = None, timeout: int = 120):
-    """``netlab up --name lab_name *up``, then ``netlab run`` of the script ``text`` with
-    ``env`` added to this process's environment (``timeout``: netlab's, plus 20 s for the
-    command). Returns the run's CompletedProcess and {rank: the JSON the rank printed after
-    ``tag``} (lines ``[rank R] TAG R {...}``)."""
+    """``netlab up --name lab_name *up`` (``up`` None: the lab is up already), then ``netlab
+    run`` of the script ``text`` with ``env`` added to this process's environment
+    (``timeout``: netlab's, plus 20 s for the command). Returns the run's CompletedProcess and
+    {rank: the JSON the rank printed after ``tag``} (lines ``[rank R] TAG R {...}``)."""
     import json
     import subprocess
     script = tmp_path / f"{tag.lower()}_ranks.py"
     script.write_text(text)
     cli = [sys.executable, "-m", "linerate.tools.cli", "netlab"]
-    made = subprocess.run(cli + ["up", "--name", lab_name, *up], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert made.returncode == 0, made.stdout + made.stderr
+    if up is not None:
+        made = subprocess.run(cli + ["up", "--name", lab_name, *up], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stdout + made.stderr
     res = subprocess.run(cli + ["run", "--name", lab_name, "--timeout", str(timeout), str(script)],
                          cwd=REPO, capture_output=True, text=True, timeout=timeout + 20,
                          env=dict(os.environ, **(env or {})))

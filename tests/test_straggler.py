@@ -231,9 +231,9 @@ def test_a_slowed_rank_is_named_between_hosts(lab_name, tmp_path):
     print(f"slowed rank {slow}:", {r: o["named_at"] for r, o in out.items()}, out[0]["text"])
     for r, o in out.items():
         assert not o["wrong"] and o["named_at"] is not None and o["named_at"] <= 20, (r, o)
-    # balanced, on the same lab: nobody
+    # balanced, on the same lab (up already): nobody
     (tmp_path / "b").mkdir()
-    res, out = run_netlab_script(lab_name, tmp_path / "b", NETLAB_SCRIPT, up, "SLOW",
+    res, out = run_netlab_script(lab_name, tmp_path / "b", NETLAB_SCRIPT, None, "SLOW",
                                  env={"SLOW": "-1", "N": "2000", "NB": str(64 << 10),
                                       "LINERATE_SLOW_LOG_S": "60"})
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-3000:] + res.stderr[-3000:]
