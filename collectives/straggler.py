@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from linerate.transport import metrics
 
+from . import slowlink
 from .op import waits as waited
 
 log = logging.getLogger("linerate")
@@ -299,7 +300,7 @@ class Watch:
         self._rounds += 1
         if self.links is not None and (self._rows is None or self._rounds % LINK_EVERY == 0):
             self._rows = self.links.sample()
-        enc = self.links_encode(self._rows)
+        enc = slowlink.encode(self._rows) if self._rows is not None else None
         self.store.set(self._keys[self.rank], encode(self.host, ops, enc))
         if not self.store.check(self._keys):
             return
@@ -325,16 +326,9 @@ class Watch:
         if self.log_s > 0 and self.rank == 0:
             self._log(v)
 
-    def links_encode(self, rows):
-        if rows is None or self.links is None:
-            return None
-        from . import slowlink
-        return slowlink.encode(rows)
-
     def _link_verdict(self, hosts: dict, links: dict) -> list:
         if self.links is None:
             return []
-        from . import slowlink
         views = {}
         for q, enc in links.items():
             if enc is None:

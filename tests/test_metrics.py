@@ -84,12 +84,17 @@ def test_port_in_use_is_logged_not_raised(monkeypatch, caplog):
     assert f"127.0.0.1:{port}" in caplog.text and "LOCAL_RANK=1" in caplog.text
 
 
-def test_histogram_bytes_and_busbw(monkeypatch):
-    monkeypatch.setattr(stats, "_hist", {})
-    monkeypatch.setattr(stats, "_op_bytes", {})
-    monkeypatch.setattr(stats, "_win_bus", {})
-    monkeypatch.setattr(stats, "_busbw", {})
+@pytest.fixture
+def fresh_stats(monkeypatch):
+    """The collectives' series empty (nothing queued either) and metrics on."""
+    import collections
+    for name in ("_hist", "_op_bytes", "_win_bus", "_busbw"):
+        monkeypatch.setattr(stats, name, {})
+    monkeypatch.setattr(stats, "_pending", collections.deque())
     monkeypatch.setattr(metrics, "_enabled", True)
+
+
+def test_histogram_bytes_and_busbw(fresh_stats):
     # 3 all_reduces of 1 MiB on 4 ranks (bus factor 1.5): 0.002 s, 0.002 s, 0.008 s.
     for secs in (0.002, 0.002, 0.008):
         stats.record("all_reduce_coalesced", "ring", 1 << 20, secs, 4)
@@ -111,12 +116,7 @@ def test_histogram_bytes_and_busbw(monkeypatch):
     assert busbw == pytest.approx(3 * (1 << 20) * 1.5 / 0.012)
 
 
-def test_busbw_window_rolls_over_with_the_sampler(monkeypatch):
-    monkeypatch.setattr(stats, "_hist", {})
-    monkeypatch.setattr(stats, "_op_bytes", {})
-    monkeypatch.setattr(stats, "_win_bus", {})
-    monkeypatch.setattr(stats, "_busbw", {})
-    monkeypatch.setattr(metrics, "_enabled", True)
+def test_busbw_window_rolls_over_with_the_sampler(fresh_stats, monkeypatch):
 
     def busbw():
         text = generate_latest(metrics.REGISTRY).decode()
