@@ -53,6 +53,8 @@ class _WorkerView:
 
 
 _WORKER = _WorkerView()
+#: The Stage of a call whose tensors the algorithm uses as they are (nothing to copy back).
+_NO_STAGE = Stage()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +133,15 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
                       if self._shape.two_level_ok else None)
         #: The algorithm table's choices, run (collectives/dispatch.py).
         self._algos = Dispatch(self._options, self._shape, self._plan, self._shm, self._local)
+        #: Synchronous calls that find nothing queued on a group of one host's shared segment
+        #: run straight on it (_run_lone): barriers, and all_reduces up to _lone_max bytes
+        #: (what a fused run carries; 0: none), agree()'s fused run of one call (_lone).
+        self._lone_ok = (self._shm is not None and size > 1
+                         and self._algos.choose(_WORKER, "agree", 0) == "shm")
+        self._lone_max = (min(self._options.fusion_bytes, self._options.small_bytes,
+                              self._shm.C - 64) if self._lone_ok else 0)
+        self._lone_comm: Comm | None = None
+        self._lone_desc: dict = {}  # (dtype, elements, op) -> the call's text
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
@@ -426,6 +437,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
+        if (self._lone_max and opts is not None and len(tensors) == 1
+                and not getattr(opts, "asyncOp", True)):
+            work = self._lone(tensors[0], opts)
+            if work is not None:
+                return work
         opts = opts or dist.AllreduceOptions()
         what = "all_reduce"
         # validate.CHECKS["all_reduce"], inline: this is the latency-critical path.
@@ -453,6 +469,81 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts,
                             chain_bytes=chain_bytes)
+
+    def _lone(self, t, opts) -> Work | None:
+        """A synchronous all_reduce of one small contiguous CPU tensor that finds nothing
+        queued, on a group whose ranks share one segment: the fused run of this one call
+        (what _fusable would run in this thread), straight from here to
+        shm_algos.lone_all_reduce: no queue entry, no Stage, no Comm of its own; the same
+        agreement, checks, timeout, lifecycle and result. None where it does not apply (the
+        general way then runs the call)."""
+        what = "all_reduce"
+        self._check_tensor(t, what)
+        op = op_type(opts.reduceOp)
+        self._check_op(op, t, what)
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+        n = t.numel()
+        nbytes = n * t.element_size()
+        if nbytes > self._lone_max:
+            return None
+        key = (t.dtype, n, op)
+        desc = self._lone_desc.get(key)
+        if desc is None:
+            if len(self._lone_desc) > 256:
+                self._lone_desc.clear()
+            desc = self._lone_desc[key] = (f"{_dt(t)} op={_rop(op)}",
+                                           f"{_dt(t)} op={_rop(op)} (fused with what follows)")
+        flat = t.detach()
+        return self._run_lone(what, desc[0], desc[1], self._op_timeout(opts), [t], nbytes,
+                              lambda comm, chain: shm_algos.lone_all_reduce(
+                                  comm, flat, op, chain, desc[0]), fused=True)
+
+    def _run_lone(self, name: str, desc: str, call: str, timeout: float, result: list,
+                  nbytes, fn, fused: bool = False) -> Work | None:
+        """Number a synchronous call and run ``fn(comm, chain)`` for it in this thread, on
+        the group's reused Comm, where the worker is idle with nothing queued (else None:
+        the general way queues it). As _execute runs an op, for a one-host group's lone
+        small calls: no two-level chaining there. ``fused``: a fusable all_reduce (it moves
+        the running digest of fusable calls, ``chain``)."""
+        if self._shut:
+            raise RuntimeError(f"linerate: {name} on a process group that was shut down")
+        with self._seq_lock:  # as _submit and _fusable: numbered and turn taken at once
+            if not self._sched.take_turn():
+                return None
+            self._seq += 1
+            seq = self._seq
+            chain = self._chain = (fusion.chain_digest(self._chain, seq, desc) if fused
+                                   else self._chain)
+            self._life.queued(name, seq, desc)
+        life = self._life
+        comm = None
+        try:
+            work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
+                        result)
+            op = Op(name, seq, None, _NO_STAGE, timeout, work, result, nbytes, desc)
+            try:
+                life.usable(name, seq)
+                comm = self._lone_comm
+                if comm is None:
+                    comm = self._lone_comm = Comm(self._ctx, name, seq, timeout,
+                                                  self._options.piece_bytes, self._scratch,
+                                                  True, self._shm)
+                else:
+                    comm.renew(name, seq, timeout)
+                comm.set_call(call)
+                life.begin((op,), comm)
+                fn(comm, chain)
+            except BaseException as e:  # as _execute's and _run_fused's: to the Work, the peers
+                life.fail((op,), comm, e, named=(ValueError,) if fused else ())
+            else:
+                if fused:
+                    self.fusion_stats["calls"] += 1
+                    self.fusion_stats["ops"] += 1
+                life.finish((op,), comm, nbytes)
+        finally:
+            self._sched.give_turn()
+        return work
 
     def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: Stage,
                  timeout: float, sync: bool = False) -> Work:
@@ -842,6 +933,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
         self._validate("barrier")
+        if self._lone_ok and not getattr(opts, "asyncOp", True):
+            work = self._run_lone("barrier", "", "", self._op_timeout(opts), [], None,
+                                  lambda comm, _: shm_algos.barrier(comm))
+            if work is not None:
+                return work
         return self._submit("barrier", lambda comm: self._algos.run(comm, "barrier", 0), [],
                             Stage(), self._op_timeout(opts),
                             desc="", opts=opts)

@@ -180,6 +180,23 @@ class Comm:
         if seq > ctx.progress:
             ctx.progress = seq
 
+    def renew(self, op: str, seq: int, timeout: float) -> None:
+        """This Comm for the group's next op ``seq``, as a new one would start it: a group's
+        lone small calls reuse one Comm (backend: _run_lone) instead of making one each."""
+        if op != self.op:
+            self.op = op
+            self.opcode = OPCODES[op]
+        self.seq = seq
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.desc = f"{self.op} #{seq}"
+        self._req_desc = self.desc
+        self._block = 0
+        self.algorithm = "direct"
+        self.arrivals = None
+        if seq > self.ctx.progress:
+            self.ctx.progress = seq
+
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
 

@@ -58,10 +58,14 @@ class Scheduler:
         try:
             fn(arg)
         finally:
-            with self.cond:  # calls queued meanwhile (other threads) go to the worker
-                self._inline = False
-                if self.queue:
-                    self.cond.notify()
+            self.give_turn()
+
+    def give_turn(self) -> None:
+        """The caller that holds the worker's turn (take_turn) gives it back."""
+        with self.cond:  # calls queued meanwhile (other threads) go to the worker
+            self._inline = False
+            if self.queue:
+                self.cond.notify()
 
     def put(self, item) -> None:
         with self.cond:

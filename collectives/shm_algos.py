@@ -32,6 +32,7 @@ import logging
 import os
 import platform
 import time
+import types
 import weakref
 
 import numpy as np
@@ -240,6 +241,8 @@ class Engine:
         from linerate import settings
         self._cma_setting = settings.read("LINERATE_CMA")
         self._cma_scratch = None
+        #: lone_all_reduce's tensor views of the slots' rows: (set, dtype, elements) -> views.
+        self.lone_rows: dict = {}
         self._big = 0                 # large all_reduces run here (the same on every rank)
         self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
         self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
@@ -273,6 +276,7 @@ class Engine:
     def _release(self) -> None:
         """The group closed: drop every view of the segment (its mapping goes now)."""
         self.areas = []
+        self.lone_rows = {}
         self.np_data = self.words = None
         self._cma_scratch = None
         self.ctrl = self.prog = self.want = None
@@ -1249,3 +1253,71 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
             finish_avg(flat, head.op, P if avg_size is None else avg_size)
     E.publish(areas)
     return k, carry
+
+
+def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -> None:
+    """agree() of a rank that offers one call, its entry carried (the same words in the same
+    slot: peers that offered more fuse this one call with it), for a synchronous all_reduce of
+    at most agree's carry bytes with nothing queued: the least Python that keeps its checks.
+    ``chain``: the running digest after this call (fusion.chain_digest), ``desc`` the call's
+    text (for a mismatch's error); ``flat`` is reduced in
+    place (contiguous; an AVG is divided here), folded as agree() folds (the same bits on every
+    rank, whichever of the two it ran). The rows' views are cached per set, dtype and size: a
+    job repeats a few small all_reduces many times."""
+    E = comm.shm
+    E.begin(comm)
+    P, r, C = E.P, E.r, E.C
+    b = E.cursor & 1
+    E.cursor += 1
+    mine = b * P + r
+    if E.free[mine]:
+        E.wait_free(mine)
+    words, step = E.words, C >> 3
+    w0 = mine * step
+    words[w0] = 1
+    signed = chain - (1 << 64) if chain >= 1 << 63 else chain
+    words[w0 + 1] = signed
+    n = flat.numel()
+    nb = n * flat.element_size()
+    if nb:
+        ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), nb)
+        E.tx_all += nb
+        E.rx_all += nb
+    E.publish()
+    E.wait(E.tick)
+    first = b * P * step
+    cs = words[first:first + P * step:step].tolist()
+    bad = {}
+    for q in range(P):
+        if q != r:
+            c = cs[q]
+            if c == 1:  # peers that offered more fuse just this call: compared next time
+                d = int(words[first + q * step + 1])
+                if d != signed:
+                    bad[q] = _unsigned(d)
+            elif c < 1:
+                raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} "
+                                 f"offered {c} calls")
+    if bad:
+        from .fusion import compare_digests
+        head = types.SimpleNamespace(seq=comm.seq, chain=chain, desc=desc)
+        compare_digests([head], 1, bad, lambda q: E.gr[q], E.me)
+    key = (b, flat.dtype, n)
+    rows = E.lone_rows.get(key)
+    if rows is None:  # agree()'s rows, as one array (NumPy's dtypes) or tensor views
+        if len(E.lone_rows) > 64:
+            E.lone_rows.clear()
+        dt = flat.dtype
+        npdt = _NP.get(dt)
+        rows = E.lone_rows[key] = (
+            (npdt, np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
+                              strides=(C, nb // n if n else 1)))
+            if npdt is not None and n else
+            (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
+    npdt, rows = rows
+    if npdt is not None:
+        _fold_rows(flat, rows, op, npdt)
+    else:
+        _fold(flat, rows, op)
+    finish_avg(flat, op, P)
+    E.publish(range(b * P, b * P + P))

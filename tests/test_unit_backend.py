@@ -226,6 +226,80 @@ def test_async_small_all_reduces_fuse_and_agree():
         assert ok and calls == 50 and ops < 50, (ok, calls, ops)
 
 
+def _lone_spy(pg):
+    """Counts the calls that took the lone all_reduce's way (backend._lone)."""
+    seen = [0]
+    real = pg._run_lone
+
+    def spy(name, *a, **k):
+        work = real(name, *a, **k)
+        seen[0] += name == "all_reduce" and work is not None
+        return work
+    pg._run_lone = spy
+    return seen
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P):
+    """Rank 0 calls synchronous small all_reduces (the lone way: backend._lone); the other ranks
+    issue the same calls asynchronously, queued and fused on their worker: every call runs
+    alone on rank 0 and fused with nothing on the others (the least count offered), every result
+    is the fold in rank order, the same bits on every rank, for every dtype and op."""
+    def fn(pg, r):
+        seen = _lone_spy(pg)
+        calls = [(n, dt, op) for n in (0, 1, 7, 1001) for dt in DTYPES for op in _ops_for(dt)]
+        ts, works = [], []
+        for i, (n, dt, op) in enumerate(calls):
+            t = ones_like_rank((n,), dt, r + i)
+            if r == 0:
+                pg.allreduce([t], sync(reduceOp=op)).wait()
+            else:
+                o = dist.AllreduceOptions()
+                o.reduceOp = op
+                works.append(pg.allreduce([t], o))
+            ts.append(t)
+        for w in works:
+            w.wait()
+        bad = [f"{c}" for i, (c, t) in enumerate(zip(calls, ts))
+               if not _same(t, _fold([ones_like_rank((c[0],), c[1], q + i) for q in range(P)],
+                                     c[2]), c[2])]
+        return bad, seen[0], len(calls), [t.clone() for t in ts]
+
+    import linerate
+    res = run_threads(fn, P, options=linerate.Options(cycle_ms=50))
+    for r, (bad, lone, ncalls, _) in enumerate(res):
+        assert bad == [], (r, bad)
+        assert lone == (ncalls if r == 0 else 0), (r, lone, ncalls)
+    for i, t in enumerate(res[0][3]):  # the same bits on every rank
+        for r in range(1, P):
+            assert t.view(-1).view(torch.uint8).tolist() == \
+                res[r][3][i].view(-1).view(torch.uint8).tolist(), (i, r)
+
+
+def test_lone_way_is_taken_only_where_it_applies():
+    """The lone way takes a synchronous call of one small contiguous CPU tensor on a one-host
+    group; a larger tensor, a non-contiguous one, an async call, TCP-only groups and
+    LINERATE_FUSION_BYTES=0 go the general way, with the same results."""
+    def fn(pg, r):
+        seen = _lone_spy(pg)
+        out = []
+        for t, o in ((torch.full((8,), float(r)), sync()),
+                     (torch.full((100000,), float(r)), sync()),          # above carry bytes
+                     (torch.full((8, 2), float(r)).t(), sync()),         # not contiguous
+                     (torch.full((8,), float(r)), None)):                # async
+            w = pg.allreduce([t], o) if o is not None else pg.allreduce([t])
+            w.wait()
+            out.append(bool((t == 1.0).all()))
+        return seen[0], out
+
+    import linerate
+    for lone, out in run_threads(fn, 2):
+        assert (lone, out) == (1, [True] * 4), (lone, out)
+    for opts in (_options(False), linerate.Options(fusion_bytes=0)):
+        for lone, out in run_threads(fn, 2, options=opts):
+            assert (lone, out) == (0, [True] * 4), (lone, out)
+
+
 # ----------------------------------------------------------------------------- validation
 def test_bad_input_is_refused_on_the_callers_rank_and_the_group_stays_usable():
     def fn(pg, r):
@@ -260,15 +334,19 @@ def _root(r):
 
 
 # ----------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
-def test_ranks_that_disagree_fail_naming_each_other(shm):
+def test_ranks_that_disagree_fail_naming_each_other(shm, fusion):
+    """Synchronous all_reduces of other sizes: fused runs of one call (on one host: the lone
+    way, backend._lone) and unfused ones."""
     def fn(pg, r):
         t = torch.ones(10 if r == 0 else 11)
         pg.allreduce([t], sync()).wait()
 
     import linerate
     o = _options(shm)
-    o.fusion_bytes = 0
+    if not fusion:
+        o.fusion_bytes = 0
     res = outcomes(fn, 2, options=o, op_timeout=10)
     for r, e in enumerate(res):
         assert isinstance(e, Exception), (r, e)
