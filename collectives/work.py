@@ -47,45 +47,54 @@ def _complete_futures(works) -> None:
 class Work(dist._Work):
     """Completion of one operation: wait(timeout), is_completed(), get_future(), exception()."""
 
+    # What most Works keep as made, as class attributes: an instance sets only what differs
+    # (each attribute set on an instance of this pybind-derived class is a sizeable share of
+    # making a Work, and a small synchronous op makes one per call).
+    #: Seconds that wait() without a timeout waits (the group's timeout), for operations
+    #: without a deadline of their own (point-to-point); None: until the operation ends.
+    _timeout = None
+    _done = False
+    _exc: BaseException | None = None
+    _src = -1
+    _devices = None
+    # A failed operation must fail the future for C++ consumers too. Python's
+    # Future.set_exception does not: it completes the C++ future *successfully* with the
+    # exception object as its value (only Python's wait() raises it), and DDP's Reducer
+    # then reads that value as tensors and crashes (SIGSEGV in parseCppCommHookResult).
+    # A then() callback that raises sets a real C++ error on the future it returns, so
+    # the future handed out is that child: DDP, .then() chains and wait() all raise.
+    # The futures are made on the first get_future() (DDP asks for every bucket; a plain
+    # async_op=True caller never does): making them for every Work is a sizeable share of
+    # issuing many small async all_reduces, and a Work without one needs no completion job
+    # either.
+    _base = _fut = None
+    _fut_done = False  # the base future's result has been (or is being) set
+    #: Called when someone starts waiting for the result (a queued fusion entry then
+    #: stops waiting for more calls to fuse with).
+    _on_wait = None
+
     def __init__(self, desc: str, result: list, devices: list | None = None,
                  timeout: float | None = None):
         super().__init__()
         self._desc = desc
-        #: Seconds that wait() without a timeout waits (the group's timeout), for operations
-        #: without a deadline of their own (point-to-point); None: until the operation ends.
-        self._timeout = timeout
         self._result = result
         # Completion: _done, and a lock held until then that waiters acquire and pass on
         # (a threading.Event costs an order of magnitude more to make, most of a Work's making).
-        self._done = False
         self._gate = threading.Lock()
         self._gate.acquire()
-        self._exc: BaseException | None = None
-        self._src = -1
-        # A failed operation must fail the future for C++ consumers too. Python's
-        # Future.set_exception does not: it completes the C++ future *successfully* with the
-        # exception object as its value (only Python's wait() raises it), and DDP's Reducer
-        # then reads that value as tensors and crashes (SIGSEGV in parseCppCommHookResult).
-        # A then() callback that raises sets a real C++ error on the future it returns, so
-        # the future handed out is that child: DDP, .then() chains and wait() all raise.
-        # The futures are made on the first get_future() (DDP asks for every bucket; a plain
-        # async_op=True caller never does): making them for every Work is a sizeable share of
-        # issuing many small async all_reduces, and a Work without one needs no completion job
-        # either.
-        self._devices = devices
-        self._base = self._fut = None
-        self._fut_done = False  # the base future's result has been (or is being) set
         self._lock = threading.Lock()
-        #: Called when someone starts waiting for the result (a queued fusion entry then
-        #: stops waiting for more calls to fuse with).
-        self._on_wait = None
+        if timeout is not None:
+            self._timeout = timeout
+        if devices:
+            self._devices = devices
 
     # -- completion (communication side) ----------------------------------------------------
     def _complete(self, exc: BaseException | None = None, source_rank: int = -1) -> None:
         self._exc = None if exc is None else as_dist_error(exc, self._desc)
         self._src = source_rank
         self._set_done()
-        if self._claim_future():
+        # (a future handed out after _set_done is completed by get_future, which sees _done)
+        if self._base is not None and self._claim_future():
             _completer.submit(self._complete_future)
 
     @staticmethod
