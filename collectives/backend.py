@@ -494,7 +494,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
                 self._lone_desc.clear()
             desc = self._lone_desc[key] = (f"{_dt(t)} op={_rop(op)}",
                                            f"{_dt(t)} op={_rop(op)} (fused with what follows)")
-        flat = t.detach()
+        flat = t.detach().view(-1)
         return self._run_lone(what, desc[0], desc[1], self._op_timeout(opts), [t], nbytes,
                               lambda comm, chain: shm_algos.lone_all_reduce(
                                   comm, flat, op, chain, desc[0]), fused=True)

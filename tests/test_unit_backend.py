@@ -247,10 +247,11 @@ def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P)
     is the fold in rank order, the same bits on every rank, for every dtype and op."""
     def fn(pg, r):
         seen = _lone_spy(pg)
-        calls = [(n, dt, op) for n in (0, 1, 7, 1001) for dt in DTYPES for op in _ops_for(dt)]
+        calls = [(n, dt, op) for n in ((0,), (1,), (7,), (1001,), (0, 2), (3, 5)) for dt in DTYPES
+                 for op in _ops_for(dt)]
         ts, works = [], []
         for i, (n, dt, op) in enumerate(calls):
-            t = ones_like_rank((n,), dt, r + i)
+            t = ones_like_rank(n, dt, r + i)
             if r == 0:
                 pg.allreduce([t], sync(reduceOp=op)).wait()
             else:
@@ -261,7 +262,7 @@ def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P)
         for w in works:
             w.wait()
         bad = [f"{c}" for i, (c, t) in enumerate(zip(calls, ts))
-               if not _same(t, _fold([ones_like_rank((c[0],), c[1], q + i) for q in range(P)],
+               if not _same(t, _fold([ones_like_rank(c[0], c[1], q + i) for q in range(P)],
                                      c[2]), c[2])]
         return bad, seen[0], len(calls), [t.clone() for t in ts]
 
