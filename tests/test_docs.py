@@ -6,7 +6,8 @@
   ``<!-- example: skip: REASON -->`` (not run: needs a cluster, RDMA, a GPU ...),
   ``<!-- example: file NAME -->`` (saved as NAME for a later block of the page),
   ``<!-- example: torchrun N -->`` (a Python block run under ``torchrun --standalone``),
-  ``<!-- example: root -->`` (needs root and network namespaces: skipped elsewhere).
+  ``<!-- example: root -->`` (needs root and network namespaces: skipped elsewhere). The root
+  blocks of a page may share a netlab lab; one they leave behind is taken down after the page.
 - The docs site builds with ``mkdocs build --strict`` (a broken link, a page missing from the
   navigation or a bad API reference fails it).
 - docs/settings.md is what ``python -m linerate.settings --page`` writes, and the README's
@@ -133,9 +134,31 @@ def _page_id(p: Path) -> str:
     return p.stem if p.parent.name == "docs" else p.name
 
 
+def _labs() -> set:
+    """The netlab labs that have namespaces now, by name."""
+    from linerate.tools import netlab
+    found = (re.fullmatch(rf"{re.escape(netlab.PREFIX)}(.+)-(?:h[0-9]+|sw)", ns)
+             for ns in netlab.list_netns())
+    return {m.group(1) for m in found if m}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_examples_run(page: Path, tmp_path):
+    # A page's root examples may share a lab (one builds it, a later one takes it down): if
+    # one fails in between, the lab is taken down here.
+    labs = _labs() if any(_kind(b)[0] == "root" for b in blocks_of(page)) \
+        and netlab_reason() is None else None
+    try:
+        _run_examples(page, tmp_path)
+    finally:
+        if labs is not None:
+            from linerate.tools import netlab
+            for name in _labs() - labs:
+                netlab.down(name)
+
+
+def _run_examples(page: Path, tmp_path) -> None:
     ran, skipped = 0, []
     for block in blocks_of(page):
         kind, arg = _kind(block)
