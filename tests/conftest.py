@@ -6,6 +6,9 @@
   transport on the fake pyverbs of tests/fake_pyverbs); ``rdma`` (this machine's real RDMA
   device, skipped with the reason where there is none).
 - ``lab_name``: a netlab lab name unique to the test, torn down afterwards whatever happened.
+- ``lab_4x2``: one netlab lab of 4 hosts x 2 rails at 200 Mbit/s, built once per test process
+  for the tests that run ranks on such a cluster (tests/test_slowlink.py, test_straggler.py)
+  and torn down at the end; a test that reshapes a link puts it back.
 
 The fake peer of the transport tests and the fuzzer is ``linerate.transport.fakepeer.FakePeer``.
 """
@@ -93,6 +96,22 @@ def lab_name():
     name = f"t{uuid.uuid4().hex[:8]}"
     try:
         yield name
+    finally:
+        netlab.down(name)
+        assert netlab.lab_netns(name) == []
+
+
+#: The shared lab of ``lab_4x2``.
+LAB_4X2 = dict(hosts=4, rails=2, rate="200mbit")
+
+
+@pytest.fixture(scope="session")
+def lab_4x2():
+    """netlab.up(**LAB_4X2) under a name unique to this test process; yields the Lab."""
+    from linerate.tools import netlab
+    name = f"s{uuid.uuid4().hex[:8]}"
+    try:
+        yield netlab.up(name, **LAB_4X2)
     finally:
         netlab.down(name)
         assert netlab.lab_netns(name) == []

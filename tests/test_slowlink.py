@@ -1,7 +1,9 @@
 """Slow links (collectives/slowlink.py): the rate of each TCP connection while it was sending,
 its smoothed ratio to its siblings, the group's verdict from every rank's rows, their encoding,
-the exported series; and on a netlab cluster of 4 hosts x 2 rails, one host's second rail
-shaped to half the rate is named within 20 collectives, and a balanced cluster names nothing.
+the exported series; and on a netlab cluster of 4 hosts x 2 rails (conftest's lab_4x2), one
+host's second rail shaped to half the rate is named within 20 collectives, and a balanced
+cluster names nothing: no link, and (the same run, then 2,000 all_reduces of 64 KB) no slow
+rank either (tests/test_straggler.py's balanced check between hosts).
 
 The netlab test needs root and iproute2; skipped with the reason elsewhere.
 """
@@ -365,9 +367,9 @@ def test_exported_series(capacity):
 # ----------------------------------------------------------------------------- netlab
 needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
-RATE_MBIT = 200
 COLLECTIVES = 20
 EVERY = 2  # collectives between two samples
+BALANCED_OPS = 2000  # then, on the balanced cluster: all_reduces of 64 KB that name no slow rank
 
 RANK = textwrap.dedent("""
     import json, os, sys
@@ -375,10 +377,11 @@ RANK = textwrap.dedent("""
     import torch.distributed as dist
     from linerate.collectives import slowlink
 
-    out, n, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, n, every, balanced = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("linerate")
     rank = dist.get_rank()
-    ctx = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._ctx
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    ctx = pg._ctx
     lr = slowlink.LinkRates(ctx)
     t = torch.ones(1 << 20)  # 4 MB
     dist.all_reduce(t)       # the links are made
@@ -389,8 +392,18 @@ RANK = textwrap.dedent("""
         if i % every == 0:
             samples.append([i, slowlink.encode(lr.sample())])
     dist.barrier()
+    named, decided = [], 0   # the slow-rank watch's verdicts (LINERATE_SLOW_LOG_S is set)
+    s = torch.ones(16 << 10)  # 64 KB
+    for i in range(balanced):
+        dist.all_reduce(s)
+        rep = pg.slow_report()
+        decided = max(decided, rep["collectives"])
+        if rep["slowest"] is not None:
+            named.append([i, rep["slowest"]])
+    dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"host": os.environ["LINERATE_NETLAB_HOST"], "samples": samples}, f)
+        json.dump({"host": os.environ["LINERATE_NETLAB_HOST"], "samples": samples,
+                   "named": named, "decided": decided}, f)
     dist.destroy_process_group()
 """)
 
@@ -406,20 +419,27 @@ def _shape(lab, host, rail: int, rate_bps: int) -> None:
 
 
 @needs_netlab
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("shaped", [True, False], ids=["slow_rail", "balanced"])
-def test_netlab_slow_rail_is_named(lab_name, tmp_path, shaped):
+def test_netlab_slow_rail_is_named(lab_4x2, tmp_path, shaped):
     from linerate.tools import netlab
 
-    lab = netlab.up(lab_name, hosts=4, rails=2, rate=f"{RATE_MBIT}mbit")
-    if shaped:
-        _shape(lab, 3, 1, RATE_MBIT * 1_000_000 // 2)
+    lab = lab_4x2
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LINERATE_")}
     env.update(LINERATE_CHUNK_BYTES="256K", LINERATE_NSOCKS="1")
-    rc = netlab.run_ranks(lab, 4, [str(script), str(tmp_path), str(COLLECTIVES), str(EVERY)],
-                          env=env, timeout=75)
+    balanced = 0 if shaped else BALANCED_OPS
+    if shaped:
+        _shape(lab, 3, 1, lab.rate_bps // 2)
+    else:
+        env.update(LINERATE_SLOW_LOG_S="60")  # the slow-rank watch on
+    try:
+        rc = netlab.run_ranks(lab, 4, [str(script), str(tmp_path), str(COLLECTIVES), str(EVERY),
+                                       str(balanced)], env=env, timeout=150)
+    finally:
+        if shaped:  # the shared lab as it was
+            _shape(lab, 3, 1, lab.rate_bps)
     assert rc == 0
     runs = {}
     for r in range(4):
@@ -437,6 +457,9 @@ def test_netlab_slow_rail_is_named(lab_name, tmp_path, shaped):
         print(f"after {at} collectives: {[v['evidence'] for v in verdicts[-1][1]]}")
     if not shaped:
         assert all(v == [] for _, v in verdicts), verdicts
+        for r in range(4):  # no slow rank either, over the 2,000 all_reduces
+            doc = json.loads((tmp_path / f"rank{r}.json").read_text())
+            assert doc["named"] == [] and doc["decided"] >= 8, (r, doc["named"], doc["decided"])
         return
     named = [at for at, v in verdicts if [(x["host"], x["interface"]) for x in v] == [("h3", "eth1")]]
     assert named and named[0] <= 20, verdicts
