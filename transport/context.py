@@ -42,7 +42,7 @@ from .interfaces import listen_addresses
 from .link import LinkSink
 from .matching import Matcher, Mismatch, Staged as _Staged
 from .options import TransportOptions, sockets_per_rail
-from .request import MismatchError, PeerFailure, Request, TransportError
+from .request import MismatchError, PeerFailure, ProtocolError, Request, TransportError
 from .tcp import LINK_TIMEOUT_DEFAULT, tune as _tune  # noqa: F401 - re-exported
 
 log = logging.getLogger("linerate.transport")
@@ -772,15 +772,17 @@ class Context(LinkSink):
     def _lost_error(self, peer: int, err: BaseException, crashed: bool) -> BaseException:
         """``_fail_peer``'s error for ``peer``: where the peer failed because of another rank
         before it went (it said so), a PeerFailure naming that root; else ``err``, and a
-        crashed peer is noted as the root (if none is known yet)."""
+        crashed peer is noted as the root (if none is known yet). A peer that broke the
+        protocol (ProtocolError) is the cause: no frame of it is awaited."""
         cause = self.cause_of(peer)
-        if cause is None and crashed:
+        if cause is None and crashed and not isinstance(err, ProtocolError):
             # A peer that failed because of another rank sends an ERROR frame naming that
             # rank before it goes; with several connections per peer this rank may see one of
             # them end before the frame, on another, is read. Wait a moment for it (or for the
-            # group's root, learnt elsewhere), then take the peer for the cause.
+            # group's root, learnt elsewhere), then take the peer for the cause. Not while this
+            # rank closes the group itself: close() joins the thread that waits here.
             deadline = time.monotonic() + ROOT_WAIT_S
-            while cause is None and time.monotonic() < deadline:
+            while cause is None and time.monotonic() < deadline and not self._closing:
                 known = self._root
                 if known is not None and known[0] != peer:
                     cause = known

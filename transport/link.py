@@ -99,7 +99,7 @@ import zlib
 
 from . import framing
 from .framing import KIND_CLOSE, KIND_DATA, KIND_ERROR
-from .request import PeerFailure, Request
+from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
 
@@ -545,7 +545,7 @@ class StreamLink(Link):
                                               f"rank {self.peer} ({st.remote}) closed unexpectedly: "
                                               f"rank {self.peer} exited or crashed"))
         except framing.FrameError as e:
-            self._fail(PeerFailure(self.peer, f"rank {self.rank}: protocol error from rank "
+            self._fail(ProtocolError(self.peer, f"rank {self.rank}: protocol error from rank "
                                               f"{self.peer}: {e}"), even_closing=True)
         except OSError as e:
             self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection to rank {self.peer} "

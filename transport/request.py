@@ -18,6 +18,10 @@ class PeerFailure(TransportError):
         self.peer = peer
 
 
+class ProtocolError(PeerFailure):
+    """A peer sent what breaks the protocol (a malformed frame): that peer is the cause."""
+
+
 class MismatchError(TransportError):
     """Two ranks disagree about what they are doing (op, size, sequence). ``facts``: the
     transport's record of the difference (matching.Mismatch), where it found one."""

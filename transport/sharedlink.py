@@ -48,7 +48,7 @@ from . import framing, ioloop
 from .framing import KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .ioloop import EPOLLIN, EPOLLOUT
 from .link import _CRC, StreamLink, _Stream, enqueue
-from .request import PeerFailure, Request
+from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
 
@@ -515,7 +515,7 @@ class SharedStreamLink(StreamLink):
                                               f"rank {self.peer} exited or crashed"))
         except framing.FrameError as e:
             self._recv_over(st)
-            self._fail(PeerFailure(self.peer, f"rank {self.rank}: protocol error from rank "
+            self._fail(ProtocolError(self.peer, f"rank {self.rank}: protocol error from rank "
                                               f"{self.peer}: {e}"), even_closing=True)
         except OSError as e:
             self._recv_failed(st, e)

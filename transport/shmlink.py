@@ -55,7 +55,7 @@ import numpy as np
 from . import shm
 from .framing import HEADER, HEADER_SIZE, KIND_CLOSE, KIND_DATA, KIND_ERROR, FrameError, unpack_header
 from .link import Link, LinkSink, enqueue
-from .request import PeerFailure, Request
+from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
 
@@ -855,7 +855,7 @@ class ShmLink(Link):
                     try:
                         did = self._pull()
                     except (FrameError, ValueError, TypeError) as e:
-                        self._fail(PeerFailure(self.peer, f"rank {self.rank}: protocol error from "
+                        self._fail(ProtocolError(self.peer, f"rank {self.rank}: protocol error from "
                                                           f"rank {self.peer} (shared memory): {e}"),
                                    even_closing=True)
                         return False
