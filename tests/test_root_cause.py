@@ -303,6 +303,8 @@ def _setup_run(tmp: Path, odd: int) -> list[str]:
             bad.append(f"rank {r} ({code}): {text[-1500:]}")
         elif want not in m.group(2):
             bad.append(f"rank {r} does not name the setting: {m.group(2)[:600]}")
+        elif re.search(r"(rank \d+: )\1", m.group(2)):
+            bad.append(f"rank {r} repeats a rank's prefix: {m.group(2)[:600]}")
         elif float(m.group(1)) >= 10:
             bad.append(f"rank {r} took {m.group(1)}s")
     return bad

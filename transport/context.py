@@ -179,7 +179,9 @@ class Context(LinkSink):
             self._build_mesh_on(rv, deadline)
         except BaseException as e:
             if not isinstance(e, rendezvous.PeerSetupFailed):
-                rv.report(f"rank {self.rank}: {e}")
+                text = str(e)  # most set-up errors name this rank already
+                rv.report(text if text.startswith(f"rank {self.rank}: ") else
+                          f"rank {self.rank}: {text}")
             self._discard_links()
             # This rank has the group's failure: it says so, and where its process hosts the
             # Store it keeps it answering until every rank has read it (a few seconds at most).
