@@ -1267,15 +1267,14 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
     E = comm.shm
     E.begin(comm)
     P, r, C = E.P, E.r, E.C
-    b = E.cursor & 1
-    E.cursor += 1
-    mine = b * P + r
+    b = E.next_set()
+    mine = E.S(b, r)
     if E.free[mine]:
         E.wait_free(mine)
     words, step = E.words, C >> 3
     w0 = mine * step
     words[w0] = 1
-    signed = chain - (1 << 64) if chain >= 1 << 63 else chain
+    signed = _signed(chain)
     words[w0 + 1] = signed
     n = flat.numel()
     nb = n * flat.element_size()
