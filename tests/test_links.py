@@ -295,3 +295,47 @@ def test_link_peer_death_and_close(kind, request):
     finally:
         b.begin_close()
         b.close(time.monotonic() + 1)
+
+
+def test_link_flush_control(kind, request):
+    """flush_control: True once the control frames queued so far have reached the peer's side;
+    while the peer reads nothing (its buffers full, a large message ahead) False by its
+    deadline, not later; once the peer has read again, True, and the frame is there. On a
+    link that is down, False at once."""
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    (a, b), (sa, sb) = _pair(kind, pki, nsocks=1)
+    gate = threading.Event()
+    claim = sb.claim
+
+    def slow_claim(*args):
+        gate.wait(30)
+        return claim(*args)
+
+    try:
+        assert a.send_control(KIND_ERROR, b"rank 0: first", 0)
+        assert a.flush_control(time.monotonic() + 10)
+        sb.wait(lambda: sb.controls)
+        assert sb.controls == [(KIND_ERROR, b"rank 0: first", 0)]
+        sb.claim = slow_claim  # the peer stops reading at the next message
+        big = _send(a, bytearray(64 << 20), tag=1)
+        time.sleep(0.2)  # its first chunk is under way and the peer's buffers fill
+        assert a.send_control(KIND_ERROR, b"rank 0: second", 0)
+        t0 = time.monotonic()
+        assert a.flush_control(t0 + 0.5) is False
+        assert time.monotonic() - t0 < 3.0
+        gate.set()
+        big.wait(20)
+        assert a.flush_control(time.monotonic() + 20)
+        sb.wait(lambda: len(sb.controls) == 2)
+        assert sb.controls[1] == (KIND_ERROR, b"rank 0: second", 0)
+        # a link that is down: False at once
+        _crash(b)
+        sa.wait(lambda: sa.failures)
+        a.send_control(KIND_ERROR, b"rank 0: third", 0)
+        t0 = time.monotonic()
+        assert a.flush_control(t0 + 5) is False and time.monotonic() - t0 < 1.0
+    finally:
+        gate.set()
+        for link in (a, b):
+            link.begin_close()
+            link.close(time.monotonic() + 1)

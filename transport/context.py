@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 
-from . import framing, metrics, rdma, rendezvous, shm, shmlink, tcp, tls
+from . import framing, ioloop, metrics, rdma, rendezvous, shm, shmlink, tcp, tls
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_PROGRESS, KIND_QUERY
 from .interfaces import listen_addresses
 from .link import LinkSink
@@ -55,6 +55,10 @@ REPORT_LINK_WAIT_S = 2.0
 #: Seconds a rank waits, when a peer's connection ends, for that peer's ERROR frame naming the
 #: rank it failed because of (it may come on another connection of the link).
 ROOT_WAIT_S = 0.2
+#: Seconds a rank that failed waits, before its user hears of it, for its ERROR frames to
+#: reach the peers (``Link.flush_control``): a rank that then exits at once must not take them
+#: with it.
+REPORT_FLUSH_S = 0.5
 
 
 def _error_payload(message: str) -> bytes:
@@ -632,9 +636,27 @@ class Context(LinkSink):
             # report with it (its peer would name it instead of p).
             payload = _error_payload(str(coll_err))
             value = self._root_value()
-            for q in self.peers.values():
-                if q is not p and q.failure is None:
-                    self._control_to(q, KIND_ERROR, payload, value)
+            told = [q for q in self.peers.values()
+                    if q is not p and q.failure is None
+                    and self._control_to(q, KIND_ERROR, payload, value)]
+            if told and ioloop.on_a_loop():
+                # Those frames must be out before anyone here hears of the failure, and this
+                # thread (an I/O loop) may be the one that writes them: the rest elsewhere.
+                threading.Thread(target=self._fail_rest, daemon=True, name="linerate-fail",
+                                 args=(told, failed, err, coll_err, break_group, closing)).start()
+                return
+            self._fail_rest(told, failed, err, coll_err, break_group, closing)
+            return
+        self._fail_rest((), failed, err, coll_err, break_group, closing)
+
+    def _fail_rest(self, told: list, failed: list, err: BaseException, coll_err: BaseException,
+                   break_group: bool, closing: bool) -> None:
+        """The end of _fail_peer: once the ERROR frames to the peers ``told`` have reached them
+        (a rank that exits at once after its own failure must not take its reports with it:
+        its peers would name it instead of the root), finish the requests ``failed`` and, for
+        a crashed peer, every collective transfer."""
+        if told:
+            self._flush_reports(told)
         # Requests taken out above must be finished whatever happens: a waiter of one that
         # is dropped here waits forever (abort() left collectives hanging so).
         if failed and not closing:
@@ -643,6 +665,16 @@ class Context(LinkSink):
             r._finish(_wrap(coll_err if r.channel == CHANNEL_COLLECTIVE else err))
         if break_group and not closing:
             self._set_broken(coll_err, only_collective=True)
+
+    def _flush_reports(self, peers) -> None:
+        """Wait (REPORT_FLUSH_S at most, in all) until the ERROR frames queued for ``peers``
+        have reached them (``Link.flush_control``)."""
+        until = time.monotonic() + REPORT_FLUSH_S
+        for q in peers:
+            link = q.link
+            if link is not None and not link.flush_control(until):
+                log.debug("rank %d: the report to rank %d may not have reached it",
+                          self.rank, q.rank)
 
     def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
         """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
@@ -705,6 +737,8 @@ class Context(LinkSink):
                 self._control_to(p, KIND_ERROR, payload, value)
         self._set_broken(TransportError(message), only_collective=True)
         self._await_links(REPORT_LINK_WAIT_S)
+        if not ioloop.on_a_loop():
+            self._flush_reports([p for p in self.peers.values() if p.failure is None])
 
     # ------------------------------------------------------------------ the root cause
     def note_root(self, root: int, text: str) -> tuple[int, str]:

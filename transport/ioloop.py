@@ -184,6 +184,11 @@ POOL = _Pool()
 atexit.register(POOL.stop)
 
 
+def on_a_loop() -> bool:
+    """Whether the calling thread is one of the pool's I/O loops."""
+    return any(lp.in_loop() for lp in POOL._loops)
+
+
 def _after_fork_in_child() -> None:
     # The loops' threads do not exist in a forked child: a group it makes starts its own.
     global POOL

@@ -28,6 +28,14 @@ Verbs (all non-blocking; none waits for the peer)
         An urgent control frame (``framing.KIND_ERROR`` with UTF-8 text of at most
         ``framing.MAX_ERROR_BYTES``, ``KIND_QUERY``, ``KIND_PROGRESS`` with ``value``): ahead
         of every queued message. False when the link is down.
+    ``flush_control(until) -> bool``
+        The one verb that blocks (until the monotonic time ``until`` at most): wait until
+        every control frame queued so far has reached the peer's side, where it stays readable
+        if this process exits at once (written and acknowledged by the peer's kernel, or
+        written into the shared segment). A rank that fails calls it before its user hears of
+        the failure, so that its ERROR frames outlive it. True when they have; False on
+        timeout or when the link is down. Safe from any thread, the link's own included (a
+        link whose frames a thread of its own writes drives them itself there).
     ``cancel(match=None, underway=True) -> list[Request]``
         Take the queued sends (``match(req)`` true, or all) out of the queue, and with
         ``underway`` also the sends whose chunks are on the wire but not all sent: the link
@@ -93,6 +101,8 @@ import fcntl
 import logging
 import socket
 import struct
+import sys
+import termios
 import threading
 import time
 import zlib
@@ -177,6 +187,9 @@ class Link(abc.ABC):
     def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool: ...
 
     @abc.abstractmethod
+    def flush_control(self, until: float) -> bool: ...
+
+    @abc.abstractmethod
     def cancel(self, match=None, underway: bool = True) -> list: ...
 
     @abc.abstractmethod
@@ -202,6 +215,11 @@ class Link(abc.ABC):
         wait for the garbage collector, and with it the owner's buffers); whatever a thread of
         the link still delivers is dropped (``DETACHED``)."""
         self._sink = DETACHED
+
+
+#: flush_control gives up on a peer that has acknowledged nothing for this long while data
+#: to it is outstanding.
+FLUSH_GIVE_UP_S = 0.2
 
 
 # ----------------------------------------------------------------------------- streams
@@ -270,6 +288,8 @@ class StreamLink(Link):
         self._down: str | None = None   # "failed" or "closed"
         self._closes_seen = 0
         self._messages_sent = 0
+        #: Control frames queued or being written (guarded by _cond; flush_control waits for 0).
+        self._ctl_left = 0
         self._sink: LinkSink | None = None
         self._threads: list[threading.Thread] = []
         self._scratch = threading.local()
@@ -307,6 +327,7 @@ class StreamLink(Link):
             if self._down is not None:
                 return False
             self._queue.appendleft((kind, payload, value))
+            self._ctl_left += 1
             self._cond.notify()
         return True
 
@@ -314,6 +335,7 @@ class StreamLink(Link):
         with self._cond:
             if match is None:
                 out = [r for r in self._queue if isinstance(r, Request)]
+                self._ctl_left -= len(self._queue) - len(out)  # control frames dropped too
                 self._queue.clear()
             else:
                 out = [r for r in self._queue if isinstance(r, Request) and match(r)]
@@ -379,6 +401,26 @@ class StreamLink(Link):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+
+    def flush_control(self, until: float) -> bool:
+        # Polls (a failure path, rare): written by a sender, then acknowledged by the peer's
+        # kernel. A peer that has acknowledged nothing for a while (its host or link down)
+        # would not get the frames in time anyway: given up on at once.
+        while True:
+            with self._cond:
+                if self._down is not None:
+                    return False
+                written = self._ctl_left <= 0
+            if written and not any(_unsent(st.sock) for st in self._streams):
+                return True
+            if time.monotonic() >= until or self.unacknowledged_s() > FLUSH_GIVE_UP_S:
+                return False
+            time.sleep(0.001)
+
+    def _control_written(self) -> None:
+        """A sender wrote a control frame (in full)."""
+        with self._cond:
+            self._ctl_left -= 1
 
     def wait_sent(self, until: float) -> None:
         self._join("linerate-send", until)
@@ -451,6 +493,7 @@ class StreamLink(Link):
                             cond.notify()  # more chunks: another stream takes the next
                 if req is None:
                     sock.sendall(pack(kind, 0, 0, len(payload), ctag, 0, len(payload), 0, 0) + payload)
+                    self._control_written()
                     continue
                 if req.error is not None or buf is None:
                     continue  # failed while queued: drop the rest
@@ -569,6 +612,16 @@ class StreamLink(Link):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _unsent(sock) -> int:
+    """Bytes a socket's kernel holds that its peer has not acknowledged (TIOCOUTQ); 0 for what
+    is not a socket or is closed."""
+    try:
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError, TypeError, ValueError):
+        return 0
+    return int.from_bytes(out, sys.byteorder, signed=True)
+
+
 def enqueue(q: collections.deque, item, priority: int) -> None:
     """Queue ``item`` behind the last queued message at least as urgent (a lower ``priority``
     is more urgent; control frames, tuples without one, stay first). Every link's send

@@ -182,10 +182,17 @@ class SharedStreamLink(StreamLink):
             if self._down is not None:
                 return False
             self._queue.appendleft((kind, payload, value))
+            self._ctl_left += 1
             st = self._claim_idle()
         if st is not None:
             self._direct(st)
         return True
+
+    def flush_control(self, until: float) -> bool:
+        if any(st.loop.in_loop() for st in self._streams):
+            # On a loop that writes this link's frames: waiting here would stop them.
+            return False
+        return super().flush_control(until)
 
     def begin_close(self) -> None:
         with self._cond:
@@ -320,6 +327,8 @@ class SharedStreamLink(StreamLink):
             if req is not None:
                 self._chunk_done(st, req, n)
                 req = None
+            else:
+                self._control_written()
             with self._cond:
                 if self._queue or self._closing or st.closed or st.released:
                     st.loop.call_soon(st.pump)
@@ -438,6 +447,8 @@ class SharedStreamLink(StreamLink):
             if req is not None:
                 self._chunk_done(st, req, n)
                 req = None
+            else:
+                self._control_written()
             budget -= 1
             if budget == 0:  # let the loop serve the others; come back soon
                 st.loop.call_soon(st.pump)

@@ -54,7 +54,7 @@ import numpy as np
 
 from . import shm
 from .framing import HEADER, HEADER_SIZE, KIND_CLOSE, KIND_DATA, KIND_ERROR, FrameError, unpack_header
-from .link import Link, LinkSink, enqueue
+from .link import FLUSH_GIVE_UP_S, Link, LinkSink, enqueue
 from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
@@ -590,6 +590,22 @@ class ShmLink(Link):
             moved = self._push(finished)
         self._after_push(moved, finished)
         return True
+
+    def flush_control(self, until: float) -> bool:
+        # A frame in the ring stays readable after this process exits: push what the ring
+        # takes (here, not waiting for the progress thread, which may be the caller).
+        while True:
+            with self._lock:
+                if self._down is not None:
+                    return False
+                if not any(isinstance(item, tuple) for item in self._queue):
+                    return True
+                finished: list = []
+                moved = self._push(finished)
+            self._after_push(moved, finished)
+            if time.monotonic() >= until or self.unacknowledged_s() > FLUSH_GIVE_UP_S:
+                return False  # (a peer that reads nothing would not get it in time)
+            time.sleep(0.001)
 
     def cancel(self, match=None, underway: bool = True) -> list:
         with self._lock:
