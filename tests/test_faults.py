@@ -66,7 +66,22 @@ def note(name, **kw):
 
 
 def kill_self_after(nbytes, key):
-    """SIGKILL this rank once nbytes more have been sent/received: surely inside the op."""
+    """SIGKILL this rank once nbytes more have been sent/received: surely inside the op.
+    Received: in the receive thread that delivers the bytes (a watching thread that a loaded
+    host leaves unscheduled could fire only after the op completed)."""
+    if key == "received_bytes":
+        from linerate.transport.context import Context
+        orig, got = Context.filled, [0]
+
+        def filled(self, link, target, channel, tag, msgno, length):
+            orig(self, link, target, channel, tag, msgno, length)
+            got[0] += length
+            if got[0] >= nbytes:
+                note("killed", at=time.time(), moved=got[0])
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Context.filled = filled
+        return
     pg = dist.distributed_c10d._get_default_group()
     base = sum(c[key] for c in pg.connection_stats())
 
