@@ -251,7 +251,9 @@ SETUPS = [
           "timed alone after a barrier; the median over 1,000 calls of the slowest rank's "
           "time. One host: shared memory, and TCP on loopback (`LINERATE_SHM=0`). Open MPI "
           "(mpi4py, shared-memory transport) is measured in the same run where it is "
-          "installed, as the reference for a compiled backend.",
+          "installed, as the reference for a compiled backend. On a 2-core machine these "
+          "medians swing by up to 2x between runs of the same code (the host's other load): "
+          "compare the rows of one table, measured in one run.",
           [(_dev("latency_bench", "--nproc", "2", "--iters", "1000", "--json", "{out}"), {}),
            (_dev("latency_bench", "--nproc", "4", "--iters", "1000", "--json", "{out}"), {}),
            (_dev("latency_bench", "--nproc", "2", "--iters", "1000", "--mpi", "off",
