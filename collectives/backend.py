@@ -35,7 +35,7 @@ from .stage import Stage
 from .validate import Checks
 from .options import Options
 from .reduce_ops import RedOpType, finish_avg, op_name, op_type
-from .work import Work
+from .work import Work, call_on_wait
 
 log = logging.getLogger("linerate")
 
@@ -560,7 +560,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             self._chain = fusion.chain_digest(self._chain, seq, desc)
             work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         [tensor], stage.devices)
-            work._on_wait = self._sched.expedite
+            call_on_wait(work, self._sched.expedite)
             self._life.queued(what, seq, desc)
             entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
                                  self._chain)

@@ -20,6 +20,7 @@ from linerate.transport import TransportError, metrics
 
 from . import stats
 from .comm import Comm, OpTimeout
+from .work import complete, complete_many
 
 log = logging.getLogger("linerate")
 
@@ -160,13 +161,13 @@ class Lifecycle:
             for h in self.hooks:
                 if type(h) is not MetricsHook:
                     h.completed(op, algo, seconds, nbytes)
-            op.work._complete()
+            complete(op.work)
         else:
             for op in ops:
                 for h in self.hooks:
                     if type(h) is not MetricsHook:
                         h.completed(op, algo, seconds, nbytes)
-            type(ops[0].work)._complete_many([op.work for op in ops])
+            complete_many([op.work for op in ops])
         # The metrics last: after the Works completed (on the worker: off the caller's path).
         for h in self.hooks:
             if type(h) is MetricsHook:
@@ -193,9 +194,9 @@ class Lifecycle:
         elif seq_text is not None:
             e = self.annotate(e, head.name, seq_text, desc or "")
         if len(ops) == 1:
-            head.work._complete(e)
+            complete(head.work, e)
         else:
-            type(head.work)._complete_many([op.work for op in ops], e)
+            complete_many([op.work for op in ops], e)
 
     def report(self, e: BaseException, name: str, seq, named: tuple = ()) -> None:
         """Tell the peers why this rank's op failed (a peer's own failure they know of)."""

@@ -7,7 +7,7 @@ from linerate.transport import CHANNEL_P2P
 from .comm import byte_view
 from .stage import Stage
 from .validate import desc
-from .work import Work
+from .work import Work, complete
 
 
 class PointToPoint:
@@ -22,9 +22,9 @@ class PointToPoint:
                 try:
                     stage.finish()
                 except BaseException as e:  # noqa: BLE001 - reported through the Work
-                    work._complete(e, r.peer if r.peer is not None else -1)
+                    complete(work, e, r.peer if r.peer is not None else -1)
                     return
-            work._complete(r.error, r.peer if r.peer is not None else -1)
+            complete(work, r.error, r.peer if r.peer is not None else -1)
 
         req.add_done_callback(done)
         return work

@@ -203,3 +203,21 @@ class Work(dist._Work):
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"
         return f"<linerate Work {self._desc} {state}>"
+
+
+# -- the communication side's verbs: what the group, its lifecycle and point-to-point call (a
+# Work's user sees torch's Work API only)
+def complete(work: Work, exc: BaseException | None = None, source_rank: int = -1) -> None:
+    """Complete ``work``: successfully, or failed with ``exc`` (``source_rank``: whom a
+    receive got its message from)."""
+    work._complete(exc, source_rank)
+
+
+def complete_many(works: list[Work], exc: BaseException | None = None) -> None:
+    """Complete the Works of a fused op, their futures in one job."""
+    Work._complete_many(works, exc)
+
+
+def call_on_wait(work: Work, fn) -> None:
+    """Call ``fn()`` when someone starts waiting for ``work``'s result (before it completed)."""
+    work._on_wait = fn

@@ -888,7 +888,8 @@ class Context(LinkSink):
         collectives moved with it through the shared segment (``segment_bytes_sent`` /
         ``_received`` say how many of them: collectives/shm_algos.py Engine.traffic)."""
         peers = []
-        traffic = getattr(self.shm, "traffic", None)
+        seg = self.shm
+        traffic = seg.traffic if seg is not None else None
         moved = traffic() if traffic is not None else {}
         for p in self.peers.values():
             links = [p.link.stats()] if p.link is not None else []

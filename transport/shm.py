@@ -483,6 +483,10 @@ class Segment:
         #: Called by close(): users of the segment drop their views of it there, so that the
         #: mapping goes with the group, not whenever the last view is collected.
         self.on_close: list = []
+        #: What the collectives moved through the segment: a callable returning
+        #: {peer's group rank: (bytes sent to it, bytes received from it)}, set by whoever moves
+        #: them (collectives/shm_algos.py Engine), read by Context.stats; None: nothing counted.
+        self.traffic = None
         self._cause_lock = threading.Lock()
 
     # ------------------------------------------------------------------ cause records
