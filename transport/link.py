@@ -15,7 +15,7 @@ Properties
     ``speed_bps``   the line rate in bits per second, or None when unknown.
     ``nstreams``    how many connections (queue pairs) the link stripes over.
 
-Verbs (all non-blocking; none waits for the peer)
+Verbs (all non-blocking but ``flush_control``; none waits for the peer's process)
     ``start(sink)``
         Begin delivering what arrives to ``sink`` (a ``LinkSink``); called once.
     ``isend(req) -> bool``
@@ -34,8 +34,9 @@ Verbs (all non-blocking; none waits for the peer)
         if this process exits at once (written and acknowledged by the peer's kernel, or
         written into the shared segment). A rank that fails calls it before its user hears of
         the failure, so that its ERROR frames outlive it. True when they have; False on
-        timeout or when the link is down. Safe from any thread, the link's own included (a
-        link whose frames a thread of its own writes drives them itself there).
+        timeout or when the link is down. From a thread that writes this link's frames it
+        cannot wait for them: a link returns False there at once, or writes them itself (the
+        Context calls it from another thread where a sink callback runs on an I/O loop).
     ``cancel(match=None, underway=True) -> list[Request]``
         Take the queued sends (``match(req)`` true, or all) out of the queue, and with
         ``underway`` also the sends whose chunks are on the wire but not all sent: the link
