@@ -89,8 +89,8 @@ POLL_S = 0.005
 SPIN_S = 100e-6
 #: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
 #: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
-#: sleeps. Sleeping at once there costs a futex wake-up per wait on each side: 4 ranks on 2
-#: cores, 4 KB all_reduce 423-505 -> 317-322 µs, barrier 263 -> 120-125 µs.
+#: sleeps: sleeping at once there costs a futex wake-up per wait on each side
+#: (docs/performance.md, small operations at 4 ranks).
 YIELD_S = 200e-6
 #: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
 #: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up (where there are
