@@ -117,22 +117,21 @@ def test_torchrun_restart_recovers(tmp_path, rdzv):
     script.write_text(_RESTART)
     # One restart per rendezvous kind in every CI run (each run costs the suite seconds of
     # CPU; more runs add time, not coverage).
-    for run in range(1):
-        out = tmp_path / f"run{run}"
-        out.mkdir()
-        port = free_port()
-        args = [str(TORCHRUN), "--nproc-per-node", "3", "--max-restarts", "2"]
-        args += (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-                 if rdzv == "c10d" else ["--master-port", str(port)])
-        t0 = time.monotonic()
-        p = subprocess.run(args + [str(script)], env=_env({"OUT": str(out)}), cwd=tmp_path,
-                           capture_output=True, text=True, timeout=90)
-        took = time.monotonic() - t0
-        assert p.returncode == 0, f"run {run}: torchrun exited {p.returncode}:\n{p.stderr[-4000:]}"
-        got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
-        assert all(g["attempt"] == 1 for g in got), got
-        assert got[0]["params"] == got[1]["params"] == got[2]["params"]
-        assert took < 60, f"run {run} took {took:.1f}s"
+    out = tmp_path / "run"
+    out.mkdir()
+    port = free_port()
+    args = [str(TORCHRUN), "--nproc-per-node", "3", "--max-restarts", "2"]
+    args += (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+             if rdzv == "c10d" else ["--master-port", str(port)])
+    t0 = time.monotonic()
+    p = subprocess.run(args + [str(script)], env=_env({"OUT": str(out)}), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, f"torchrun exited {p.returncode}:\n{p.stderr[-4000:]}"
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(g["attempt"] == 1 for g in got), got
+    assert got[0]["params"] == got[1]["params"] == got[2]["params"]
+    assert took < 60, f"the run took {took:.1f}s"
 
 
 # ----------------------------------------------------------------------------- 3: set-up

@@ -639,15 +639,15 @@ class Context(LinkSink):
             told = [q for q in self.peers.values()
                     if q is not p and q.failure is None
                     and self._control_to(q, KIND_ERROR, payload, value)]
-            if told and ioloop.on_a_loop():
-                # Those frames must be out before anyone here hears of the failure, and this
-                # thread (an I/O loop) may be the one that writes them: the rest elsewhere.
-                threading.Thread(target=self._fail_rest, daemon=True, name="linerate-fail",
-                                 args=(told, failed, err, coll_err, break_group, closing)).start()
-                return
+        else:
+            told = []
+        if told and ioloop.on_a_loop():
+            # Those frames must be out before anyone here hears of the failure, and this
+            # thread (an I/O loop) may be the one that writes them: the rest elsewhere.
+            threading.Thread(target=self._fail_rest, daemon=True, name="linerate-fail",
+                             args=(told, failed, err, coll_err, break_group, closing)).start()
+        else:
             self._fail_rest(told, failed, err, coll_err, break_group, closing)
-            return
-        self._fail_rest((), failed, err, coll_err, break_group, closing)
 
     def _fail_rest(self, told: list, failed: list, err: BaseException, coll_err: BaseException,
                    break_group: bool, closing: bool) -> None:
@@ -732,13 +732,12 @@ class Context(LinkSink):
         self.note_root(root, message)
         payload = _error_payload(message)
         value = self._root_value()
-        for p in self.peers.values():  # before anyone here hears of it (see _fail_peer)
-            if p.failure is None:
-                self._control_to(p, KIND_ERROR, payload, value)
+        told = [p for p in self.peers.values()  # before anyone here hears of it (_fail_peer)
+                if p.failure is None and self._control_to(p, KIND_ERROR, payload, value)]
         self._set_broken(TransportError(message), only_collective=True)
         self._await_links(REPORT_LINK_WAIT_S)
         if not ioloop.on_a_loop():
-            self._flush_reports([p for p in self.peers.values() if p.failure is None])
+            self._flush_reports(told)
 
     # ------------------------------------------------------------------ the root cause
     def note_root(self, root: int, text: str) -> tuple[int, str]:
