@@ -318,6 +318,50 @@ def test_setup_failure_named_on_every_rank_when_the_store_host_exits_at_once(tmp
         assert not bad, f"run {run}: " + "\n".join(bad)
 
 
+_STORE_HOST = r"""
+import datetime, sys, time
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_store_lost_during_setup_is_named():
+    """A rank still setting a group up when the process hosting the Store exits (its user
+    quit after the others' failure, as a script's ``os._exit`` does) raises within seconds an
+    error that says the Store stopped answering and where the cause lies, not torch's bare
+    network error."""
+    import datetime
+    import subprocess
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from linerate.transport import Context, TransportError, TransportOptions
+
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(host.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, None, False,
+                              timeout=datetime.timedelta(seconds=30))
+        threading.Timer(0.5, host.kill).start()  # rank 1 waits for rank 0's settings meanwhile
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as err:
+            Context(store, 1, 2, TransportOptions(socket_ifname="lo", connect_timeout=30,
+                                                  shm="0"))
+        assert time.monotonic() - t0 < 10
+        text = str(err.value)
+        assert text.startswith("rank 1: the Store stopped answering during group set-up"), text
+        assert "probably exited after failing" in text, text
+    finally:
+        host.kill()
+        host.wait()
+
+
 # ----------------------------------------------------------------------------- by hand
 def _main(argv: list[str]) -> None:
     import tempfile

@@ -558,6 +558,9 @@ for w in ws:
 print("CH", rank, json.dumps({"fails": fails[:10], "chained": chained, "errs": errs,
                               "secs": time.monotonic() - t0, "pipe": pipe,
                               "streams": streams}), flush=True)
+# Rank 0's process hosts the Store: it stays until every rank is through (a rank still
+# setting the group up when the others failed would otherwise lose the Store)
+dist.barrier(group=gloo)
 os._exit(0)  # the broken group: no orderly teardown needed
 '''
 

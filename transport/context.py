@@ -182,6 +182,9 @@ class Context(LinkSink):
         try:
             self._build_mesh_on(rv, deadline)
         except BaseException as e:
+            if rendezvous.store_lost(e):  # torch's words name no rank nor cause
+                self._discard_links()
+                raise rv.lost(e) from None
             if not isinstance(e, rendezvous.PeerSetupFailed):
                 text = str(e)  # most set-up errors name this rank already
                 rv.report(text if text.startswith(f"rank {self.rank}: ") else

@@ -90,10 +90,15 @@ class Rendezvous:
         try:
             return bool(self._store.check(keys))
         except RuntimeError as e:  # torch's DistNetworkError and kin
-            raise TransportError(
-                f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
-                f"process hosting it (MASTER_ADDR:MASTER_PORT, rank 0 unless torchrun's agent "
-                f"hosts it) probably exited after failing: its error says why") from None
+            raise self.lost(e) from None
+
+    def lost(self, e: BaseException) -> TransportError:
+        """The error of a rank whose Store stopped answering during set-up (``e``: what the
+        Store raised): the cause lies with the process that hosted it."""
+        return TransportError(
+            f"rank {self._rank}: the Store stopped answering during group set-up ({e}); the "
+            f"process hosting it (MASTER_ADDR:MASTER_PORT, rank 0 unless torchrun's agent "
+            f"hosts it) probably exited after failing: its error says why")
 
     def _fail_key(self) -> str:
         return f"{self.prefix}setup_failed/{self.generation}"
@@ -263,6 +268,14 @@ class Rendezvous:
 _NATIVE_STORES = {("torch._C._distributed_c10d", n) for n in ("TCPStore", "FileStore", "HashStore")}
 _NATIVE_PREFIX = {("torch._C._distributed_c10d", "PrefixStore"),
                   ("torch.distributed.distributed_c10d", "PrefixStore")}
+
+
+def store_lost(e: BaseException) -> bool:
+    """Whether ``e``, raised by a Store call, says the Store's server went away (the connection
+    was reset or closed: torch's DistNetworkError), not that a key or the Store's own timeout
+    is at fault."""
+    return isinstance(e, ConnectionError) or any(
+        c.__name__ == "DistNetworkError" for c in type(e).__mro__)
 
 
 def _native(store) -> bool:
@@ -499,6 +512,6 @@ def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
     return {p: "shm" if p in local else kind for p in range(size) if p != rank}
 
 
-__all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "hosts_store", "agreed_settings",
-           "check_agreement", "parse_addresses", "agree_transport", "choose_links", "store_get",
-           "multi_get", "multi_set"]
+__all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "hosts_store", "store_lost",
+           "agreed_settings", "check_agreement", "parse_addresses", "agree_transport",
+           "choose_links", "store_get", "multi_get", "multi_set"]
