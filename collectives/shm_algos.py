@@ -97,6 +97,9 @@ YIELD_S = 200e-6
 #: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
 #: all_reduce's CPU on many ranks. A rank that died is still noticed within this plus POLL_S.
 LIVE_S = 0.02
+#: Seconds a rank that finds a peer past the current op without it (``_left_unfinished``)
+#: waits for word that the peer failed before it names a sequence mismatch.
+LEFT_WAIT_S = 0.2
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
@@ -540,8 +543,7 @@ class Engine:
                                "collectives or passed other arguments (dtype, size, reduce op or "
                                "root)")
             elif seq > comm.seq and int(ctrl[q, _PROG]) < t:
-                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
-                               "different sequences of collectives")
+                self._left_unfinished(q, seq)
             ready = ready and seq >= comm.seq
         if ready and _ready(ctrl[:, _PROG], t, who):
             self._checked = True
@@ -560,6 +562,27 @@ class Engine:
             return "another op"
         row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
         return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
+
+    def _left_unfinished(self, q: int, seq: int) -> None:
+        """Peer q is in op #seq, past this one, without this op's tick: it failed this op
+        (chained ops: the next one's first phase had begun) or it called another sequence of
+        collectives. A peer that failed records why before it moves on (its cause record, its
+        ERROR frame): raise naming the group's root cause, which this rank may learn a moment
+        later (up to ``LEFT_WAIT_S``), and the sequence mismatch only where nothing failed."""
+        comm = self.comm
+        ctx = comm.ctx
+        peer = self.gr[q]
+        deadline = time.monotonic() + LEFT_WAIT_S
+        while ctx.cause_of(peer) is None and ctx.root_cause() is None:
+            if time.monotonic() >= deadline:
+                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
+                               "different sequences of collectives")
+            time.sleep(POLL_S)
+        prefix = f"rank {self.me}: {comm.desc}"
+        cause = ctx.cause_of(peer)
+        said = f": {cause[1]}" if cause is not None and cause[0] == peer else ""
+        raise ctx.lost(peer, f"{prefix}: rank {peer} left it unfinished for #{seq}, having "
+                             f"failed{said}{ctx.where()}", prefix)
 
     def _mismatch(self, q: int, what: str, why: str) -> None:
         comm = self.comm

@@ -595,3 +595,6 @@ def test_chained_all_reduces_match_gloo(pipeline, lab_name, tmp_path):
         assert o["errs"], f"rank {rank} completed the differing calls"
         assert o["secs"] < 15, o
         assert any("all_reduce" in e for e in o["errs"]), o["errs"]
+        # the first error names the root cause, the size that differs, on every rank (a rank
+        # that left the failed op for the next one is not taken for a sequence mismatch)
+        assert "float32[400008]" in o["errs"][0], o["errs"]
