@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import BYTES_PER_RANK, cma_read, pidns, watchable_pid
+from linerate.transport.shm import (BYTES_PER_RANK, cma_read, pidns, usable_cores,
+                                     watchable_pid)
 
 from .comm import Comm, OpTimeout
 from .reduce_ops import RedOpType, finish_avg
@@ -217,9 +218,9 @@ class Engine:
         self.ctrl = seg.ctrl
         self.prog = seg.ctrl[:, _PROG]
         self.want = seg.ctrl[:, _WANT]
-        # More ranks than cores: a spinning rank takes the core a rank it waits for needs
-        # (it yields instead: wait()).
-        self.spin = SPIN_S if P <= len(os.sched_getaffinity(0)) else 0.0
+        # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
+        # rank takes the core a rank it waits for needs (it yields instead: wait()).
+        self.spin = SPIN_S if P <= usable_cores() else 0.0
         self.tick = 0
         self.base = 0
         nareas = 2 * P + 2

@@ -303,6 +303,44 @@ def _one_rank(rank, P, lr):
 
 
 @pytest.mark.timeout(120)
+def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):
+    """A container limited by a CPU quota rather than a cpuset: the cores a rank counts (to
+    decide whether waiting ranks may spin) are bounded by the smallest quota of its cgroup and
+    those above it, rounded up; no quota, or none readable: the affinity alone."""
+    from linerate.transport.shm import cgroup_cpu_quota, usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+
+    def tree(proc_lines, files):
+        root = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        root.mkdir(exist_ok=True)
+        (root / "cgroup").write_text("".join(line + "\n" for line in proc_lines))
+        return str(root / "cgroup"), str(root / "fs")
+
+    # v2: the quota of a cgroup above this one (1.5 cores) bounds it; "max" means none
+    paths = tree(["0::/job/rank"], {"fs/cpu.max": "max 100000\n",
+                                    "fs/job/cpu.max": "150000 100000\n",
+                                    "fs/job/rank/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(*paths) == 1.5
+    assert usable_cores(*paths) == min(affinity, 2)
+    # v1 (cpu,cpuacct): -1 is no quota; 50 ms per 100 ms is half a core: still one
+    paths = tree(["4:memory:/x", "2:cpu,cpuacct:/pod/c"],
+                 {"fs/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                  "fs/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+                  "fs/cpu,cpuacct/pod/c/cpu.cfs_quota_us": "50000\n",
+                  "fs/cpu,cpuacct/pod/c/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(*paths) == 0.5
+    assert usable_cores(*paths) == 1
+    # none set, or nothing readable: the affinity
+    paths = tree(["0::/"], {"fs/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(*paths) is None and usable_cores(*paths) == affinity
+    assert usable_cores(str(tmp_path / "absent"), str(tmp_path)) == affinity
+    assert 1 <= usable_cores() <= affinity  # this machine's own
+
+
 def test_one_rank_has_no_segment():
     assert run_ranks(_one_rank, 1, timeout=90) == [(True, [0.0, 1.0, 2.0, 3.0, 4.0])]
 

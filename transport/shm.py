@@ -46,6 +46,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import mmap
 import os
 import platform
@@ -183,6 +184,97 @@ class PidWatch:
                     pass
             self._fds.clear()
             self._pid_of.clear()
+
+
+def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
+                 cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may keep busy: its CPU affinity, bounded by the CPU quota of its
+    cgroup or of a cgroup above it (a container limited by ``cpu.max``, or v1's
+    ``cpu.cfs_quota_us``, rather than by a cpuset sees every core of the host in its
+    affinity, and a rank that spun as if it had them would burn the quota). Read once per
+    process (``_CORES``) for the default paths."""
+    default = proc_cgroup == "/proc/self/cgroup" and cgroup_root == "/sys/fs/cgroup"
+    if default and _CORES:
+        return _CORES[0]
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+    if quota is not None:
+        n = max(1, min(n, math.ceil(quota)))  # 1.5 cores of quota: 2 may run at once
+    if default:
+        _CORES.append(n)
+    return n
+
+
+_CORES: list[int] = []
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup",
+                     cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """The smallest CPU quota, in cores, of this process's cgroup and those above it (cgroup
+    v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None where none is set
+    or none can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: the unified hierarchy
+            base, v2 = cgroup_root, True
+        elif "cpu" in controllers.split(","):
+            base = next((os.path.join(cgroup_root, d) for d in (controllers, "cpu", "cpu,cpuacct")
+                         if os.path.isdir(os.path.join(cgroup_root, d))), None)
+            if base is None:
+                continue
+            v2 = False
+        else:
+            continue
+        path = path.strip("/")
+        while True:  # this cgroup, then each one above it
+            d = os.path.join(base, path) if path else base
+            q = _quota_v2(d) if v2 else _quota_v1(d)
+            if q is not None:
+                found.append(q)
+            if not path:
+                break
+            path = os.path.dirname(path)
+    return min(found) if found else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _quota_v2(d: str) -> float | None:
+    words = (_read(os.path.join(d, "cpu.max")) or "").split()
+    if len(words) != 2 or words[0] == "max":
+        return None
+    try:
+        quota, period = int(words[0]), int(words[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _quota_v1(d: str) -> float | None:
+    try:
+        quota = int(_read(os.path.join(d, "cpu.cfs_quota_us")) or "-1")
+        period = int(_read(os.path.join(d, "cpu.cfs_period_us")) or "0")
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def pidns() -> int:
