@@ -266,6 +266,15 @@ class Comm:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
                               self._req_desc, slot, self.call)
 
+    def isend_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
+        """``isend`` of a byte buffer of this rank's own (no tensor to view)."""
+        return self.ctx.isend(peer, view, CHANNEL_COLLECTIVE, self.seq, self.opcode,
+                              self._req_desc, slot, self.call, self.priority)
+
+    def irecv_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
+        return self.ctx.irecv(peer, view, CHANNEL_COLLECTIVE, self.seq, self.opcode,
+                              self._req_desc, slot, self.call)
+
     def wait(self, req: Request) -> None:
         left = self.deadline - time.monotonic()
         try:
@@ -382,3 +391,9 @@ class SubComm:
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.root.irecv(self.ranks[peer], t, slot)
+
+    def isend_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
+        return self.root.isend_bytes(self.ranks[peer], view, slot)
+
+    def irecv_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
+        return self.root.irecv_bytes(self.ranks[peer], view, slot)

@@ -30,14 +30,15 @@ memory it goes through the segment: collectives/algorithms.py, "fusion agree"). 
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import time
 
+import numpy as np
 import torch
 
-
-from .reduce_ops import finish_avg, reduce_into
+from .reduce_ops import NP_DTYPES, finish_avg, fold_rows, reduce_into
 
 _AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
 #: Most entries one fused op takes (bounds the unpacking work per op).
@@ -117,21 +118,26 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
     if comm.size == 1:
         return offered, False
     carry = head.nbytes <= carry_bytes  # the same on every rank for the same call
-    size = _AGREE.size + (head.nbytes if carry else 0)
+    nb = head.nbytes if carry else 0
+    size = _AGREE.size + nb
     out = bytearray(size)
     _AGREE.pack_into(out, 0, offered, entries[offered - 1].chain)
-    if carry and head.nbytes:
-        out[_AGREE.size:] = memoryview(head.buf.reshape(-1).view(torch.uint8).numpy())
+    if nb:  # the head's bytes after the words (a contiguous CPU tensor: one memmove)
+        # (the address of a c_char in out: an array type per size would make garbage)
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(out, _AGREE.size)),
+                       head.buf.data_ptr(), nb)
+    # Byte buffers of this rank's own, sent and received as they are (no tensor views: each
+    # view costs torch calls that are much of a small op's CPU time).
+    mine = memoryview(out)
     reqs = {}
     sends = []
     base = comm.block()
-    mine = torch.frombuffer(out, dtype=torch.uint8)
     for peer in range(comm.size):
         if peer == comm.rank:
             continue
         buf = bytearray(size)
-        reqs[peer] = (buf, comm.irecv(peer, torch.frombuffer(buf, dtype=torch.uint8), base))
-        sends.append(comm.isend(peer, mine, base))
+        reqs[peer] = (buf, comm.irecv_bytes(peer, memoryview(buf), base))
+        sends.append(comm.isend_bytes(peer, mine, base))
     got = {}
     for peer, (buf, req) in reqs.items():
         comm.wait(req)
@@ -146,14 +152,20 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
                     lambda peer: who(comm, peer), who(comm, comm.rank))
     if not carry:
         return k, False
-    if head.nbytes:
+    if nb:  # every rank's part, this rank's from its own message (a copy), in rank order
         flat = head.buf.view(-1)
-        parts = [flat.clone() if r == comm.rank else
-                 torch.frombuffer(reqs[r][0], dtype=flat.dtype, offset=_AGREE.size, count=flat.numel())
-                 for r in range(comm.size)]
-        flat.copy_(parts[0])
-        for part in parts[1:]:
-            reduce_into(flat, part, head.op)
+        n = flat.numel()
+        bufs = [out if r == comm.rank else reqs[r][0] for r in range(comm.size)]
+        npdt = NP_DTYPES.get(flat.dtype)
+        if npdt is not None:
+            fold_rows(flat, [np.frombuffer(b, dtype=npdt, count=n, offset=_AGREE.size)
+                             for b in bufs], head.op, npdt)
+        else:  # float16, bfloat16
+            parts = [torch.frombuffer(b, dtype=flat.dtype, offset=_AGREE.size, count=n)
+                     for b in bufs]
+            flat.copy_(parts[0])
+            for part in parts[1:]:
+                reduce_into(flat, part, head.op)
         if avg_size != 0:
             finish_avg(flat, head.op, comm.size if avg_size is None else avg_size)
     return k, True

@@ -1,6 +1,7 @@
 """Reduction operators: which (op, dtype) pairs are valid, and the in-place kernel."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -91,3 +92,33 @@ def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
 def finish_avg(t: torch.Tensor, op: RedOpType, group_size: int) -> None:
     if op == RedOpType.AVG:
         t.div_(group_size)
+
+
+#: NumPy's dtype for the torch dtypes folded with NumPy (float16 and bfloat16 fold with torch).
+NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.complex64: np.complex64,
+             torch.complex128: np.complex128, torch.int8: np.int8, torch.uint8: np.uint8,
+             torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+             torch.bool: np.bool_}
+_NP_BINARY = {RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
+              RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
+              RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or,
+              RedOpType.BXOR: np.bitwise_xor}
+_NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
+            RedOpType.PRODUCT: np.logical_and}
+
+
+def fold_rows(out: torch.Tensor, rows, op: RedOpType, npdt) -> None:
+    """out = ((rows[0] op rows[1]) op rows[2]) ...: rank order, as collectives.direct folds,
+    with NumPy's loops (one thread, without the GIL; IEEE operations as torch's, so the bits
+    are the same). ``rows``: a 2-D array or a list of arrays of NumPy dtype ``npdt``
+    (``NP_DTYPES[out.dtype]``); ``out`` a contiguous CPU tensor of that many elements. AVG
+    accumulates as SUM (finish_avg divides)."""
+    o = out.numpy()
+    if len(rows) == 1:
+        o[...] = rows[0]
+        return
+    f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
+    with np.errstate(all="ignore"):  # overflow gives inf, as in torch and Gloo: no warning
+        f(rows[0], rows[1], out=o)
+        for i in range(2, len(rows)):
+            f(o, rows[i], out=o)

@@ -44,7 +44,7 @@ from linerate.transport.shm import (BYTES_PER_RANK, cma_read, pidns, usable_core
                                      watchable_pid)
 
 from .comm import Comm, OpTimeout
-from .reduce_ops import RedOpType, finish_avg
+from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
@@ -124,15 +124,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.complex64: np.complex64,
-       torch.complex128: np.complex128, torch.int8: np.int8, torch.uint8: np.uint8,
-       torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
-_NP_BINARY = {RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
-              RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
-              RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or,
-              RedOpType.BXOR: np.bitwise_xor}
-_NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
-            RedOpType.PRODUCT: np.logical_and}
+_NP = NP_DTYPES
 _BINARY = {RedOpType.SUM: torch.add, RedOpType.AVG: torch.add, RedOpType.PRODUCT: torch.mul,
            RedOpType.MIN: torch.minimum, RedOpType.MAX: torch.maximum}
 #: torch runs an elementwise op on its intra-op threads from this many elements on; the
@@ -149,20 +141,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
-def _fold_rows(out: torch.Tensor, rows, op, npdt) -> None:
-    """``_fold`` of NumPy rows (a 2-D array or a list of arrays, of a dtype NumPy has): rank
-    order likewise."""
-    o = out.numpy()
-    if len(rows) == 1:
-        o[...] = rows[0]
-        return
-    f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
-    with np.errstate(all="ignore"):  # overflow gives inf, as in torch and Gloo: no warning
-        f(rows[0], rows[1], out=o)
-        for i in range(2, len(rows)):
-            f(o, rows[i], out=o)
-
-
 def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
     """out = ((srcs[0] op srcs[1]) op srcs[2]) ...: rank order, as collectives.direct folds.
     NumPy's loops where NumPy has the dtype (one thread, without the GIL; IEEE operations as
@@ -172,7 +150,7 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
         return
     npdt = _NP.get(out.dtype)
     if npdt is not None:
-        _fold_rows(out, [s.numpy() for s in srcs], op, npdt)
+        fold_rows(out, [s.numpy() for s in srcs], op, npdt)
         return
     f = _BINARY[op]  # float16, bfloat16 (floating point: no bitwise ops)
     n = out.numel()
@@ -1283,7 +1261,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
         if npdt is not None and n:  # every rank's carried entry as rows of one array
             rows = np.ndarray((P, n), dtype=npdt, buffer=E.np_data,
                               offset=E.S(b, 0) * E.C + 64, strides=(E.C, es))
-            _fold_rows(flat, rows, head.op, npdt)
+            fold_rows(flat, rows, head.op, npdt)
         else:
             _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
         if avg_size != 0:
@@ -1352,7 +1330,7 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
             (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
     npdt, rows = rows
     if npdt is not None:
-        _fold_rows(flat, rows, op, npdt)
+        fold_rows(flat, rows, op, npdt)
     else:
         _fold(flat, rows, op)
     finish_avg(flat, op, P)

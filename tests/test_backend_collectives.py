@@ -656,6 +656,15 @@ def test_collectives_pipelined_ring_chain(P):
          timeout=TIMEOUT, env=PIPELINED_ENV)
 
 
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P", [2, 3])
+def test_all_reduce_over_tcp_matches_gloo(P):
+    """LINERATE_SHM=0 (every peer over TCP): the small calls take the fused path's agreement
+    round, which carries the call and folds it on arrival (collectives/fusion.py ``agree``),
+    the large ones the flat algorithms; every dtype, op and size against Gloo."""
+    _run(P, ("all_reduce",), timeout=TIMEOUT, env={"LINERATE_SHM": "0"})
+
+
 HD_ENV = {"LINERATE_ALLREDUCE_ALGO": "hd", "LINERATE_PIECE_BYTES": "4096",
           "LINERATE_SMALL_BYTES": "0"}
 
