@@ -138,7 +138,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         #: (what a fused run carries; 0: none), agree()'s fused run of one call (_lone).
         self._lone_ok = (self._shm is not None and size > 1
                          and self._algos.choose(_WORKER, "agree", 0) == "shm")
-        self._lone_max = (min(self._options.fusion_bytes, self._options.small_bytes,
+        self._lone_max = (min(self._options.fusion_bytes, self._carry_bytes("shm"),
                               self._shm.C - 64) if self._lone_ok else 0)
         self._lone_comm: Comm | None = None
         self._lone_desc: dict = {}  # (dtype, elements, op) -> the call's text
@@ -398,13 +398,13 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             comm.set_call(f"{head.desc} (fused with what follows)")
             life.begin((head,), comm)
             how = self._algos.choose(comm, "agree", 0)
+            carry = self._carry_bytes(how)
             if how == "two_level":
-                k, head_done = two_level.agree(comm, offered, len(offered),
-                                               self._options.small_bytes, self._plan,
+                k, head_done = two_level.agree(comm, offered, len(offered), carry, self._plan,
                                                self._algos.host_engine())
             else:
                 k, head_done = (shm_algos if how == "shm" else fusion).agree(
-                    comm, offered, len(offered), self._options.small_bytes)
+                    comm, offered, len(offered), carry)
             taken = offered[:k]
             if k > 1:
                 for e in taken[1:]:
@@ -434,6 +434,16 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self.fusion_stats["ops"] += 1
         life.finish(taken, comm, nbytes, comm.algorithm if len(taken) == 1 else
                     f"{comm.algorithm} (fused x{len(taken)})")
+
+    def _carry_bytes(self, how: str) -> int:
+        """Up to how many bytes the head call of a fused run travels with the agreement and
+        is reduced there (``how``: the agreement's algorithm), which is that algorithm's own
+        all_reduce: none where LINERATE_ALLREDUCE_ALGO forces another (the forced algorithm
+        then runs every call, as the table says)."""
+        algo = self._options.allreduce_algo
+        if algo in ("auto", "two_level") or (algo == "direct" and how == "direct"):
+            return self._options.small_bytes
+        return 0
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):

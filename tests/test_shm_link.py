@@ -146,19 +146,32 @@ def test_p2p_over_tcp_with_shm_off():
 
 
 def _flat_ring(rank, P, lr):
+    from linerate.collectives import flight
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(1_000_003, generator=g, dtype=torch.float64)
-    y = x.clone()
-    dist.all_reduce(x, group=lr)
-    dist.all_reduce(y)  # the default group: Gloo
-    return torch.allclose(x, y, rtol=1e-12, atol=1e-12), _kinds(lr), lr._ctx._tcp is not None
+    ok = True
+    algos = []
+    # a large call, then small synchronous ones (the fused path's agreement round would
+    # reduce them itself: the forced algorithm must run them)
+    for n, dt in ((1_000_003, torch.float64), (1024, torch.float32), (7, torch.int64)):
+        x = (torch.randn(n, generator=g, dtype=dt) if n > 1024  # small: exact in any order
+             else torch.randint(-9, 9, (n,), generator=g).to(dt))
+        y = x.clone()
+        dist.all_reduce(x, group=lr)
+        dist.all_reduce(y)  # the default group: Gloo
+        ok = ok and torch.allclose(x, y, rtol=1e-12, atol=1e-12)
+        mine = [gr for gr in flight.snapshot()["groups"] if gr["backend"] == "linerate"]
+        algos.append(mine[-1]["ops"][-1]["algorithm"])
+    return ok, _kinds(lr), lr._ctx._tcp is not None, algos
 
 
 @pytest.mark.timeout(240)
 def test_forced_ring_all_reduce_over_shm_links_matches_gloo():
+    """LINERATE_ALLREDUCE_ALGO=ring on one host: every all_reduce, small synchronous ones
+    included, runs the ring over the shared-memory links and equals Gloo's."""
     res = run_ranks(_flat_ring, 3, timeout=180, env={"LINERATE_ALLREDUCE_ALGO": "ring"})
-    for ok, kinds, tcp in res:
+    for ok, kinds, tcp, algos in res:
         assert ok and kinds == ["shm"] and not tcp, res
+        assert algos == ["ring"] * 3, algos
 
 
 def _killed_in_recv(rank, P, lr, out):
