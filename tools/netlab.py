@@ -520,6 +520,38 @@ def _pump(stream, prefix: str, out) -> None:
     stream.close()
 
 
+#: What torchrun's agent does for its workers (TORCHELASTIC_USE_AGENT_STORE=True): host the
+#: job's TCPStore in a process of its own, so that the Store outlives any rank (rank 0 exiting
+#: first, after a failure say, does not take it from the others). Run in host 0's namespace;
+#: it serves until the launcher closes its stdin or kills it.
+_STORE_AGENT = """
+import datetime, sys
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, timeout=datetime.timedelta(hours=1),
+                 wait_for_workers=False)
+sys.stdin.read()
+"""
+
+
+def _start_store(host: Host, port: int, out) -> subprocess.Popen:
+    p = subprocess.Popen(netns_argv(host, [sys.executable, "-c", _STORE_AGENT, host.addrs[0],
+                                           str(port)]),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True,  # (torch warns once per client otherwise)
+                         env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"))
+    threading.Thread(target=_pump, args=(p.stdout, "[store] ", out), daemon=True).start()
+    return p
+
+
+def _stop_store(p: subprocess.Popen) -> None:
+    try:
+        p.stdin.close()
+        p.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        p.kill()
+        p.wait()
+
+
 def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] | None = None,
               timeout: float | None = None, prefix_output: bool = True,
               ranks_per_host: str | int | list[int] | None = None) -> int:
@@ -531,7 +563,9 @@ def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] 
     ``argv`` is what follows ``python``: ``["script.py", ...]`` or ``["-m", "module", ...]``.
     Output lines are prefixed with ``[rank i]``. The first failing rank's exit code is returned
     (after the others had FAIL_GRACE_S to report); 124 on timeout, 130 on Ctrl-C. Every rank
-    runs in a session of its own and is terminated (then killed) before this returns.
+    runs in a session of its own and is terminated (then killed) before this returns. As
+    torchrun's agent does, a process of this run hosts the Store (TORCHELASTIC_USE_AGENT_STORE)
+    in host 0's namespace at MASTER_ADDR:MASTER_PORT, until every rank has ended.
     """
     layout = resolve_layout(lab, nproc, ranks_per_host)
     nproc = sum(layout)
@@ -539,11 +573,13 @@ def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] 
         raise RuntimeError(f"netlab {lab.name!r} is not up (run: linerate netlab up)")
     port = free_port_in(lab.hosts[0])
     pumps: list[threading.Thread] = []
+    base = dict(os.environ if env is None else env, TORCHELASTIC_USE_AGENT_STORE="True")
+    store = _start_store(lab.hosts[0], port, sys.stdout)  # the ranks' Store clients wait for it
 
     def start(rank: int) -> subprocess.Popen:
         host = lab.hosts[placement(layout, rank)[0]]
         p = subprocess.Popen(netns_argv(host, [sys.executable, *argv]),
-                             env=rank_env(lab, rank, nproc, port, env, layout),
+                             env=rank_env(lab, rank, nproc, port, base, layout),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         pfx = f"[rank {rank}] " if prefix_output else ""
@@ -556,7 +592,10 @@ def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] 
         for t in pumps:
             t.join(timeout=2)
 
-    return supervise(start, nproc, timeout, "netlab", cleanup=join_pumps)
+    try:
+        return supervise(start, nproc, timeout, "netlab", cleanup=join_pumps)
+    finally:
+        _stop_store(store)
 
 
 # ----------------------------------------------------------------------------- CLI
