@@ -558,8 +558,9 @@ for w in ws:
 print("CH", rank, json.dumps({"fails": fails[:10], "chained": chained, "errs": errs,
                               "secs": time.monotonic() - t0, "pipe": pipe,
                               "streams": streams}), flush=True)
-# Rank 0's process hosts the Store: it stays until every rank is through (a rank still
-# setting the group up when the others failed would otherwise lose the Store)
+# Every rank is through before any exits: where rank 0's process hosts the Store (a job
+# started by hand; netlab run hosts it apart, as torchrun does), a rank still setting the
+# group up when the others failed would otherwise lose it
 dist.barrier(group=gloo)
 os._exit(0)  # the broken group: no orderly teardown needed
 '''
