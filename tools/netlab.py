@@ -20,6 +20,7 @@ Python API for other tools: :func:`load`, :func:`run_ranks`, :func:`check_prereq
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -520,36 +521,47 @@ def _pump(stream, prefix: str, out) -> None:
     stream.close()
 
 
-#: What torchrun's agent does for its workers (TORCHELASTIC_USE_AGENT_STORE=True): host the
-#: job's TCPStore in a process of its own, so that the Store outlives any rank (rank 0 exiting
-#: first, after a failure say, does not take it from the others). Run in host 0's namespace;
-#: it serves until the launcher closes its stdin or kills it.
-_STORE_AGENT = """
-import datetime, sys
-from torch.distributed import TCPStore
-store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, timeout=datetime.timedelta(hours=1),
-                 wait_for_workers=False)
-sys.stdin.read()
-"""
+_CLONE_NEWNET = 0x40000000
 
 
-def _start_store(host: Host, port: int, out) -> subprocess.Popen:
-    p = subprocess.Popen(netns_argv(host, [sys.executable, "-c", _STORE_AGENT, host.addrs[0],
-                                           str(port)]),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True,  # (torch warns once per client otherwise)
-                         env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"))
-    threading.Thread(target=_pump, args=(p.stdout, "[store] ", out), daemon=True).start()
-    return p
+def _in_netns(host: Host, fn):
+    """``fn()`` run in ``host``'s network namespace, on a short-lived thread that enters it
+    (setns(2) moves only the calling thread; sockets made there stay in that namespace,
+    whichever thread uses them later, and threads it starts begin there)."""
+    got: dict = {}
+
+    def run() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            with open(f"/var/run/netns/{host.netns}") as ns:
+                if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into {host.netns}: {os.strerror(err)}")
+            got["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=run, name="linerate-netns")
+    t.start()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
 
 
-def _stop_store(p: subprocess.Popen) -> None:
-    try:
-        p.stdin.close()
-        p.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        p.kill()
-        p.wait()
+def _host_store(host: Host):
+    """As torchrun's agent does for its workers (TORCHELASTIC_USE_AGENT_STORE=True): the job's
+    TCPStore served by this process (which has torch loaded), on a free port of ``host``'s
+    rail-0 address, so that the Store outlives every rank (rank 0 exiting first, after a
+    failure say, does not take it from the others). Returns (the store, its port); it serves
+    until dropped."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    store = _in_netns(host, lambda: TCPStore(host.addrs[0], 0, None, True,
+                                             timeout=datetime.timedelta(seconds=60),
+                                             wait_for_workers=False))
+    return store, store.port
 
 
 def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] | None = None,
@@ -564,17 +576,16 @@ def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] 
     Output lines are prefixed with ``[rank i]``. The first failing rank's exit code is returned
     (after the others had FAIL_GRACE_S to report); 124 on timeout, 130 on Ctrl-C. Every rank
     runs in a session of its own and is terminated (then killed) before this returns. As
-    torchrun's agent does, a process of this run hosts the Store (TORCHELASTIC_USE_AGENT_STORE)
-    in host 0's namespace at MASTER_ADDR:MASTER_PORT, until every rank has ended.
+    torchrun's agent does, this process hosts the Store (TORCHELASTIC_USE_AGENT_STORE) at
+    MASTER_ADDR:MASTER_PORT, in host 0's namespace, until every rank has ended.
     """
     layout = resolve_layout(lab, nproc, ranks_per_host)
     nproc = sum(layout)
     if not is_up(lab):
         raise RuntimeError(f"netlab {lab.name!r} is not up (run: linerate netlab up)")
-    port = free_port_in(lab.hosts[0])
+    store, port = _host_store(lab.hosts[0])
     pumps: list[threading.Thread] = []
     base = dict(os.environ if env is None else env, TORCHELASTIC_USE_AGENT_STORE="True")
-    store = _start_store(lab.hosts[0], port, sys.stdout)  # the ranks' Store clients wait for it
 
     def start(rank: int) -> subprocess.Popen:
         host = lab.hosts[placement(layout, rank)[0]]
@@ -595,7 +606,7 @@ def run_ranks(lab: Lab, nproc: int | None, argv: list[str], env: dict[str, str] 
     try:
         return supervise(start, nproc, timeout, "netlab", cleanup=join_pumps)
     finally:
-        _stop_store(store)
+        del store  # the server stops
 
 
 # ----------------------------------------------------------------------------- CLI
