@@ -14,15 +14,9 @@ import json
 import socket
 import struct
 
+from linerate.transport.interfaces import read_text
+
 _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def interfaces() -> list[dict]:
@@ -49,12 +43,12 @@ def interfaces() -> list[dict]:
                 addrs.append(f"{ip}/{bin(int.from_bytes(mask, 'big')).count('1')}")
             except OSError:
                 pass
-            speed = _read(f"/sys/class/net/{name}/speed")
+            speed = read_text(f"/sys/class/net/{name}/speed")
             try:
                 mbit = int(speed) if speed is not None and int(speed) > 0 else None
             except ValueError:
                 mbit = None
-            out.append({"name": name, "state": (_read(f"/sys/class/net/{name}/operstate") or "?").upper(),
+            out.append({"name": name, "state": (read_text(f"/sys/class/net/{name}/operstate") or "?").upper(),
                         "speed_mbit": mbit, "addresses": addrs + v6.get(name, [])})
     finally:
         s.close()

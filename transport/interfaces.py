@@ -1,4 +1,5 @@
-"""Which local addresses a rank listens on and connects from (one per rail)."""
+"""Which local addresses a rank listens on and connects from (one per rail), and reading the
+host's small text files (/sys, /proc)."""
 from __future__ import annotations
 
 import fcntl
@@ -7,6 +8,16 @@ import socket
 import struct
 
 _SIOCGIFADDR = 0x8915
+
+
+def read_text(path: str) -> str | None:
+    """A small text file's content, stripped (a /sys or /proc entry); None where it cannot be
+    read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def interface_ipv4(ifname: str) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -62,6 +63,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .interfaces import read_text
 from .rendezvous import multi_get
 from .request import TransportError
 
@@ -186,16 +188,14 @@ class PidWatch:
             self._pid_of.clear()
 
 
+@functools.lru_cache(maxsize=4)
 def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
                  cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The cores this process may keep busy: its CPU affinity, bounded by the CPU quota of its
     cgroup or of a cgroup above it (a container limited by ``cpu.max``, or v1's
     ``cpu.cfs_quota_us``, rather than by a cpuset sees every core of the host in its
     affinity, and a rank that spun as if it had them would burn the quota). Read once per
-    process (``_CORES``) for the default paths."""
-    default = proc_cgroup == "/proc/self/cgroup" and cgroup_root == "/sys/fs/cgroup"
-    if default and _CORES:
-        return _CORES[0]
+    process."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -203,12 +203,7 @@ def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
     quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
     if quota is not None:
         n = max(1, min(n, math.ceil(quota)))  # 1.5 cores of quota: 2 may run at once
-    if default:
-        _CORES.append(n)
     return n
-
-
-_CORES: list[int] = []
 
 
 def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup",
@@ -249,16 +244,8 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup",
     return min(found) if found else None
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _quota_v2(d: str) -> float | None:
-    words = (_read(os.path.join(d, "cpu.max")) or "").split()
+    words = (read_text(os.path.join(d, "cpu.max")) or "").split()
     if len(words) != 2 or words[0] == "max":
         return None
     try:
@@ -270,8 +257,8 @@ def _quota_v2(d: str) -> float | None:
 
 def _quota_v1(d: str) -> float | None:
     try:
-        quota = int(_read(os.path.join(d, "cpu.cfs_quota_us")) or "-1")
-        period = int(_read(os.path.join(d, "cpu.cfs_period_us")) or "0")
+        quota = int(read_text(os.path.join(d, "cpu.cfs_quota_us")) or "-1")
+        period = int(read_text(os.path.join(d, "cpu.cfs_period_us")) or "0")
     except ValueError:
         return None
     return quota / period if quota > 0 and period > 0 else None
