@@ -3,10 +3,13 @@ are taken from the page itself (the ```python block under ``<!-- example: file N
 the ```bash block under ``<!-- example: skip: run by tests/test_frameworks.py -->`` that names
 NAME), so the page and this test cannot drift apart. Each run is 2 ranks; every script checks
 on each rank that it trained and which backend its process group has, and prints a marker line
-that the test looks for. A recipe whose framework does not import here is skipped with the
-reason (the frameworks are the optional extra ``frameworks``)."""
+that the test looks for. A recipe whose framework is not installed here is skipped with the
+reason (the frameworks are the optional extra ``frameworks``); one that is installed but does
+not import fails."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -62,15 +65,20 @@ def launch_command(name: str) -> str:
     return cmds[0]
 
 
+#: The start of the skip reason where a framework is not installed (tests/conftest.py accepts it).
+NOT_INSTALLED = "optional extra 'frameworks' not installed"
+
+
 def need(module: str) -> None:
-    """Skip unless ``module`` imports (torchvision built for CUDA beside a CPU torch makes
-    Lightning's import fail with a RuntimeError, not an ImportError)."""
+    """Skip where ``module`` is not installed (the optional extra). Installed, it must import:
+    a failure is this test's failure, not a skip (torchvision built for CUDA beside a CPU
+    torch, for one, makes Lightning's import fail with a RuntimeError)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{NOT_INSTALLED}: no {module} (pip install '.[frameworks]' torch==2.13.0)")
     try:
-        pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[frameworks]')")
-    except pytest.skip.Exception:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure to import means: cannot run here
-        pytest.skip(f"{module} does not import here: {type(e).__name__}: {e}")
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - reported as the failure it is
+        pytest.fail(f"{module} is installed but does not import: {type(e).__name__}: {e}")
 
 
 def _env(extra: dict | None = None) -> dict:

@@ -322,7 +322,7 @@ def test_link_flush_control(kind, request):
         assert a.send_control(KIND_ERROR, b"rank 0: second", 0)
         t0 = time.monotonic()
         assert a.flush_control(t0 + 0.5) is False
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 10  # at its deadline, not when the peer reads again (30 s)
         gate.set()
         big.wait(20)
         assert a.flush_control(time.monotonic() + 20)
@@ -333,7 +333,7 @@ def test_link_flush_control(kind, request):
         sa.wait(lambda: sa.failures)
         a.send_control(KIND_ERROR, b"rank 0: third", 0)
         t0 = time.monotonic()
-        assert a.flush_control(t0 + 5) is False and time.monotonic() - t0 < 1.0
+        assert a.flush_control(t0 + 5) is False and time.monotonic() - t0 < 4  # before its deadline
     finally:
         gate.set()
         for link in (a, b):

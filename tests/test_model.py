@@ -358,7 +358,7 @@ def test_topology_object_as_method():
 @pytest.mark.parametrize("n,rpn", [(8, 4), (16, 4), (12, 3), (6, 2), (8, 1), (5, 1), (32, 8)])
 def test_model_patterns_are_the_library_topologies(n, rpn):
     """The model's copy of collectives.topology: same periods, same out-peers at every step."""
-    topology = pytest.importorskip("linerate.collectives.topology")
+    from linerate.collectives import topology
     for name in model.TOPOLOGIES + ("aer-average",):
         kw = ({"ranks_per_node": rpn} if name == "aer" else
               {"ranks_per_node": rpn, "intra": "average"} if name == "aer-average" else {})
@@ -446,7 +446,7 @@ def test_two_level_and_flat_by_hand():
 def test_two_level_chunks_are_the_runtimes():
     """The model cuts the two-level all_reduce as collectives/two_level.py does: pieces of
     PIPE_BYTES, at most MAX_CHUNKS."""
-    two_level = pytest.importorskip("linerate.collectives.two_level")
+    from linerate.collectives import two_level
     pipe, most = two_level.PIPE_BYTES, two_level.MAX_CHUNKS
     assert [model.two_level_chunks(b) for b in (1, pipe, 4 * pipe, 4 * most * pipe)] == [
         1, 1, 4, most]
@@ -774,8 +774,7 @@ def test_whatif_cli_table_user_model_and_plot(capsys, tmp_path, monkeypatch):
     assert "compression 1x" in out and "t_add at 5 GB/s" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["4"])]
     assert len(rows) == 2 and all(0 < float(x) <= 1 for row in rows for x in row[1:])
-    pytest.importorskip("matplotlib")
-    assert png.stat().st_size > 1000
+    assert png.stat().st_size > 1000  # matplotlib: the test extra
     assert cli.main(["whatif", "--model", "nope"]) == 2
     assert "unknown model" in capsys.readouterr().err
 
@@ -791,18 +790,11 @@ def test_whatif_plot_without_matplotlib(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- netlab
 
-def _netlab_reason():
-    from _harness import netlab_reason
-    return netlab_reason()
-
-
+@pytest.mark.netlab  # alone on its worker (tests/conftest.py): it measures bandwidth
 @pytest.mark.timeout(240)
 def test_measure_netlab_two_tier(capsys):
     """--measure on netlab: the links, and (the CPU model is on with --netlab) the CPU costs
     with a rank on every host."""
-    reason = _netlab_reason()
-    if reason:
-        pytest.skip(f"netlab unavailable: {reason}")
     from linerate.tools import netlab
     name = f"m{uuid.uuid4().hex[:8]}"
     try:
@@ -827,13 +819,11 @@ def test_measure_netlab_two_tier(capsys):
     assert 0 < costs["pace_beside_compute"] <= 1 and costs["shared_net_s_per_byte"] >= 0
 
 
+@pytest.mark.netlab  # alone on its worker (tests/conftest.py): it measures bandwidth
 def test_measure_netlab_ranks_per_host(capsys):
     """--measure on a lab of 2 hosts x 2 ranks: the host link, loopback, latencies and every
     host's shared-memory All-Reduce at once; the model then picks between flat and two-level.
     Without --measure the lab needs --host-mem-gbs."""
-    reason = _netlab_reason()
-    if reason:
-        pytest.skip(f"netlab unavailable: {reason}")
     from linerate.tools import netlab
     name = f"m{uuid.uuid4().hex[:8]}"
     try:

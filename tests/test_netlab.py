@@ -5,6 +5,7 @@ Needs root and iproute2; skipped (with the reason) where netlab cannot work.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 needs_netlab = pytest.mark.netlab  # skipped with the reason where netlab cannot work (conftest)
 
 
-def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`linerate netlab ARGV` in a fresh interpreter (seconds to start on a loaded machine:
+    the tests' timeouts below are hang bounds with room for a few such commands)."""
     return subprocess.run([sys.executable, "-m", "linerate.tools.cli", "netlab", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -49,7 +52,7 @@ def mbit(bps: float) -> float:
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_up_status_shaping_down(lab_name):
     r = cli("up", "--hosts", "2", "--rate", "200mbit", "--name", lab_name)
     assert r.returncode == 0, r.stderr
@@ -64,10 +67,9 @@ def test_up_status_shaping_down(lab_name):
     for h in lab.hosts:
         assert h.netns in r.stdout and h.addrs[0] in r.stdout
 
-    r = cli("exec", "--name", lab_name, "h0", "ping", "-c1", "-W2", lab.hosts[1].addrs[0])
-    if r.returncode == 127 or "No such file" in r.stderr:  # no ping installed: skip that part
-        pass
-    else:
+    have_ping = shutil.which("ping") is not None
+    if have_ping:
+        r = cli("exec", "--name", lab_name, "h0", "ping", "-c1", "-W2", lab.hosts[1].addrs[0])
         assert r.returncode == 0, r.stdout + r.stderr
 
     bps = netlab.probe(lab, 0, 1, seconds=1.5)
@@ -80,10 +82,13 @@ def test_up_status_shaping_down(lab_name):
     r = cli("down", "--name", lab_name)
     assert r.returncode == 0 and "nothing to delete" in r.stdout
     assert cli("status", "--name", lab_name).returncode != 0
+    if not have_ping:  # everything else was checked
+        pytest.skip("ping is not installed, so `netlab exec ... ping` was not checked "
+                    "(tools/quickstart.sh installs it; apt-get install iputils-ping)")
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_unshaped_lab(lab_name):
     r = cli("up", "--hosts", "2", "--rate", "none", "--name", lab_name)
     assert r.returncode == 0, r.stderr
@@ -102,7 +107,7 @@ def test_unshaped_lab(lab_name):
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_down_without_state_file(lab_name):
     """down works from the namespace names alone (after a crash lost the state file)."""
     netlab.up(lab_name, hosts=2, rate="100mbit")
@@ -113,7 +118,7 @@ def test_down_without_state_file(lab_name):
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_two_rails(lab_name):
     lab = netlab.up(lab_name, hosts=2, rate="1gbit", rails=2)
     assert lab.rails == 2
@@ -136,7 +141,7 @@ def test_two_rails(lab_name):
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_two_tier(lab_name):
     r = cli("up", "--hosts", "4", "--rate", "400mbit", "--nodes", "2", "--inter-rate",
             "100mbit", "--name", lab_name)
@@ -171,7 +176,7 @@ SMOKE = textwrap.dedent("""
 
 
 @needs_netlab
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_run_linerate_all_reduce(lab_name, tmp_path):
     script = tmp_path / "smoke.py"
     script.write_text(SMOKE)
@@ -188,7 +193,7 @@ def test_run_linerate_all_reduce(lab_name, tmp_path):
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_run_propagates_failure(lab_name, tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], os.environ['GROUP_RANK'],"
@@ -204,7 +209,7 @@ def test_run_propagates_failure(lab_name, tmp_path):
 
 
 @needs_netlab
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_run_ctrl_c_stops_every_rank(lab_name):
     import signal
     import time
@@ -323,7 +328,7 @@ TWO_BY_TWO = textwrap.dedent("""
 
 
 @needs_netlab
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_two_hosts_two_ranks_each(lab_name, tmp_path):
     """netlab up --ranks-per-host 2: four ranks, two per host namespace, with torchrun's
     variables; linerate's all_reduce equals Gloo's; the ranks of one host share memory (and
@@ -366,7 +371,7 @@ def test_two_hosts_two_ranks_each(lab_name, tmp_path):
 
 
 @needs_netlab
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_bench_ranks_per_host(lab_name):
     """`linerate bench --netlab NAME --ranks-per-host 2` overrides a one-rank-per-host lab and
     prints its table for 4 ranks."""
@@ -405,7 +410,7 @@ def _envs(stdout: str) -> dict[int, list[str]]:
 
 
 @needs_netlab
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_uneven_ranks_per_host_with_rails_and_two_tiers(lab_name, tmp_path):
     """--ranks-per-host 2,1 on a two-tier lab with 2 rails: 3 ranks, two in h0 and one in h1,
     each with both rails; run --ranks-per-host and --nproc re-place them; bad lists refused."""

@@ -402,7 +402,7 @@ def _threads_after_destroy(rank, P, lr):
 
 
 _EXIT_SCRIPT = """
-import threading, torch, torch.distributed as dist
+import threading, time, torch, torch.distributed as dist
 dist.init_process_group("linerate")
 sub = dist.new_group(backend="linerate")
 for g in (dist.group.WORLD, sub):
@@ -412,10 +412,11 @@ for g in (dist.group.WORLD, sub):
     assert x[0].item() == dist.get_world_size()
 dist.destroy_process_group()
 print(sorted(t.name for t in threading.enumerate() if t.name.startswith("linerate-")))
+print("last line at", repr(time.time()), flush=True)
 """
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(330)  # a hang: 90 s for the threads check, 60 s for each of three runs
 def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean(tmp_path):
     """destroy_process_group leaves no thread that serves a group: only the shared-memory
     engine's two, idle (they linger shmlink.LINGER_S for the next group, holding nothing).
@@ -429,42 +430,50 @@ def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean(t
         assert set(names) <= {"linerate-shm-deaths", "linerate-shm-progress"}, (rank, names)
         assert ports == 0, rank
     for attempt in range(3):  # the race is at exit: a few runs
-        t0 = time.monotonic()
-        out = run_rank_scripts(tmp_path, _EXIT_SCRIPT, 3, timeout=40)
-        took = time.monotonic() - t0
+        out = run_rank_scripts(tmp_path, _EXIT_SCRIPT, 3, timeout=60)  # a hang
+        exited = time.time()
+        last = []
         for r, (code, text) in enumerate(out):
             assert code == 0, (attempt, r, code, text[-2000:])
             assert "terminate called" not in text, (attempt, r, text[-2000:])
             assert "linerate-shm-progress" in text, (attempt, r, text)  # it did linger
-        assert took < shmlink.LINGER_S, f"the ranks took {took:.1f}s to exit"
+            last.append(float(re.search(r"last line at (\S+)", text).group(1)))
+        # From each script's last line to its exit: the idle threads end at exit, not
+        # LINGER_S later (interpreter start-up and the collectives are not counted).
+        took = exited - min(last)
+        assert took < shmlink.LINGER_S, f"the ranks took {took:.1f}s from their last line to exit"
 
 
 def _thousand_groups(rank, P, lr, count):
-    names = set()
-    x = torch.ones(3)
+    """Each of ``count`` groups all_reduces its own values (exact in float32); returns the
+    segment names, the segments still mapped, and the groups whose sum was wrong."""
+    names, wrong = set(), []
     gc.disable()  # what is left mapped must not depend on when the collector runs
     try:
-        for _ in range(count):
+        for i in range(count):
             g = dist.new_group(backend="linerate")
             names.add(g._ctx.shm.name)
+            x = torch.full((3,), float((rank + 1) * (i + 1)))
             dist.all_reduce(x, group=g)
+            if not bool((x == P * (P + 1) // 2 * (i + 1)).all()):
+                wrong.append((i, x.tolist()))
             dist.destroy_process_group(g)
             del g
         with open("/proc/self/maps") as f:
             left = sum(1 for line in f if "/linerate-" in line)
     finally:
         gc.enable()
-    return sorted(names), left, x[0].item()
+    return sorted(names), left, wrong
 
 
 @pytest.mark.timeout(900)
 def test_thousand_groups_created_and_destroyed():
     count = 1000
     res = run_ranks(_thousand_groups, 2, count, timeout=850)
-    names, left, total = res[0]
+    names = res[0][0]
     assert len(names) == count and res[1][0] == names
-    assert total == 2.0 ** count or total == float("inf")
     for r in res:
+        assert r[2] == [], f"groups whose all_reduce was wrong (group, values): {r[2][:5]}"
         assert r[1] <= 2, f"{r[1]} segments still mapped in a rank after {count} groups"
     present = set(os.listdir("/dev/shm"))
     assert not present & set(names)
@@ -613,7 +622,7 @@ def test_peer_caught_beginning_its_next_op_is_still_compared():
     with pytest.raises(MismatchError, match=r"rank 1 called other arguments in #1 .*rank 0 "
                                             r"called all_reduce"):
         e0.wait(e0.tick)
-    assert 0.15 < time.monotonic() - t0 < 3
+    assert 0.15 < time.monotonic() - t0 < 10  # after rank 1's begin (0.2 s), not at a timeout
     assert c0.reported  # the other ranks are told
 
 
@@ -969,4 +978,4 @@ def test_peer_that_never_finishes_beginning_is_named_at_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(OpTimeout, match=r"ranks \[1\] never finished beginning"):
         e0.wait(e0.tick)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # the call's 0.5 s timeout ended it

@@ -118,12 +118,16 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
     from linerate.transport import metrics
 
     pg = lr._get_backend(torch.device("cpu"))
-    t = torch.ones(max(1, nbytes // 4))
-    named_at, wrong, decided = None, [], 0
+    t = torch.empty(max(1, nbytes // 4))
+    want = world * (world + 1) // 2  # every sum exact in float32
+    named_at, wrong, decided, bad_sums = None, [], 0, []
     for i in range(n):
+        t.fill_(rank + 1)
         if rank == slow:
             time.sleep(0.02)
         dist.all_reduce(t, group=lr)
+        if not bool((t == want).all()):
+            bad_sums.append(i)
         rep = pg.slow_report()
         got = rep["slowest"]
         decided = max(decided, rep["collectives"])
@@ -131,7 +135,7 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
             wrong.append((i, got))
         if named_at is None and got == slow:
             named_at = i + 1
-    assert float(t[0]) == world ** n or nbytes == 0 or n > 30
+    assert not bad_sums, f"rank {rank}: wrong all_reduce results in collectives {bad_sums[:10]}"
     exported = {}
     text = generate_latest(metrics.REGISTRY).decode()
     for fam in text_string_to_metric_families(text):
@@ -181,10 +185,14 @@ def test_a_slowed_rank_is_named_on_one_host(shm, tmp_path):
     assert f"rank {slow} entered last in" in tool.report(tool.analyze(dumps))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)  # a hang: 4 ranks' collectives crawl on a loaded 2-core machine
 def test_a_balanced_run_names_nobody():
-    results = run_ranks(_slowed, 4, -1, 2000, 1 << 20, "", timeout=100,
-                        env={"LINERATE_SLOW_LOG_S": "60"})
+    """No rank is slowed: over 600 collectives (several windows) nobody is named. A loaded
+    machine delays one rank or another by a few milliseconds at random (four ranks and other
+    work on two cores), and where one rank shares its core it is late in turn after turn:
+    LINERATE_SLOW_RANK_MS=50 counts only lateness that no scheduling delay reaches."""
+    results = run_ranks(_slowed, 4, -1, 600, 1 << 20, "", timeout=300,
+                        env={"LINERATE_SLOW_LOG_S": "60", "LINERATE_SLOW_RANK_MS": "50"})
     for r, res in enumerate(results):
         assert res["named_at"] is None and not res["wrong"], (r, res)
         assert res["decided"] >= straggler.MIN_OPS, res  # views were compared

@@ -19,7 +19,7 @@ from linerate.tools import cli, top
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_top(*argv, timeout=30):
+def run_top(*argv, timeout=120):  # a hang: starting the command alone can take seconds
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "linerate.tools.cli", "top", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -510,7 +510,7 @@ def fake_ranks():
             continue
         break
     else:
-        pytest.skip("no two consecutive free ports")
+        pytest.fail("no two consecutive free ports in 50 tries")
     try:
         yield base
     finally:
@@ -523,51 +523,62 @@ def fake_ranks():
             s.server_close()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)  # a hang: run_top's own bound is 120 s
 def test_once_json_against_fake_ranks(fake_ranks):
+    """The rates divide what a rank's counters grew by the time between its two scrapes as
+    top saw it; the fake's counters grow with the time the fake saw. The two clocks agree
+    only as far as the machine's load lets both processes run on time, so the figures are
+    checked where the clocks cancel: ratios of one rank's figures (one increase over one
+    interval) are exact, pooled figures lie between the ranks' own. Each rate's size is only
+    checked to be within 2x (units, not timing: that belongs in benchmarks)."""
     base, closed = fake_ranks, free_port()
-    p = run_top("--once", "--json", "--interval", "0.5", f"127.0.0.1:{base}-{base + 1}",
+    p = run_top("--once", "--json", "--interval", "1", f"127.0.0.1:{base}-{base + 1}",
                 f"127.0.0.1:{closed}")
     assert p.returncode == 0, p.stderr
     frame = json.loads(p.stdout)
     assert frame["up"] == 2
-    assert frame["interval_seconds"] == pytest.approx(0.5, abs=0.2)
+    assert frame["interval_seconds"] > 0
     dead = frame["endpoints"][2]
     assert not dead["up"] and dead["url"] == f"http://127.0.0.1:{closed}/metrics"
     assert dead["error"]
     assert [(e["rank"], e["host"]) for e in frame["endpoints"][:2]] == [(0, "fake0"),
                                                                         (1, "fake1")]
-    rel = 0.2  # the rates divide by the time between two scrapes as this side saw it
-    for r in (0, 1):
-        tx, rx = link(frame, r, "tx", "lo"), link(frame, r, "rx", "lo")
-        assert tx["bytes_per_second"] == pytest.approx(FakeRank.TX[r], rel=rel)
-        assert rx["bytes_per_second"] == pytest.approx(FakeRank.RX[r], rel=rel)
-    tx0 = link(frame, 0, "tx", "lo")
-    assert tx0["utilization"] == pytest.approx(100e6 / 1.25e9, rel=rel)
-    assert link(frame, 1, "tx", "lo")["utilization"] is None
+    exact = 1e-9
     [op] = frame["ops"]
     assert op["op"] == "all_reduce"
-    assert op["collectives_per_second"] == pytest.approx(FakeRank.OPS, rel=rel)
-    # one rank's ratios of deltas over the same interval: exact whatever the timing
     r0, r1 = op["per_rank"]
+    peers = {(x["rank"], x["peer"]): x for x in frame["peers"]}
+    assert set(peers) == {(0, 1), (1, 0)}  # rank 1: no retransmits but a queue
+    for r, mine in ((0, r0), (1, r1)):
+        tx, rx = link(frame, r, "tx", "lo"), link(frame, r, "rx", "lo")
+        # this rank's own clock: its tx rate; everything else of it in proportion
+        scale = tx["bytes_per_second"] / FakeRank.TX[r]
+        assert 0.5 < scale < 2, (r, scale)
+        assert rx["bytes_per_second"] == pytest.approx(FakeRank.RX[r] * scale, rel=exact)
+        assert mine["collectives_per_second"] == pytest.approx(FakeRank.OPS * scale, rel=exact)
+        if r == 0:
+            assert tx["utilization"] == pytest.approx(tx["bytes_per_second"] / 1.25e9, rel=exact)
+            assert peers[(0, 1)]["retransmits_per_second"] == pytest.approx(5.0 * scale, rel=exact)
+    assert link(frame, 1, "tx", "lo")["utilization"] is None
+    assert op["collectives_per_second"] == pytest.approx(
+        (r0["collectives_per_second"] + r1["collectives_per_second"]) / 2, rel=exact)
+    # one rank's ratios of deltas over the same interval: exact whatever the timing
     assert r0["mean_latency_seconds"] == pytest.approx(0.002, rel=1e-6)
     assert r1["mean_latency_seconds"] == pytest.approx(0.003, rel=1e-6)
     assert r0["p99_seconds"] == pytest.approx(0.0095, rel=1e-6)
-    # pooled over ranks: weighted by each rank's count in its own (slightly different) interval
-    assert op["mean_latency_seconds"] == pytest.approx(0.0025, rel=0.02)
-    assert op["p99_seconds"] == pytest.approx(0.019, rel=0.05)
+    assert r1["p99_seconds"] == pytest.approx(0.022, rel=1e-6)
+    # pooled over ranks, each weighted by its count in its own interval: between the two
+    assert 0.002 < op["mean_latency_seconds"] < 0.003
+    assert 0.0095 <= op["p99_seconds"] <= 0.022
     assert op["mean_size_bytes"] == pytest.approx(1 << 20, rel=1e-6)
     assert (op["busbw_min_bytes_per_second"], op["busbw_max_bytes_per_second"]) == (2.5e9, 3e9)
     assert frame["slowest"]["rank"] == 1
     assert frame["slowest"]["p99_seconds"] == pytest.approx(0.022, rel=1e-6)
-    peers = {(x["rank"], x["peer"]): x for x in frame["peers"]}
-    assert set(peers) == {(0, 1), (1, 0)}  # rank 1: no retransmits but a queue
-    assert peers[(0, 1)]["retransmits_per_second"] == pytest.approx(5.0, rel=rel)
     assert peers[(1, 0)]["retransmits_per_second"] == 0.0
     assert peers[(1, 0)]["send_queue_bytes"] == 4096.0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(300)  # a hang: two commands of up to 120 s each
 def test_table_frames_and_ctrl_c(fake_ranks):
     base = fake_ranks
     p = run_top("--count", "2", "--interval", "0.3", f"127.0.0.1:{base}-{base + 1}")
@@ -583,7 +594,7 @@ def test_table_frames_and_ctrl_c(fake_ranks):
         first = proc.stdout.readline()  # one frame: it is running
         assert json.loads(first)["up"] == 1
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=10)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -592,7 +603,7 @@ def test_table_frames_and_ctrl_c(fake_ranks):
     assert "Traceback" not in err
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)  # a hang: run_top's own bound is 120 s
 def test_nothing_answers_exits_1():
     p = run_top("--once", "--interval", "0.1", f"127.0.0.1:{free_port()}")
     assert p.returncode == 1
@@ -601,14 +612,6 @@ def test_nothing_answers_exits_1():
 
 
 # ----------------------------------------------------------------------------- real ranks
-def exporter_available() -> bool:
-    try:
-        import linerate.transport.metrics as m
-        return callable(m.start_exporter)
-    except Exception:
-        return False
-
-
 consecutive_free_ports = free_port_range
 
 
@@ -634,8 +637,7 @@ def _all_reduce_until_told(rank, world, lr, base, stop_file, max_s):
             return n
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(not exporter_available(), reason="transport.metrics is not there")
+@pytest.mark.timeout(280)  # a hang: the ranks stop once the frame is taken, at most after 150 s
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_once_json_against_real_linerate_ranks(tmp_path, shm):
     """TCP links (LINERATE_SHM=0, loopback) and the shared segment (interface shm, whose
@@ -649,7 +651,7 @@ def test_once_json_against_real_linerate_ranks(tmp_path, shm):
     def watch():
         try:
             urls = top.parse_endpoint(f"127.0.0.1:{base}-{base + 1}")
-            deadline = time.monotonic() + 40
+            deadline = time.monotonic() + 120
             while not all(top.scrape(u, 0.5).ok for u in urls):  # ranks still starting
                 assert time.monotonic() < deadline, "the exporters never answered"
                 time.sleep(0.2)
@@ -662,7 +664,7 @@ def test_once_json_against_real_linerate_ranks(tmp_path, shm):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    counts = run_ranks(_all_reduce_until_told, 2, base, stop_file, 40.0, timeout=50,
+    counts = run_ranks(_all_reduce_until_told, 2, base, stop_file, 150.0, timeout=200,
                        backend="linerate", env={"LINERATE_SHM": shm})
     watcher.join(timeout=10)
     assert "error" not in got, got.get("error")

@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +43,11 @@ def _env(extra: dict | None = None) -> dict:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
+
+
+#: How long a test's ranks may run: a hang bound (pyproject's pytest timeout is 300 s), generous
+#: for a loaded machine, where starting the interpreters alone takes tens of seconds.
+HANG_S = 180
 
 
 def run_ranks_script(tmp_path: Path, body: str, world: int, timeout: float,
@@ -79,7 +83,7 @@ except RuntimeError as e:   # what a training script catches to log, checkpoint 
 
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_ddp_survivors_raise_a_catchable_error(tmp_path, mode):
-    res = run_ranks_script(tmp_path, _DDP, 3, timeout=60, env={"MODE": mode})
+    res = run_ranks_script(tmp_path, _DDP, 3, timeout=HANG_S, env={"MODE": mode})
     for r in (0, 2):
         code, text = res[r]
         assert code == 3, f"rank {r} exited {code} (139/-11: the segfault):\n{text[-3000:]}"
@@ -123,26 +127,23 @@ def test_torchrun_restart_recovers(tmp_path, rdzv):
     args = [str(TORCHRUN), "--nproc-per-node", "3", "--max-restarts", "2"]
     args += (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
              if rdzv == "c10d" else ["--master-port", str(port)])
-    t0 = time.monotonic()
     p = subprocess.run(args + [str(script)], env=_env({"OUT": str(out)}), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=90)
-    took = time.monotonic() - t0
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, f"torchrun exited {p.returncode}:\n{p.stderr[-4000:]}"
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     assert all(g["attempt"] == 1 for g in got), got
     assert got[0]["params"] == got[1]["params"] == got[2]["params"]
-    assert took < 60, f"the run took {took:.1f}s"
 
 
 # ----------------------------------------------------------------------------- 3: set-up
 _SETUP = """
-t0 = time.monotonic()
+print(f"STARTED {time.time()!r}", flush=True)
 try:
     dist.init_process_group("linerate", timeout=datetime.timedelta(seconds=30))
     print("JOINED", flush=True)
     dist.barrier()
 except Exception as e:
-    print(f"FAILED {time.monotonic() - t0:.2f} {e}".replace(chr(10), " "), flush=True)
+    print(f"FAILED {time.time()!r} {e}".replace(chr(10), " "), flush=True)
     time.sleep(2)   # as a real rank would (logging, cleanup): the Store it hosts stays up
     os._exit(4)
 """
@@ -157,13 +158,18 @@ except Exception as e:
 ])
 def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(setting, mine, rank0,
                                                                       tmp_path):
-    res = run_ranks_script(tmp_path, _SETUP, 4, timeout=60,
+    res = run_ranks_script(tmp_path, _SETUP, 4, timeout=HANG_S,
                            per_rank_env={3: {setting: mine}}, env={setting: rank0})
     shown = "auto (2)" if setting == "LINERATE_NSOCKS" and rank0 == "auto" else rank0
+    # from the moment the last rank started its set-up (a loaded machine starts the four
+    # interpreters seconds apart), not from each rank's own start
+    started = max(float(re.search(r"STARTED (\S+)", text).group(1)) for _, text in res)
     for r, (code, text) in enumerate(res):
-        m = re.search(r"FAILED ([0-9.]+) (.*)", text)
+        m = re.search(r"FAILED (\S+) (.*)", text)
         assert m and code == 4, f"rank {r} ({code}):\n{text[-2000:]}"
-        assert float(m.group(1)) < 10, f"rank {r} took {m.group(1)}s"
+        took = float(m.group(1)) - started
+        assert took < 10, f"rank {r} failed {took:.1f}s after the last rank started (the " \
+                          f"set-up timeout is 30 s)"
         assert f"{setting} is {mine} here but {shown} on rank 0" in m.group(2), (r, m.group(2))
 
 
@@ -184,7 +190,7 @@ dist.destroy_process_group()
 
 
 def test_stride0_output_refused_before_sending_and_group_usable(tmp_path):
-    res = run_ranks_script(tmp_path, _STRIDE0, 2, timeout=60, env={"LINERATE_SHM": "0"})
+    res = run_ranks_script(tmp_path, _STRIDE0, 2, timeout=HANG_S, env={"LINERATE_SHM": "0"})
     for r, (code, text) in enumerate(res):
         assert code == 0, text[-3000:]
         assert f"REFUSED rank {r}: all_reduce: the output tensor float32[4] has elements that " \
@@ -209,7 +215,7 @@ except Exception as e:
 
 @pytest.mark.parametrize("shm", ["0", "auto"])
 def test_timeout_names_the_rank_that_never_entered(tmp_path, shm):
-    res = run_ranks_script(tmp_path, _BLAME, 4, timeout=60, env={"LINERATE_SHM": shm})
+    res = run_ranks_script(tmp_path, _BLAME, 4, timeout=HANG_S, env={"LINERATE_SHM": shm})
     for r in (0, 2, 3):
         text = res[r][1]
         assert "ERROR" in text, text[-2000:]
@@ -237,7 +243,7 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("shm", ["0", "auto"])
 def test_memory_kept_after_a_large_op_is_bounded(tmp_path, shm):
     keep_mib = 16
-    res = run_ranks_script(tmp_path, _RSS, 2, timeout=120,
+    res = run_ranks_script(tmp_path, _RSS, 2, timeout=HANG_S,
                            env={"LINERATE_SHM": shm, "LINERATE_KEEP_BYTES": f"{keep_mib}M"})
     for r, (code, text) in enumerate(res):
         assert code == 0, text[-3000:]

@@ -109,6 +109,16 @@ def _received_from(ctx: Context, peer: int) -> int:
     return sum(c["received_bytes"] for c in ctx.connection_stats() if c["peer"] == peer)
 
 
+def _fence(fake: FakePeer, tag: int) -> None:
+    """Return once the context has handled everything the fake peer sent so far: a small
+    message sent after it (one connection, handled in order) has been received."""
+    out = bytearray(4)
+    r = fake.ctx.irecv(1, memoryview(out), CHANNEL_P2P, tag)
+    fake.data(CHANNEL_P2P, tag, 0, 4, 0, b"done")
+    r.wait(10)
+    assert bytes(out) == b"done"
+
+
 def _rand_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 256, n, dtype=np.uint8)
 
@@ -300,15 +310,16 @@ def test_unexpected_partially_arrived_message():
         fake.data(CHANNEL_P2P, 9, 0, n, 0, src[:two])
         assert _wait_until(lambda: _received_from(ctx, 1) == two, 10)
         r = ctx.irecv(1, memoryview(dst), CHANNEL_P2P, 9)
-        time.sleep(0.05)
+        _fence(fake, 100)  # the staged 2 MiB are handled: 3 MiB still missing
         assert not r.is_completed()
         # the last chunk's header and half of its payload, then the rest
         last = 4 * 1024 * 1024
         fake.sock.sendall(framing.pack_header(framing.KIND_DATA, 0, CHANNEL_P2P, n - last, 9, 0,
                                               n, last) + src[last:last + 1000])
-        time.sleep(0.05)
+        time.sleep(0.05)  # most likely read apart: the receiver then holds half a payload
         fake.sock.sendall(src[last + 1000:])
-        time.sleep(0.05)
+        _fence(fake, 101)  # the last chunk is handled: the middle 2 MiB still missing
+        assert _received_from(ctx, 1) == two + (n - last) + 8
         assert not r.is_completed()
         fake.data(CHANNEL_P2P, 9, 0, n, two, src[two:last])  # the middle, out of order
         r.wait(10)
@@ -317,7 +328,7 @@ def test_unexpected_partially_arrived_message():
         small = bytes(range(256)) * 4
         fake.sock.sendall(framing.pack_header(framing.KIND_DATA, 0, CHANNEL_P2P, len(small), 9,
                                               1, len(small), 0))
-        time.sleep(0.05)
+        time.sleep(0.05)  # most likely read before the receive is posted
         out = bytearray(len(small))
         r = ctx.irecv(1, memoryview(out), CHANNEL_P2P, 9)
         fake.sock.sendall(small)

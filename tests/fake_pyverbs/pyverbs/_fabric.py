@@ -67,9 +67,9 @@ def new_keys() -> tuple[int, int]:
 def find_mr(key: int, addr: int, length: int, pd, access: int, remote: bool):
     """The MR that covers [addr, addr+length) for this key in this PD with this access, or None."""
     mr = (MRS_BY_RKEY if remote else MRS_BY_LKEY).get(key)
-    if mr is None or mr.pd is not pd:
+    if mr is None or mr._pd is not pd:
         return None
-    if access and not mr.access & access:
+    if access and not mr._access & access:
         return None
     if addr < mr.buf or addr + length > mr.buf + mr.length:
         return None
@@ -135,29 +135,29 @@ class Engine:
         with self.cond:
             if self.destroyed:
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
-            if qp.state not in (e.IBV_QPS_RTS, e.IBV_QPS_ERR):
+            if qp._state not in (e.IBV_QPS_RTS, e.IBV_QPS_ERR):
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
-            if wr.num_sge > qp.cap.max_send_sge:
+            if wr.num_sge > qp._cap.max_send_sge:
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
-            if self.sq_outstanding >= qp.cap.max_send_wr:
+            if self.sq_outstanding >= qp._cap.max_send_wr:
                 STATS["sq_full"] += 1
                 raise PyverbsRDMAError("Failed to post send", errno.ENOMEM)
             self.sq_outstanding += 1
             self.sq.append((wr.wr_id, wr.opcode, [(s.addr, s.length, s.lkey) for s in wr._sg[:wr.num_sge]],
                             wr._remote_addr, wr._rkey, wr.imm_data,
-                            bool(wr.send_flags & e.IBV_SEND_SIGNALED) or qp.sq_sig_all))
+                            bool(wr.send_flags & e.IBV_SEND_SIGNALED) or qp._sq_sig_all))
             self.cond.notify_all()
 
     def post_recv(self, wr) -> None:
         qp = self.qp
         with self.cond:
-            if self.destroyed or qp.state == e.IBV_QPS_RESET:
+            if self.destroyed or qp._state == e.IBV_QPS_RESET:
                 raise PyverbsRDMAError("Failed to post recv", errno.EINVAL)
-            if len(self.rq) >= qp.cap.max_recv_wr:
+            if len(self.rq) >= qp._cap.max_recv_wr:
                 raise PyverbsRDMAError("Failed to post recv", errno.ENOMEM)
             wqe = (wr.wr_id, [(s.addr, s.length, s.lkey) for s in wr._sg[:wr.num_sge]])
-            if qp.state == e.IBV_QPS_ERR:
-                self._complete(qp.rcq, WC(wr_id=wqe[0], status=e.IBV_WC_WR_FLUSH_ERR, qp_num=self.qpn))
+            if qp._state == e.IBV_QPS_ERR:
+                self._complete(qp._rcq, WC(wr_id=wqe[0], status=e.IBV_WC_WR_FLUSH_ERR, qp_num=self.qpn))
                 return
             self.rq.append(wqe)
             self.cond.notify_all()
@@ -184,22 +184,22 @@ class Engine:
     def _complete(self, cq, wc) -> None:
         if cq is None:
             return
-        if not cq.push(wc):
+        if not cq._push(wc):
             STATS["cq_overrun"] += 1
             self.to_error()
 
     def to_error(self) -> None:
         """QP to ERR: what is posted completes with WR_FLUSH_ERR (cond held or not)."""
         qp = self.qp
-        qp.state = e.IBV_QPS_ERR
+        qp._state = e.IBV_QPS_ERR
         rq, self.rq = list(self.rq), collections.deque()
         for wr_id, _ in rq:
-            self._complete(qp.rcq, WC(wr_id=wr_id, status=e.IBV_WC_WR_FLUSH_ERR, qp_num=self.qpn))
+            self._complete(qp._rcq, WC(wr_id=wr_id, status=e.IBV_WC_WR_FLUSH_ERR, qp_num=self.qpn))
 
     def _retry_window(self) -> float:
         qp = self.qp
-        t = qp.attr_timeout or 14
-        return 4.096e-6 * (1 << t) * (qp.attr_retry_cnt + 1)
+        t = qp._attr_timeout or 14
+        return 4.096e-6 * (1 << t) * (qp._attr_retry_cnt + 1)
 
     # ------------------------------------------------------------------ requester
     def _requester(self) -> None:
@@ -211,7 +211,7 @@ class Engine:
                 if self.destroyed:
                     return
                 wr_id, opcode, sges, raddr, rkey, imm, signaled = self.sq.popleft()
-                failed = qp.state == e.IBV_QPS_ERR
+                failed = qp._state == e.IBV_QPS_ERR
             if failed:
                 status = e.IBV_WC_WR_FLUSH_ERR
             else:
@@ -224,9 +224,9 @@ class Engine:
                     return
                 self.sq_outstanding -= 1
                 if signaled or status != e.IBV_WC_SUCCESS:
-                    self._complete(qp.scq, WC(wr_id=wr_id, status=status, opcode=wc_op, byte_len=nbytes,
+                    self._complete(qp._scq, WC(wr_id=wr_id, status=status, opcode=wc_op, byte_len=nbytes,
                                               qp_num=self.qpn))
-                if status != e.IBV_WC_SUCCESS and qp.state != e.IBV_QPS_ERR:
+                if status != e.IBV_WC_SUCCESS and qp._state != e.IBV_QPS_ERR:
                     STATS["wc_error"] += 1   # the error's completion first, then the flushes
                     self.to_error()
 
@@ -238,7 +238,7 @@ class Engine:
         with LOCK:   # gather now, as the HCA reads the memory when it executes the WR
             parts = []
             for addr, length, lkey in sges:
-                if length and find_mr(lkey, addr, length, qp.pd, 0, remote=False) is None:
+                if length and find_mr(lkey, addr, length, qp._pd, 0, remote=False) is None:
                     STATS["loc_prot_err"] += 1
                     return e.IBV_WC_LOC_PROT_ERR
                 parts.append(ctypes.string_at(addr, length) if length else b"")
@@ -264,13 +264,13 @@ class Engine:
 
     def _connect(self, deadline: float) -> None:
         qp = self.qp
-        ah = qp.ah_attr
+        ah = qp._ah_attr
         dgid = ah.dgid if ah.is_global else ""
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(f"{_NS}{qp.dest_qp_num}")
-                s.sendall(_HELLO.pack(self.qpn, dgid.encode(), ah.dlid, qp.sq_psn))
+                s.connect(f"{_NS}{qp._dest_qp_num}")
+                s.sendall(_HELLO.pack(self.qpn, dgid.encode(), ah.dlid, qp._sq_psn))
                 if _recv_exact(s, 1)[0] != _ST_OK:
                     raise _Nak()
                 self.out_sock = s
@@ -293,9 +293,9 @@ class Engine:
                 src, dgid, dlid, psn = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
                 dgid = dgid.rstrip(b"\0").decode()
                 with self.cond:  # packets reaching a QP before RTR are dropped: the sender retries
-                    self.cond.wait_for(lambda: self.destroyed or qp.state in (e.IBV_QPS_RTR, e.IBV_QPS_RTS), 0.5)
-                    ok = (not self.destroyed and qp.state in (e.IBV_QPS_RTR, e.IBV_QPS_RTS)
-                          and src == qp.dest_qp_num and psn == qp.rq_psn and qp.addressed_by(dgid, dlid))
+                    self.cond.wait_for(lambda: self.destroyed or qp._state in (e.IBV_QPS_RTR, e.IBV_QPS_RTS), 0.5)
+                    ok = (not self.destroyed and qp._state in (e.IBV_QPS_RTR, e.IBV_QPS_RTS)
+                          and src == qp._dest_qp_num and psn == qp._rq_psn and qp._addressed_by(dgid, dlid))
                 if not ok:
                     STATS["hello_rejected"] += 1
                     sock.sendall(bytes([_ST_NAK]))
@@ -332,15 +332,15 @@ class Engine:
             with self.cond:  # RNR: wait for a receive WQE (rnr_retry 7 retries for ever)
                 if not self.rq:
                     STATS["rnr_wait"] += 1
-                self.cond.wait_for(lambda: self.destroyed or self.rq or qp.state == e.IBV_QPS_ERR)
-                if self.destroyed or qp.state == e.IBV_QPS_ERR:
+                self.cond.wait_for(lambda: self.destroyed or self.rq or qp._state == e.IBV_QPS_ERR)
+                if self.destroyed or qp._state == e.IBV_QPS_ERR:
                     return _ST_NAK
                 wqe = self.rq.popleft()
         with LOCK:
             if self.destroyed:
                 return _ST_NAK
             if opcode in (e.IBV_WR_RDMA_WRITE, e.IBV_WR_RDMA_WRITE_WITH_IMM):
-                if n and find_mr(rkey, raddr, n, qp.pd, e.IBV_ACCESS_REMOTE_WRITE, remote=True) is None:
+                if n and find_mr(rkey, raddr, n, qp._pd, e.IBV_ACCESS_REMOTE_WRITE, remote=True) is None:
                     STATS["rem_access_err"] += 1
                     with self.cond:
                         self.to_error()
@@ -351,7 +351,7 @@ class Engine:
                 room = sum(length for _, length, _ in wqe[1])
                 if n > room:
                     with self.cond:
-                        self._complete(qp.rcq, WC(wr_id=wqe[0], status=e.IBV_WC_LOC_LEN_ERR, qp_num=self.qpn))
+                        self._complete(qp._rcq, WC(wr_id=wqe[0], status=e.IBV_WC_LOC_LEN_ERR, qp_num=self.qpn))
                         self.to_error()
                     return _ST_INVALID
                 off = 0
@@ -359,9 +359,9 @@ class Engine:
                     k = min(length, n - off)
                     if k <= 0:
                         break
-                    if find_mr(lkey, addr, k, qp.pd, e.IBV_ACCESS_LOCAL_WRITE, remote=False) is None:
+                    if find_mr(lkey, addr, k, qp._pd, e.IBV_ACCESS_LOCAL_WRITE, remote=False) is None:
                         with self.cond:
-                            self._complete(qp.rcq, WC(wr_id=wqe[0], status=e.IBV_WC_LOC_PROT_ERR, qp_num=self.qpn))
+                            self._complete(qp._rcq, WC(wr_id=wqe[0], status=e.IBV_WC_LOC_PROT_ERR, qp_num=self.qpn))
                             self.to_error()
                         return _ST_INVALID
                     ctypes.memmove(addr, payload[off:off + k], k)
@@ -370,7 +370,7 @@ class Engine:
             with_imm = opcode in (e.IBV_WR_RDMA_WRITE_WITH_IMM, e.IBV_WR_SEND_WITH_IMM)
             op = e.IBV_WC_RECV_RDMA_WITH_IMM if opcode == e.IBV_WR_RDMA_WRITE_WITH_IMM else e.IBV_WC_RECV
             with self.cond:
-                self._complete(qp.rcq, WC(wr_id=wqe[0], status=e.IBV_WC_SUCCESS, opcode=op, byte_len=n,
+                self._complete(qp._rcq, WC(wr_id=wqe[0], status=e.IBV_WC_SUCCESS, opcode=op, byte_len=n,
                                           qp_num=self.qpn, src_qp=self.remote_qpn or 0,
                                           imm_data=imm if with_imm else 0,
                                           wc_flags=e.IBV_WC_WITH_IMM if with_imm else 0))

@@ -10,14 +10,14 @@ __all__ = ["CQ", "WC"]
 
 class CQ:
     def __init__(self, context, cqe, cq_context=None, channel=None, comp_vector=0):
-        if getattr(context, "closed", True):
+        if getattr(context, "_closed", True):
             raise PyverbsRDMAError('Failed to create CQ')
         self.cqe = cqe
         self._q = collections.deque()
         self._lock = threading.Lock()
-        self.closed = False
+        self._closed = False
 
-    def push(self, wc) -> bool:
+    def _push(self, wc) -> bool:
         with self._lock:
             if len(self._q) >= self.cqe:
                 return False   # overrun: the caller moves the QP to ERR
@@ -33,4 +33,4 @@ class CQ:
         return len(wcs), wcs
 
     def close(self):
-        self.closed = True
+        self._closed = True

@@ -70,10 +70,10 @@ class Context:
                 break
         else:
             raise PyverbsRDMAError('Failed to find device {dev}'.format(dev=self.name))
-        self.closed = False
+        self._closed = False
 
     def close(self):
-        self.closed = True
+        self._closed = True
 
     def query_device(self):
         return DeviceAttr(len(self._cfg["ports"]))

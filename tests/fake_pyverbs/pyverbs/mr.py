@@ -9,9 +9,9 @@ from .pyverbs_error import PyverbsRDMAError
 
 class MR:
     def __init__(self, creator, length=0, access=0, address=None, implicit=False, **kwargs):
-        if getattr(creator, "closed", True):
+        if getattr(creator, "_closed", True):
             raise PyverbsRDMAError('Failed to register a MR. length: {l}, access flags: {a}'.format(l=length, a=access))
-        self.pd = creator
+        self._pd = creator
         self._mem = None
         if address:
             self._buf = int(address)
@@ -20,12 +20,12 @@ class MR:
             base = self._mem.ctypes.data
             self._buf = (base + 4095) & ~4095
         self._length = length
-        self.access = access
+        self._access = access
         self._lkey, self._rkey = _fabric.new_keys()
         with _fabric.LOCK:
             _fabric.MRS_BY_LKEY[self._lkey] = self
             _fabric.MRS_BY_RKEY[self._rkey] = self
-        self.closed = False
+        self._closed = False
 
     buf = property(lambda self: self._buf)
     lkey = property(lambda self: self._lkey)
@@ -40,10 +40,10 @@ class MR:
         return ctypes.string_at(self._buf + offset, length)
 
     def close(self):
-        if self.closed:
+        if self._closed:
             return
         with _fabric.LOCK:   # no placement into this memory once close() returns
             _fabric.MRS_BY_LKEY.pop(self._lkey, None)
             _fabric.MRS_BY_RKEY.pop(self._rkey, None)
-            self.closed = True
+            self._closed = True
         self._mem = None

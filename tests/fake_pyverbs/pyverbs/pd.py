@@ -4,10 +4,10 @@ from .pyverbs_error import PyverbsUserError
 
 class PD:
     def __init__(self, creator, **kwargs):
-        if getattr(creator, "closed", True):
+        if getattr(creator, "_closed", True):
             raise PyverbsUserError('Expected an open Context')
-        self.ctx = creator
-        self.closed = False
+        self._ctx = creator
+        self._closed = False
 
     def close(self):
-        self.closed = True
+        self._closed = True

@@ -35,26 +35,26 @@ class QPAttr:
 class QP:
     def __init__(self, creator, init_attr, qp_attr=None):
         from .pd import PD
-        if not isinstance(creator, PD) or creator.closed:
+        if not isinstance(creator, PD) or creator._closed:
             raise PyverbsUserError('The fake creates QPs from an open PD only')
         if init_attr.qp_type != e.IBV_QPT_RC:
             raise PyverbsRDMAError('Failed to create QP', errno.EOPNOTSUPP)
         if init_attr.srq is not None:
             raise PyverbsRDMAError('Failed to create QP', errno.EOPNOTSUPP)
-        attr = creator.ctx.query_device()
+        attr = creator._ctx.query_device()
         cap = init_attr.cap
         if (cap.max_send_wr > attr.max_qp_wr or cap.max_recv_wr > attr.max_qp_wr
                 or cap.max_send_sge > attr.max_sge or cap.max_recv_sge > attr.max_sge):
             raise PyverbsRDMAError('Failed to create QP', errno.EINVAL)
-        self.pd, self.cap, self.sq_sig_all = creator, cap, bool(init_attr.sq_sig_all)
-        self.scq, self.rcq = init_attr.send_cq, init_attr.recv_cq
+        self._pd, self._cap, self._sq_sig_all = creator, cap, bool(init_attr.sq_sig_all)
+        self._scq, self._rcq = init_attr.send_cq, init_attr.recv_cq
         self.qp_type = e.IBV_QPT_RC
-        self.state = e.IBV_QPS_RESET
-        self.port_num = 0
-        self.access_flags = 0
-        self.dest_qp_num = self.rq_psn = self.sq_psn = 0
-        self.attr_timeout = self.attr_retry_cnt = 0
-        self.ah_attr = None
+        self._state = e.IBV_QPS_RESET
+        self._port_num = 0
+        self._access_flags = 0
+        self._dest_qp_num = self._rq_psn = self._sq_psn = 0
+        self._attr_timeout = self._attr_retry_cnt = 0
+        self._ah_attr = None
         self._engine = _fabric.Engine(self)
         if qp_attr is not None:
             self.to_init(qp_attr)
@@ -65,25 +65,25 @@ class QP:
 
     @property
     def qp_state(self):
-        return self.state
+        return self._state
 
     def _fail(self, what):
         raise PyverbsRDMAError('Failed to modify QP state to {w}'.format(w=what), errno.EINVAL)
 
     def to_init(self, qp_attr):
-        if self.state not in (e.IBV_QPS_RESET, e.IBV_QPS_INIT):
+        if self._state not in (e.IBV_QPS_RESET, e.IBV_QPS_INIT):
             self._fail('init')
-        if not 1 <= qp_attr.port_num <= self.pd.ctx.query_device().phys_port_cnt:
+        if not 1 <= qp_attr.port_num <= self._pd._ctx.query_device().phys_port_cnt:
             self._fail('init')
         qp_attr.qp_state = e.IBV_QPS_INIT
-        self.port_num, self.access_flags = qp_attr.port_num, qp_attr.qp_access_flags
+        self._port_num, self._access_flags = qp_attr.port_num, qp_attr.qp_access_flags
         with self._engine.cond:
-            self.state = e.IBV_QPS_INIT
+            self._state = e.IBV_QPS_INIT
 
     def to_rtr(self, qp_attr):
-        if self.state != e.IBV_QPS_INIT:
+        if self._state != e.IBV_QPS_INIT:
             self.to_init(qp_attr)
-        port = self.pd.ctx.query_port(self.port_num)
+        port = self._pd._ctx.query_port(self._port_num)
         ah = qp_attr.ah_attr
         if ah is None or qp_attr.path_mtu not in _MTU_ORDER or \
                 _MTU_ORDER.index(qp_attr.path_mtu) > _MTU_ORDER.index(port.active_mtu):
@@ -92,7 +92,7 @@ class QP:
             if not ah.is_global or ah.dgid == "0000:0000:0000:0000:0000:0000:0000:0000":
                 self._fail('RTR')   # RoCE needs a GRH
             try:
-                sgid = self.pd.ctx.query_gid(self.port_num, ah.sgid_index).gid
+                sgid = self._pd._ctx.query_gid(self._port_num, ah.sgid_index).gid
             except PyverbsRDMAError:
                 self._fail('RTR')
             if sgid == "0000:0000:0000:0000:0000:0000:0000:0000":
@@ -100,23 +100,23 @@ class QP:
         elif not ah.dlid and not ah.is_global:
             self._fail('RTR')
         qp_attr.qp_state = e.IBV_QPS_RTR
-        self.dest_qp_num, self.rq_psn, self.ah_attr = qp_attr.dest_qp_num, qp_attr.rq_psn, ah
+        self._dest_qp_num, self._rq_psn, self._ah_attr = qp_attr.dest_qp_num, qp_attr.rq_psn, ah
         with self._engine.cond:
-            self.state = e.IBV_QPS_RTR
+            self._state = e.IBV_QPS_RTR
             self._engine.cond.notify_all()
 
     def to_rts(self, qp_attr):
-        if self.state != e.IBV_QPS_RTR:
+        if self._state != e.IBV_QPS_RTR:
             self.to_rtr(qp_attr)
         qp_attr.qp_state = e.IBV_QPS_RTS
-        self.sq_psn, self.attr_timeout, self.attr_retry_cnt = qp_attr.sq_psn, qp_attr.timeout, qp_attr.retry_cnt
+        self._sq_psn, self._attr_timeout, self._attr_retry_cnt = qp_attr.sq_psn, qp_attr.timeout, qp_attr.retry_cnt
         with self._engine.cond:
-            self.state = e.IBV_QPS_RTS
+            self._state = e.IBV_QPS_RTS
             self._engine.cond.notify_all()
 
-    def addressed_by(self, dgid, dlid) -> bool:
-        port = self.pd.ctx.query_port(self.port_num)
-        gids = [g[0] for g in self.pd.ctx._gids(self.port_num)]
+    def _addressed_by(self, dgid, dlid) -> bool:
+        port = self._pd._ctx.query_port(self._port_num)
+        gids = [g[0] for g in self._pd._ctx._gids(self._port_num)]
         if port.link_layer == e.IBV_LINK_LAYER_ETHERNET:
             return dgid in gids
         return dlid == port.lid or (bool(dgid) and dgid in gids)
@@ -131,4 +131,4 @@ class QP:
         engine, self._engine_closed = self._engine, True
         if engine is not None and not getattr(engine, "destroyed", False):
             engine.destroy()
-        self.state = e.IBV_QPS_RESET
+        self._state = e.IBV_QPS_RESET
