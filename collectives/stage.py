@@ -13,6 +13,9 @@ class Stage:
     the caller's tensors when the op has finished (``finish``)."""
 
     __slots__ = ("_rank", "_what", "_back", "devices")
+    #: What a Work waits on beyond the op's end (work.on_streams): nothing, the copies back
+    #: are done by then (a pipelined op's ``pipeline.Staged`` has one).
+    sync = None
 
     def __init__(self, rank: int | None = None, what: str = ""):
         self._rank = rank  # for errors: "rank R: op"

@@ -72,6 +72,10 @@ class Work(dist._Work):
     #: Called when someone starts waiting for the result (a queued fusion entry then
     #: stops waiting for more calls to fuse with).
     _on_wait = None
+    #: A pipelined op's device side (collectives/pipeline.py ``Staged``): once the op is done,
+    #: wait() makes the caller's current stream wait for its copies back to the device (the
+    #: host does not wait for them), and a future's result is set on a stream that waited.
+    _streams = None
 
     def __init__(self, desc: str, result: list, devices: list | None = None,
                  timeout: float | None = None):
@@ -135,6 +139,10 @@ class Work(dist._Work):
             return True
 
     def _complete_future(self) -> None:
+        if self._streams is not None and self._exc is None:
+            with self._streams.result_streams():
+                self._base.set_result(self._result)
+            return
         self._base.set_result(self._result if self._exc is None else self._exc)
 
     # -- user side --------------------------------------------------------------------------
@@ -161,6 +169,8 @@ class Work(dist._Work):
             self._wait_done(None)
         if self._exc is not None:
             raise self._exc
+        if self._streams is not None:
+            self._streams.stream_wait()
         return True
 
     def is_completed(self) -> bool:
@@ -216,6 +226,13 @@ def complete(work: Work, exc: BaseException | None = None, source_rank: int = -1
 def complete_many(works: list[Work], exc: BaseException | None = None) -> None:
     """Complete the Works of a fused op, their futures in one job."""
     Work._complete_many(works, exc)
+
+
+def on_streams(work: Work, staged) -> None:
+    """``work``'s result is on a device, ready once ``staged`` (collectives/pipeline.py
+    ``Staged``) says: its ``stream_wait()`` runs in wait(), its ``result_streams()`` around
+    setting a future's result."""
+    work._streams = staged
 
 
 def call_on_wait(work: Work, fn) -> None:

@@ -122,6 +122,21 @@ def _argv(args, json_out: str) -> list[str]:
             "--warmup", str(args.warmup), "--json-out", json_out]
 
 
+def run_mpi(args, out: str) -> list[dict]:
+    """Open MPI's rows: ``args.nproc`` processes of this module's --mpi-worker under mpirun
+    (shared-memory transport), ``out`` their JSON; [] where they failed (why, on stderr)."""
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(args.nproc),
+           "--mca", "btl", "self,vader", sys.executable, "-m", MODULE, "--mpi-worker"]
+    p = subprocess.run(cmd + _argv(args, out), capture_output=True, text=True,
+                       timeout=args.timeout, env=dict(os.environ, OMPI_MCA_hwloc_base_binding_policy="none",
+                                                      OMPI_MCA_rmaps_base_oversubscribe="1"))
+    if p.returncode == 0:
+        return json.load(open(out))
+    print(f"latency_bench: Open MPI failed (exit {p.returncode}): "
+          f"{p.stderr.strip()[-800:]}", file=sys.stderr)
+    return []
+
+
 def run(args) -> list[dict]:
     from linerate.tools.launch import launch_local
     rows = []
@@ -133,17 +148,7 @@ def run(args) -> list[dict]:
         rows += json.load(open(out))
         why = mpi_reason() if args.mpi != "off" else "--mpi off"
         if why is None:
-            out = os.path.join(tmp, "mpi.json")
-            cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(args.nproc),
-                   "--mca", "btl", "self,vader", sys.executable, "-m", MODULE, "--mpi-worker"]
-            p = subprocess.run(cmd + _argv(args, out), capture_output=True, text=True,
-                               timeout=args.timeout, env=dict(os.environ, OMPI_MCA_hwloc_base_binding_policy="none",
-                                                              OMPI_MCA_rmaps_base_oversubscribe="1"))
-            if p.returncode == 0:
-                rows += json.load(open(out))
-            else:
-                print(f"latency_bench: Open MPI failed (exit {p.returncode}): "
-                      f"{p.stderr.strip()[-800:]}", file=sys.stderr)
+            rows += run_mpi(args, os.path.join(tmp, "mpi.json"))
         elif args.mpi == "on":
             raise SystemExit(f"latency_bench: --mpi on, but {why}")
         else:
