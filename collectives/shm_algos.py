@@ -45,6 +45,7 @@ from linerate.transport.shm import (BYTES_PER_RANK, cma_read, pidns, usable_core
 
 from .comm import Comm, OpTimeout
 from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows
+from .views import np_view
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 _PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
@@ -150,7 +151,7 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
         return
     npdt = _NP.get(out.dtype)
     if npdt is not None:
-        fold_rows(out, [s.numpy() for s in srcs], op, npdt)
+        fold_rows(out, [np_view(s, npdt) for s in srcs], op, npdt)  # caller's: not .numpy()
         return
     f = _BINARY[op]  # float16, bfloat16 (floating point: no bitwise ops)
     n = out.numel()
@@ -185,7 +186,7 @@ class Engine:
     """A group's view of its shared segment: slots, counters, waiting. Used by one thread
     (the group's worker) at a time."""
 
-    def __init__(self, seg):
+    def __init__(self, seg, cma: str | None = None):
         self.seg = seg
         self.P = P = seg.size
         self.r = seg.rank
@@ -227,8 +228,10 @@ class Engine:
         #: all_reduce asks every rank; then "off", "on" (every rank has LINERATE_CMA=1: always)
         #: or "tuned" (auto: the path that measured faster, _cma_choice).
         self.cma = None
-        from linerate import settings
-        self._cma_setting = settings.read("LINERATE_CMA")
+        if cma is None:  # LINERATE_CMA from the environment (a group passes its Options')
+            from linerate import settings
+            cma = settings.read("LINERATE_CMA")
+        self._cma_setting = cma
         self._cma_scratch = None
         #: lone_all_reduce's tensor views of the slots' rows: (set, dtype, elements) -> views.
         self.lone_rows: dict = {}
@@ -243,7 +246,14 @@ class Engine:
         #: the control words (ticks, digests, all_to_all's sizes) are not counted.
         self.tx, self.rx = [0] * P, [0] * P
         self.tx_all = self.rx_all = 0
+        #: Bytes this rank wrote for its peers to read, each byte once however many peers read
+        #: it (``copied``): into its slot, the root's slot, its share of a result area, or (by
+        #: cross-memory attach) its share of the result in its own tensor. Where one peer reads
+        #: each byte it equals the sum of ``tx``; a broadcast's root writes once what it sends
+        #: to every peer. (What a rank writes that only it reads again is not counted.)
+        self.wrote = 0
         seg.traffic = self.traffic  # read by the transport's stats (Context.stats)
+        seg.copied = self.copied    # read by the metrics (interface shm's rate, utilization)
         seg.on_close.append(self._release)
 
     @property
@@ -261,6 +271,12 @@ class Engine:
         rank r's sent to q equals q's received from r."""
         tx, rx, ta, ra = self.tx, self.rx, self.tx_all, self.rx_all
         return {g: (tx[q] + ta, rx[q] + ra) for q, g in enumerate(self.gr) if q != self.r}
+
+    def copied(self) -> tuple[int, int]:
+        """(bytes written for the peers, bytes read of theirs) through the segment so far: what
+        the memory moved, a byte that several peers read written once (``wrote``); what it read
+        is the sum of its per-peer received bytes (``traffic``)."""
+        return self.wrote, sum(self.rx) + self.rx_all * (self.P - 1)
 
     def _release(self) -> None:
         """The group closed: drop every view of the segment (its mapping goes now)."""
@@ -616,6 +632,7 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         E.publish(areas)
         E.tx_all += n * es  # every peer folds this rank's slot; it folds every peer's
         E.rx_all += n * es
+        E.wrote += n * es
         return
     if n * es >= CMA_BYTES and P > 1:
         if E.cma is None:
@@ -675,6 +692,7 @@ def _all_reduce_segment(E: Engine, flat: torch.Tensor, op) -> None:
                        for q in range(P)], op)
             reads += [E.S(b, q) for q in range(P)]
             _count_shares(E, ln, es, hi - lo)
+            E.wrote += ln * es  # its slot but its own share, and its share of the result
         i = ph  # copy chunk i in, but for this rank's own share (folded from flat)
         if i < nch:
             o, ln = chunks[i]
@@ -834,6 +852,7 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
             if qhi > qlo:
                 read(q, base + qlo * es, qlo * es, (qhi - qlo) * es)
     _count_shares(E, n, es, hi - lo)
+    E.wrote += (hi - lo) * es  # its share of the result, in its tensor (the input: not written)
     E.publish()
     E.wait(E.tick)  # no one reads this rank's tensor any more
 
@@ -854,6 +873,7 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
             E.rx_all += n * es
         else:
             E.tx[root] += n * es
+            E.wrote += n * es
         E.publish(areas)
         return
     chunks = _chunks(n, E.C // es)
@@ -885,6 +905,9 @@ def reduce(comm: Comm, flat: torch.Tensor, op, root: int) -> None:
                     E.rx[q] += (hi - lo + (qhi - qlo if r == root else 0)) * es
             if r != root:
                 E.tx[root] += (hi - lo) * es
+            # its slot but its own share (every share of it has one reader), its share of the
+            # result where the root reads it
+            E.wrote += (ln - (hi - lo) if r == root else ln) * es
         i = ph
         if i < nch:
             o, ln = chunks[i]
@@ -905,8 +928,9 @@ def broadcast(comm: Comm, t: torch.Tensor, root: int) -> None:
     E = _engine(comm)
     r = E.r
     data = _bytes(t)
-    if r == root:  # every other rank reads all of it
+    if r == root:  # every other rank reads all of it, written once
         E.tx_all += data.numel()
+        E.wrote += data.numel()
     else:
         E.rx[root] += data.numel()
     for o, ln in _chunks(data.numel(), E.C):
@@ -948,6 +972,8 @@ def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
         E.tx_all += mine.numel()
     elif r != root:
         E.tx[root] += mine.numel()
+    if root is None or r != root:  # (the root's own slot has no other reader)
+        E.wrote += mine.numel()
     if reader:
         E.rx_all += mine.numel()
     for ph in range(nch + 1):
@@ -980,6 +1006,7 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
     if r == root:
         _copy(mine, srcs[root])
         E.tx_all += mine.numel()  # a block of the out's size for every other rank
+        E.wrote += mine.numel() * (P - 1)
     else:
         E.rx[root] += mine.numel()
     B = (E.C // P) // _ALIGN * _ALIGN
@@ -1069,6 +1096,7 @@ def reduce_scatter_v(comm: Comm, srcs: list, lens: list[int], out: torch.Tensor,
     for q in range(P):
         if q != r:
             E.tx[q] += lens[q] * es
+            E.wrote += lens[q] * es
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
@@ -1111,6 +1139,8 @@ def gather_v(comm: Comm, segs: list, root: int | None = None) -> None:
         E.tx_all += lens[r]
     elif r != root:
         E.tx[root] += lens[r]
+    if root is None or r != root:
+        E.wrote += lens[r]
     if reader:
         for q in range(P):
             if q != r:
@@ -1161,6 +1191,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
         if q != r:
             tx[q] += src[q][1]
             rx[q] += dst[q][1]
+            E.wrote += src[q][1]
     ph = 0
     total = None
     sets: list = []
@@ -1240,6 +1271,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
         ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), n * es)
         E.tx_all += n * es  # every rank folds every rank's carried entry
         E.rx_all += n * es
+        E.wrote += n * es
     E.publish()
     E.wait(E.tick)
     # Every rank's count and digest in two NumPy reads (a tensor view per rank would be most
@@ -1297,6 +1329,7 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
         ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), nb)
         E.tx_all += nb
         E.rx_all += nb
+        E.wrote += nb
     E.publish()
     E.wait(E.tick)
     first = b * P * step

@@ -159,7 +159,7 @@ def test_window_hooks_and_identity(monkeypatch, caplog):
 
 
 def test_transport_knows_nothing_of_the_collectives():
-    # ``import linerate`` registers the backend (collectives/_autoload.py); the transport's
+    # ``import linerate`` registers the backend (linerate/_torch_hook.py); the transport's
     # import must add no module of the collectives to that.
     code = ("import sys, linerate; before = set(sys.modules); "
             "import linerate.transport.metrics as m; "
@@ -253,6 +253,14 @@ def test_exported_counts_match_the_transport():
         # A destroyed group's bytes stay in the counters (they never go back).
         total = sum(s.value for s in sent)
         assert sum(s.value for s in samples(after, "linerate_sent_bytes_total")) >= total
+        # Over a NIC the bytes of the utilization are its connections': the per-peer sums.
+        received = sum(s.value for s in samples(text, "linerate_received_bytes_total"))
+        iface = {(s.labels["interface"], s.labels["direction"]): s.value
+                 for s in samples(text, "linerate_interface_bytes_total")}
+        assert iface == {("lo", "tx"): total, ("lo", "rx"): received}, iface
+        iface_after = {(s.labels["interface"], s.labels["direction"]): s.value
+                       for s in samples(after, "linerate_interface_bytes_total")}
+        assert all(iface_after[k] >= v for k, v in iface.items()), (iface, iface_after)
         (info,) = samples(text, "linerate_info")
         assert info.labels["transport"] == "tcp" and info.labels["nsocks"] == "2"
         assert [s.labels["peer"] for s in samples(text, "linerate_send_queue_bytes")]

@@ -6,8 +6,13 @@ to q the bytes it wrote into the segment that q reads (or that q reads from its 
 cross-memory attach), and *receives* from q the bytes it reads of q's. So r's sent to q is q's
 received from r, which is checked for every pair. The figures come through the transport's
 stats (``connection_stats``: the peer's ``shm`` connection), the benchmark's links and the
-exporter's ``linerate_sent_bytes_total{interface="shm"}``; the capacity of ``shm`` is the
-memory copy rate.
+exporter's ``linerate_sent_bytes_total{interface="shm"}``.
+
+What the memory moved (Engine.copied, the exporter's
+``linerate_interface_bytes_total{interface="shm"}``, the bytes of the utilization): a byte
+written for several peers counts once (a broadcast's root writes its tensor once for all); what
+a rank read is what it received. The capacity of ``shm`` is the host's copy rate, measured by
+the segment's creator and published in the segment: one figure on every rank.
 """
 from __future__ import annotations
 
@@ -99,6 +104,47 @@ def expected(name: str, P: int, r: int, C: int, n: int, path: str = "segment",
     return {q: tuple(v) for q, v in out.items()}
 
 
+def expected_written(name: str, P: int, r: int, C: int, n: int, path: str = "segment",
+                     root: int = 0) -> int:
+    """Bytes rank r writes for its peers in one op (Engine.wrote), each once however many
+    peers read it (what only r itself reads again does not count):
+
+    - all_reduce up to 64 KiB: its tensor into its slot, once for every peer.
+    - all_reduce through the segment: per chunk its slot but its own share (folded from its
+      tensor) and its share of the result: the tensor's size. By cross-memory attach: only its
+      share of the result (the peers read its input where it lies).
+    - reduce: its slot but its own share, and its share of the result where the root reads it.
+    - broadcast: the root's tensor, once; scatter: the root's block for each peer.
+    - all_gather: its contribution, once; gather: the same, but the root's (no reader).
+    - reduce_scatter, all_to_all: a block per peer (one reader each: the sum of the sent).
+    """
+    nb = n * ES
+    if name == "all_reduce":
+        if nb <= min(64 << 10, C):
+            return nb
+        return _share(n, P, r) * ES if path == "cma" else nb
+    if name == "reduce":
+        if nb <= min(64 << 10, C):
+            return 0 if r == root else nb
+        if r != root:
+            return nb
+        return sum(ln - _share(ln, P, r) for ln in _chunks(n, C // ES)) * ES
+    if name == "broadcast":
+        return nb if r == root else 0
+    if name == "scatter":
+        return (P - 1) * nb if r == root else 0
+    if name == "all_gather":
+        return nb
+    if name == "gather":
+        return 0 if r == root else nb
+    if name == "reduce_scatter":
+        return (P - 1) * nb
+    if name == "all_to_all":
+        return sum((r * P + q + 1) * 100 * ES for q in range(P) if q != r)
+    assert name == "barrier", name
+    return 0
+
+
 # ----------------------------------------------------------------------------- the ranks
 def _conn_bytes(g) -> dict[int, tuple[int, int]]:
     import torch
@@ -113,9 +159,12 @@ def _conn_bytes(g) -> dict[int, tuple[int, int]]:
 
 def _counts(rank, P, lr):
     """Every collective once on the segment: (name, n, path, root, engine counts, stats
-    counts) per op, and the engine's area size."""
+    counts, the engine's copied bytes, the metrics' shm bytes) per op, and the engine's area
+    size."""
     import torch
     import torch.distributed as dist
+
+    from linerate.transport import metrics
     os.environ["LINERATE_CMA"] = "0"   # large all_reduces copy through the segment
     seg = dist.new_group(backend="linerate")
     os.environ["LINERATE_CMA"] = "1"   # ... or read the peers' tensors, where the host allows
@@ -123,16 +172,24 @@ def _counts(rank, P, lr):
     del os.environ["LINERATE_CMA"]
     out = []
 
+    def shm_bytes(g):
+        m = metrics.interface_bytes(g._get_backend(torch.device("cpu"))._ctx)
+        return m.get(("shm", "tx"), 0), m.get(("shm", "rx"), 0)
+
     def measure(g, name, n, fn, root=0):
         E = g._shm
         assert E is not None, "the group did not get a shared segment"
         before, conn0, paths0 = E.traffic(), _conn_bytes(g), list(E.big_paths)
+        copied0, iface0 = E.copied(), shm_bytes(g)
         fn()
         after, conn1 = E.traffic(), _conn_bytes(g)
+        copied1, iface1 = E.copied(), shm_bytes(g)
         path = "cma" if E.big_paths[0] > paths0[0] else "segment"
         moved = {q: (after[q][0] - before[q][0], after[q][1] - before[q][1]) for q in after}
         stats = {q: (conn1[q][0] - conn0[q][0], conn1[q][1] - conn0[q][1]) for q in conn1}
-        out.append((name, n, path, root, moved, stats))
+        copied = (copied1[0] - copied0[0], copied1[1] - copied0[1])
+        iface = (iface1[0] - iface0[0], iface1[1] - iface0[1])
+        out.append((name, n, path, root, moved, stats, copied, iface))
 
     def t(n, fill=1.0):
         return torch.full((n,), float(rank) + fill)
@@ -175,25 +232,33 @@ def _counts(rank, P, lr):
 def test_counted_bytes_equal_what_each_collective_moves(P):
     res = run_ranks(_counts, P, timeout=220)
     for r, (C, ops) in enumerate(res):
-        for name, n, path, root, moved, stats in ops:
+        for name, n, path, root, moved, stats, copied, iface in ops:
             want = expected(name, P, r, C, n, path, root)
             assert moved == want, (r, name, n, path, moved, want)
             # The transport's stats carry the same figures on the peer's shm connection (no
             # point-to-point message ran meanwhile).
             assert stats == want, (r, name, n, path, stats, want)
+            # What the memory moved: each byte written once for all its readers (never more
+            # than the per-peer sent), and read as received.
+            wrote = expected_written(name, P, r, C, n, path, root)
+            received = sum(v[1] for v in want.values())
+            assert copied == (wrote, received), (r, name, n, path, copied, wrote, received)
+            assert wrote <= sum(v[0] for v in want.values()), (r, name, n, path)
+            # ... which are the exporter's shm bytes (those of the utilization).
+            assert iface == copied, (r, name, n, path, iface, copied)
     # r's sent to q is q's received from r, op by op.
     for r, (_, ops) in enumerate(res):
-        for i, (name, *_rest, moved, _) in enumerate(ops):
+        for i, (name, _n, _path, _root, moved, *_rest) in enumerate(ops):
             for q, (sent, _) in moved.items():
                 assert sent == res[q][1][i][4][r][1], (name, r, q)
-    paths = [(name, n, path) for name, n, path, *_ in res[0][1] if name == "all_reduce"]
+    paths = [(name, n, path) for name, n, path, *_rest in res[0][1] if name == "all_reduce"]
     assert [p for _, _, p in paths[:3]] == ["segment"] * 3, paths
     # This machine allows cross-memory attach (see tests/test_shm.py): both paths counted.
     assert [p for _, _, p in paths[3:]] == ["cma", "cma"], paths
     # A large all_reduce moves 2(P-1)/P of its bytes each way per rank (shares round to 16
     # elements: within 1%).
     for r, (_, ops) in enumerate(res):
-        for name, n, path, _, moved, _ in ops:
+        for name, n, path, _, moved, *_rest in ops:
             if name == "all_reduce" and n == 1_000_003:
                 ideal = 2 * (P - 1) / P * n * ES
                 for k in (0, 1):
@@ -255,6 +320,110 @@ def test_shm_capacity_is_the_measured_copy_rate_unless_set(monkeypatch):
     from linerate.transport import metrics
     monkeypatch.setenv("LINERATE_LINK_CAPACITY", "10gbit")  # every interface: not memory's
     rate = metrics.link_capacity("shm")
-    assert rate == metrics.memcpy_rate() and rate > 2e8  # measured once: the same figure
+    assert rate == metrics.shm_rate() and rate > 2e8  # measured once: the same figure
+    assert metrics.capacity_source("shm") == "measured"
+    assert metrics.capacity_source("lo") == "setting"
     monkeypatch.setenv("LINERATE_LINK_CAPACITY", "eth0=1gbit,shm=400gbit")
     assert metrics.link_capacity("shm") == pytest.approx(5e10)
+    assert metrics.capacity_source("shm") == "setting"
+    monkeypatch.setenv("LINERATE_LINK_CAPACITY", "shm=lots")
+    with pytest.raises(ValueError, match="LINERATE_LINK_CAPACITY.*shm=lots"):
+        metrics.link_capacity("shm")
+
+
+def test_the_copy_probe_measures_the_fastest_copies():
+    """The probe's figure is at least what copies of the collectives' sizes reach when they
+    run back to back from a warm cache (so a rank's utilization of shm stays at or under 1):
+    within the noise of one more measurement."""
+    import ctypes
+    import time
+
+    from linerate.transport import metrics
+    rate = metrics.memcpy_rate()
+    n = 1 << 20
+    src, dst = bytearray(n), bytearray(n)
+    a = ctypes.addressof((ctypes.c_char * n).from_buffer(src))
+    b = ctypes.addressof((ctypes.c_char * n).from_buffer(dst))
+    ctypes.memmove(b, a, n)
+    t0 = time.perf_counter()
+    for _ in range(32):
+        ctypes.memmove(b, a, n)
+    sustained = 32 * n / (time.perf_counter() - t0)
+    assert sustained <= rate * 1.25, (sustained, rate)
+
+
+def _broadcast_metrics(rank, P, lr, port, nbytes, p2p_bytes):
+    """A 4-rank group on one host: scrape this rank's /metrics before and after a broadcast
+    from rank 0 of ``nbytes`` and a message of ``p2p_bytes`` from rank 1 to rank 2 (the
+    shared-memory link); return the shm series' deltas and the capacity samples."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from linerate.transport import metrics
+    os.environ.pop("LINERATE_LINK_CAPACITY", None)  # the measured capacity
+    g = dist.new_group(backend="linerate")
+    assert g._shm is not None, "the group did not get a shared segment"
+    metrics.start_exporter(port + rank, "127.0.0.1")
+
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics",
+                                      timeout=20).read().decode()
+        out = {"sent": {}, "iface": {}, "cap": []}
+        for f in text_string_to_metric_families(text):
+            for smp in f.samples:
+                lab = smp.labels
+                if smp.name == "linerate_sent_bytes_total" and lab["interface"] == "shm":
+                    out["sent"][int(lab["peer"])] = smp.value
+                elif smp.name == "linerate_interface_bytes_total" and lab["interface"] == "shm":
+                    out["iface"][lab["direction"]] = smp.value
+                elif smp.name == "linerate_link_capacity_bytes_per_second":
+                    out["cap"].append((lab["interface"], lab.get("source"), smp.value))
+        return out
+
+    dist.barrier(group=g)
+    before = scrape()
+    x = torch.full((nbytes // 4,), float(rank))
+    dist.broadcast(x, 0, group=g)
+    assert bool((x == 0).all()), "wrong broadcast result"
+    msg = torch.full((p2p_bytes // 4,), 7.0)
+    if rank == 1:
+        dist.send(msg, 2, group=g)
+    elif rank == 2:
+        dist.recv(msg, 1, group=g)
+        assert bool((msg == 7.0).all()), "wrong message"
+    dist.barrier(group=g)
+    after = scrape()
+    # The barriers move no payload; a second look at once sees nothing more.
+    time.sleep(0.05)
+    sent = {q: after["sent"].get(q, 0) - before["sent"].get(q, 0) for q in after["sent"]}
+    iface = {d: after["iface"].get(d, 0) - before["iface"].get(d, 0) for d in ("tx", "rx")}
+    dist.destroy_process_group(g)
+    return {"sent": sent, "iface": iface, "cap": after["cap"],
+            "rate": g._ctx.shm.copy_rate if g._ctx.shm is not None else None}
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_root_writes_one_copy_at_4_ranks():
+    """A broadcast's root sends its tensor to each of its 3 peers (per peer) and writes it
+    once (interface bytes: one copy of the tensor); a shared-memory link's message counts the
+    same in both; every rank exports one shm capacity, the host's, measured."""
+    P, nbytes, p2p_bytes = 4, 3 << 20, 1 << 20
+    port = free_port_range(P)
+    res = run_ranks(_broadcast_metrics, P, port, nbytes, p2p_bytes, timeout=100)
+    root = res[0]
+    assert root["sent"] == {q: nbytes for q in (1, 2, 3)}, root["sent"]
+    assert root["iface"] == {"tx": nbytes, "rx": 0}, root["iface"]
+    for r in (1, 2, 3):
+        tx = p2p_bytes if r == 1 else 0
+        rx = nbytes + (p2p_bytes if r == 2 else 0)
+        assert res[r]["iface"] == {"tx": tx, "rx": rx}, (r, res[r]["iface"])
+        assert res[r]["sent"].get(0, 0) == 0, (r, res[r]["sent"])
+    assert res[1]["sent"][2] == p2p_bytes
+    caps = [[c for c in r["cap"] if c[0] == "shm"] for r in res]
+    assert all(len(c) == 1 for c in caps), caps  # one shm capacity per rank
+    assert len({c[0] for c in caps}) == 1, caps  # the same figure on every rank of the host
+    (iface, source, value), = caps[0]
+    assert source == "measured" and value == res[0]["rate"] > 2e8, caps

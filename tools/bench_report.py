@@ -129,7 +129,9 @@ def describe_hosts(hosts: list[str]) -> str:
 
 
 def link_lines(label: str, per_rank: list[dict]) -> list[str]:
-    """Per (rank, peer) bytes moved by one linerate group during the benchmark.
+    """Per (rank, peer) bytes moved by one linerate group during the benchmark, then per
+    (rank, interface) the bytes of the utilization, their rates and the utilization
+    (``interface_lines``).
 
     Every line starts with '#', so that the only other lines of the output are the table's rows."""
     lines = [f"# {label} links: bytes moved during the benchmark; rate = sent / time this rank "
@@ -145,13 +147,75 @@ def link_lines(label: str, per_rank: list[dict]) -> list[str]:
             lines.append(f"#{entry['rank']:>5}{link['peer']:>6}{len(sent):>7}"
                          f"{link['sent_bytes']:>15}{link['received_bytes']:>15}"
                          f"{rate:>12.3f}{balance:>9.2f}")
+    lines += interface_lines(label, per_rank)
     if per_rank and all(e.get("shared_memory") for e in per_rank):
         lines.append(f"# {label}: the ranks of this host share memory (LINERATE_SHM): these "
                      "are the bytes its collectives and messages moved through it (one "
-                     "connection per peer, interface shm: sent = bytes a rank copied for the "
-                     "peer to read, received = bytes it read of the peer's), not TCP bytes; "
-                     "LINERATE_SHM=0 measures the TCP path")
+                     "connection per peer, interface shm: sent = bytes a rank wrote for the "
+                     "peer to read, for each peer that read them, received = bytes it read of "
+                     "the peer's; the interfaces table counts a byte written for several peers "
+                     "once), not TCP bytes; LINERATE_SHM=0 measures the TCP path")
     return lines
+
+
+def interface_lines(label: str, per_rank: list[dict]) -> list[str]:
+    """Per (rank, interface) the bytes moved during the benchmark as the exporter's
+    utilization counts them (linerate_interface_bytes_total: for ``shm`` a byte written for
+    several peers counts once), their rate over the time the rank spent in its collectives,
+    the capacity and the utilization: the definition of ``linerate top`` and the dashboard.
+    Nothing where the entries carry no ``interfaces`` (``interface_deltas``)."""
+    rows = [(e, i) for e in per_rank for i in e.get("interfaces") or []]
+    if not rows:
+        return []
+    lines = [f"# {label} interfaces: bytes each rank moved per interface, as its utilization "
+             "counts them (shm: tx = bytes written for the peers, once however many read "
+             "them; rx = bytes read of theirs); rate = bytes / time this rank spent in its "
+             "collectives; util = rate / capacity",
+             f"#{'rank':>5}  {'iface':<8}{'tx(B)':>15}{'rx(B)':>15}{'tx(GB/s)':>10}"
+             f"{'rx(GB/s)':>10}{'capacity(Gb/s)':>16}{'util tx':>9}{'util rx':>9}"]
+    for entry, i in rows:
+        busy = entry["busy_s"]
+        rates = [i[k] / busy if busy > 0 else 0.0 for k in ("tx_bytes", "rx_bytes")]
+        cap = i.get("capacity_bytes_per_second")
+        utils = [r / cap if cap else None for r in rates]
+        line = (f"#{entry['rank']:>5}  {i['interface']:<8}{i['tx_bytes']:>15}{i['rx_bytes']:>15}"
+                f"{rates[0] / 1e9:>10.3f}{rates[1] / 1e9:>10.3f}"
+                + (f"{cap * 8 / 1e9:>16.2f}" if cap else f"{'-':>16}")
+                + "".join(f"{u:>9.1%}" if u is not None else f"{'-':>9}" for u in utils))
+        if any(u is not None and u > 1 for u in utils):
+            line += ("  capacity set by LINERATE_LINK_CAPACITY is too low"
+                     if i.get("capacity_source") == "setting" else "  above the capacity")
+        lines.append(line)
+    return lines
+
+
+def interface_snapshot(ctx) -> dict | None:
+    """A linerate group's bytes per (interface, direction) so far (its transport Context's:
+    transport/metrics.py interface_bytes), or None without a Context."""
+    if ctx is None:
+        return None
+    from linerate.transport import metrics
+    return metrics.interface_bytes(ctx)
+
+
+def interface_deltas(before: dict | None, after: dict | None) -> list[dict]:
+    """Per interface, the bytes moved between two ``interface_snapshot``s, with the
+    interface's capacity and its source (transport/metrics.py; None where unknown or where
+    LINERATE_LINK_CAPACITY is malformed): the ``interfaces`` of a links entry."""
+    if before is None or after is None:
+        return []
+    from linerate.transport import metrics
+    out = []
+    for iface in sorted({k[0] for k in after}):
+        try:
+            cap, source = metrics.link_capacity(iface), metrics.capacity_source(iface)
+        except ValueError:
+            cap = source = None
+        out.append({"interface": iface,
+                    "tx_bytes": after.get((iface, "tx"), 0) - before.get((iface, "tx"), 0),
+                    "rx_bytes": after.get((iface, "rx"), 0) - before.get((iface, "rx"), 0),
+                    "capacity_bytes_per_second": cap, "capacity_source": source})
+    return out
 
 
 def write_json(path: str, meta: dict, labels: list[str], rows: list[Row], links: list[dict],

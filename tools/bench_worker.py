@@ -24,6 +24,7 @@ from linerate import settings
 from linerate.tools import __version__
 from linerate.tools.bench_ops import OPS, Collective, element_count
 from linerate.tools.bench_report import Result, Row, Table, describe_hosts, link_lines, total_wrong, write_json
+from linerate.tools.bench_report import interface_deltas, interface_snapshot
 from linerate.tools.linkprobe import LinkProbeError, ProbeResult, format_lines, probe_ring
 
 #: With automatic iteration counts: seconds of timed iterations per size and backend.
@@ -47,6 +48,7 @@ class Column:
     note: str = ""
     busy_s: float = 0.0
     stats_before: list[dict] | None = None
+    moved_before: dict | None = None  # bytes per (interface, direction): interface_snapshot
 
 
 @dataclass
@@ -107,6 +109,7 @@ def _bench(args, rank: int, world: int, watchdog: threading.Timer | None = None)
 
     for c in columns:
         c.stats_before = _connection_stats(c.group)
+        c.moved_before = interface_snapshot(_backend_attr(c.group, "_ctx"))
     for name in sweep.ops:
         for i, size in enumerate(sweep.sizes):
             row = _measure_row(OPS[name], size, sweep, columns, rank, world, flip=i % 2 == 1)
@@ -366,6 +369,8 @@ def _gather_links(columns: list[Column], rank: int) -> list[dict]:
         if c.stats_before is not None and after is not None:
             mine.append({"label": c.label, "rank": rank, "host": socket.gethostname(),
                          "busy_s": c.busy_s, "links": _link_deltas(c.stats_before, after),
+                         "interfaces": interface_deltas(
+                             c.moved_before, interface_snapshot(_backend_attr(c.group, "_ctx"))),
                          "shared_memory": bool(_backend_attr(c.group, "shared_memory"))})
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

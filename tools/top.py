@@ -7,7 +7,9 @@
 Each ENDPOINT is HOST:PORT, HOST:PORT1-PORT2 (one rank per port), a bare PORT or PORT1-PORT2
 (localhost), or a full URL (http://host:port/metrics). Every --interval seconds all of them are
 scraped in parallel; rates are the counter deltas between two scrapes. Shown: per link (host,
-rank, interface, direction) the byte rate, the capacity and the utilization; per collective the
+rank, interface, direction) the byte rate, the capacity and the utilization (from
+linerate_interface_bytes_total, whose ``shm`` bytes count a copy that several peers read once:
+the definition of the exporter's utilization and of the dashboard); per collective the
 bus bandwidth (min/max over ranks), collectives per second, mean and p99 latency, and the
 slowest rank; the rank that makes the others wait, as the ranks decided it together
 (collectives/straggler.py: the share of recent collectives it entered last, how late); per peer
@@ -42,10 +44,13 @@ MAX_RANGE = 1024
 MAX_BODY_BYTES = 16 << 20
 MAX_THREADS = 32
 BAR_WIDTH = 10
+#: A utilization above this is over capacity: the bar ends in "!" and the row says why.
+OVER_CAPACITY = 1.005
 PREFIX = "linerate_"
 
 SENT = "linerate_sent_bytes_total"
 RECEIVED = "linerate_received_bytes_total"
+INTERFACE_BYTES = "linerate_interface_bytes_total"
 CAPACITY = "linerate_link_capacity_bytes_per_second"
 UTILIZATION = "linerate_link_utilization_ratio"
 HISTOGRAM = "linerate_collective_seconds"
@@ -359,16 +364,23 @@ def _late_rank(pairs: list[_Pair]) -> dict | None:
 
 
 def _links(pairs: list[_Pair]) -> list[dict]:
+    """Per (host, rank, interface, direction): the byte rate of linerate_interface_bytes_total
+    (where an endpoint exports none, of the per-peer counters summed), the capacity and where
+    it comes from (the ``source`` label), the utilization (rate over capacity, else the
+    exporter's gauge) and, above 100 %, a note that says why."""
     rows: dict[tuple, dict] = {}
-    capacity: dict[tuple, float] = {}
+    capacity: dict[tuple, tuple[float, str | None]] = {}
 
     def row(key: tuple) -> dict:
         return rows.setdefault(key, {"rate": None, "gauge": None})
 
     for pair in pairs:
-        for direction, name in _DIRECTIONS:
+        per_iface = bool(pair.series(INTERFACE_BYTES))
+        counters = ([(None, INTERFACE_BYTES)] if per_iface else list(_DIRECTIONS))
+        for fixed, name in counters:
             for key, _value in pair.series(name).items():
                 labels = _labels(key)
+                direction = fixed or labels.get("direction", "?")
                 r = row((*pair.ident(labels), labels.get("interface", "?"), direction))
                 d = pair.delta(name, key)
                 if d is not None:
@@ -379,25 +391,39 @@ def _links(pairs: list[_Pair]) -> list[dict]:
                  labels.get("direction", "?")))["gauge"] = value
         for key, value in pair.series(CAPACITY).items():
             labels = _labels(key)
-            capacity[(*pair.ident(labels), labels.get("interface", "?"))] = value
+            capacity[(*pair.ident(labels), labels.get("interface", "?"))] = (
+                value, labels.get("source"))
     out = []
     for (host, rank, iface, direction), r in rows.items():
-        cap = capacity.get((host, rank, iface))
-        cap = cap if cap is not None and cap > 0 else None
+        cap, source = capacity.get((host, rank, iface), (None, None))
+        if cap is None or cap <= 0:
+            cap, source = None, None
         if r["rate"] is not None and cap:
-            util, source = r["rate"] / cap, "counters"
+            util, how = r["rate"] / cap, "counters"
         elif r["gauge"] is not None:
-            util, source = r["gauge"], "gauge"
+            util, how = r["gauge"], "gauge"
         else:
-            util, source = None, None
+            util, how = None, None
         out.append({"host": host, "rank": rank, "interface": iface, "direction": direction,
                     "bytes_per_second": r["rate"],
                     "bits_per_second": r["rate"] * 8 if r["rate"] is not None else None,
-                    "capacity_bytes_per_second": cap, "utilization": util,
-                    "utilization_source": source})
+                    "capacity_bytes_per_second": cap, "capacity_source": source,
+                    "utilization": util, "utilization_source": how,
+                    "note": over_capacity_note(util, source)})
     out.sort(key=lambda x: (_rank_sort(x["rank"]), x["host"], x["interface"],
                             x["direction"] != "tx", x["direction"]))
     return out
+
+
+def over_capacity_note(util: float | None, source: str | None) -> str | None:
+    """Why a utilization is above 100 % (None where it is not): a capacity given by
+    LINERATE_LINK_CAPACITY below what the link carries, or (a capacity from the driver or
+    measured) counts that moved between the two scrapes unevenly."""
+    if util is None or util <= OVER_CAPACITY:
+        return None
+    if source == "setting":
+        return "capacity set by LINERATE_LINK_CAPACITY is too low"
+    return "above the capacity over this interval"
 
 
 def _collectives(pairs: list[_Pair]) -> dict:
@@ -616,7 +642,7 @@ def bar(ratio: float | None, width: int = BAR_WIDTH) -> str:
         return ""
     filled = max(0, min(width, round(ratio * width)))
     inside = "#" * filled + " " * (width - filled)
-    if ratio > 1.005:
+    if ratio > OVER_CAPACITY:
         inside = inside[:-1] + "!"
     return f"[{inside}]"
 
@@ -674,7 +700,8 @@ def render(frame: dict) -> str:
                  format_bits(r["bytes_per_second"]), format_byte_rate(r["bytes_per_second"]),
                  format_bits(r["capacity_bytes_per_second"]), format_percent(r["utilization"]),
                  bar(r["utilization"]) + ("  (gauge)" if r["utilization_source"] == "gauge"
-                                          else "")]
+                                          else "")
+                 + (f"  {r['note']}" if r.get("note") else "")]
                 for r in links]
         lines += _table(["LINK HOST", "RANK", "IFACE", "DIR", "RATE", "BYTES", "CAPACITY",
                          "UTIL", ""], rows, right={1, 4, 5, 6, 7})

@@ -6,6 +6,12 @@ What is counted where:
   receiver threads add to once per chunk), and for co-located ranks the bytes moved through
   the shared segment (its users add once per phase; ``Context.stats()`` counts them in the
   peer's ``shm`` link), both under interface ``shm``. Nothing else runs on the data path.
+- per interface and direction (``linerate_interface_bytes_total``, the bytes of the
+  utilization): a NIC's are its connections' bytes; ``shm``'s are the bytes the rank wrote
+  into shared memory for its peers, once however many peers read them (the segment's
+  ``copied()``, set by collectives/shm_algos.py, plus the shared-memory links' own bytes), and
+  the bytes it read of its peers'. A broadcast's root sends its tensor to every peer
+  (``linerate_sent_bytes_total``, per peer) but writes it once.
 - everything else of the links (interfaces, capacities, TCP_INFO, queue depths) is read when
   Prometheus scrapes, from the Contexts' ``stats()`` snapshots, by ``_Collector.collect``.
 
@@ -26,7 +32,9 @@ read through the registry, linerate/settings.py):
   LINERATE_METRICS_WINDOW   the sampler's window in seconds (default 1)
   LINERATE_LINK_CAPACITY    link rate where the driver reports none (veth, many clouds):
                             ``10gbit`` for every interface, or ``eth0=10gbit,eth1=25gbit``;
-                            ``shm=...`` replaces shared memory's measured copy rate
+                            ``shm=...`` replaces shared memory's measured copy rate (one
+                            figure per host: the segment's creator measures it, ``memcpy_rate``,
+                            and publishes it in the segment)
 """
 from __future__ import annotations
 
@@ -51,8 +59,9 @@ from .options import MetricsOptions, parse_env
 log = logging.getLogger("linerate.metrics")
 
 __all__ = ["REGISTRY", "start_exporter", "start_from_env", "enable", "enabled", "on_window",
-           "identity", "track", "retire", "set_info", "link_capacity", "interface_of",
-           "conn_interface", "tcp_info", "exporter_ports", "memcpy_rate"]
+           "identity", "track", "retire", "set_info", "link_capacity", "capacity_source",
+           "interface_of", "conn_interface", "tcp_info", "exporter_ports", "memcpy_rate",
+           "interface_bytes", "interface_totals"]
 
 #: The registry the exporter serves (linerate's series only, no process/platform collectors).
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -62,6 +71,10 @@ _enabled = False
 _contexts: "weakref.WeakSet" = weakref.WeakSet()
 _retired: dict[tuple, list] = {}        # (peer, interface, connection) -> [sent, received]
 _retired_retrans: dict[int, int] = {}   # peer -> retransmits of closed connections
+_retired_iface: dict[tuple, int] = {}   # (interface, direction) -> bytes of closed contexts
+#: The capacity of ``shm``: the copy rate published in the first segment of this process
+#: (every rank of a host reads its creator's figure), None until a tracked Context had one.
+_shm_rate: float | None = None
 _util: dict[tuple, float] = {}          # (interface, direction) -> ratio
 _info: dict[str, str] = {"transport": "tcp", "nsocks": "", "algorithm": ""}
 _servers: dict[int, object] = {}
@@ -108,9 +121,15 @@ def on_window(callback: Callable[[], None]) -> None:
 
 # ----------------------------------------------------------------------------- contexts
 def track(ctx) -> None:
-    """Export the byte counters of a transport Context (it calls this itself)."""
+    """Export the byte counters of a transport Context (it calls this itself, once its links
+    and shared segment are set up). The first Context with a shared segment gives the process
+    its ``shm`` capacity: the copy rate the segment's creator measured and published there."""
+    global _shm_rate
+    rate = getattr(getattr(ctx, "shm", None), "copy_rate", None)
     with _lock:
         _contexts.add(ctx)
+        if _shm_rate is None and rate:
+            _shm_rate = float(rate)
 
 
 def retire(ctx) -> None:
@@ -120,11 +139,14 @@ def retire(ctx) -> None:
             return
         _contexts.discard(ctx)
     snap = ctx.stats()
+    ifaces = _interface_counts(ctx, snap)
     with _lock:
         for peer, key, sent, received in _conn_counts(snap):
             acc = _retired.setdefault(key, [0, 0])
             acc[0] += sent
             acc[1] += received
+        for key, n in ifaces.items():
+            _retired_iface[key] = _retired_iface.get(key, 0) + n
         for p in snap["peers"]:
             for link in p["links"]:
                 if link["retransmits"]:
@@ -149,17 +171,73 @@ def _conn_counts(snap: dict):
                        c["received_bytes"])
 
 
-def _byte_totals() -> dict[tuple, list]:
-    """(peer, interface, connection) -> [sent, received], closed contexts included."""
+def _interface_counts(ctx, snap: dict | None = None) -> dict[tuple, int]:
+    """(interface, direction) -> bytes of one Context (``snap``: its stats(), if at hand).
+
+    A NIC's bytes are its connections'. For ``shm`` a rank's ``tx`` counts each byte it wrote
+    into shared memory for its peers once, however many of them read it (a broadcast's root
+    writes its tensor once for all), and ``rx`` the bytes it read of theirs: the shared-memory
+    links' own bytes (a ring has one reader: the same as per peer) plus the segment's
+    ``copied()`` (collectives/shm_algos.py Engine.copied), where the per-peer counts of the
+    ``shm`` connections hold the segment's bytes once per reader."""
+    snap = ctx.stats() if snap is None else snap
+    out: dict[tuple, int] = {}
+
+    def add(key: tuple, n: int) -> None:
+        out[key] = out.get(key, 0) + n
+
+    for p in snap["peers"]:
+        for link in p["links"]:
+            for i, c in enumerate(link["connections"]):
+                ifname = conn_interface(c)
+                sent, received = c["sent_bytes"], c["received_bytes"]
+                if i == 0:  # the segment's bytes, as Context.stats adds them (per peer)
+                    sent -= link.get("segment_bytes_sent", 0)
+                    received -= link.get("segment_bytes_received", 0)
+                add((ifname, "tx"), sent)
+                add((ifname, "rx"), received)
+    copied = getattr(getattr(ctx, "shm", None), "copied", None)
+    if copied is not None:
+        wrote, read = copied()
+        add(("shm", "tx"), wrote)
+        add(("shm", "rx"), read)
+    return out
+
+
+def interface_bytes(ctx) -> dict[tuple, int]:
+    """(interface, direction) -> the bytes one transport Context moved (``tx``, ``rx``): what
+    its utilization counts (``linerate_interface_bytes_total``; for ``shm``: written once for
+    every reader, and read)."""
+    return _interface_counts(ctx)
+
+
+def _totals() -> tuple[dict[tuple, list], dict[tuple, int]]:
+    """Closed contexts included: (peer, interface, connection) -> [sent, received], and
+    (interface, direction) -> bytes (one stats() snapshot of each live Context for both)."""
     with _lock:
-        out = {k: list(v) for k, v in _retired.items()}
+        conns = {k: list(v) for k, v in _retired.items()}
+        ifaces = dict(_retired_iface)
         live = list(_contexts)
     for ctx in live:
-        for peer, key, sent, received in _conn_counts(ctx.stats()):
-            acc = out.setdefault(key, [0, 0])
+        snap = ctx.stats()
+        for peer, key, sent, received in _conn_counts(snap):
+            acc = conns.setdefault(key, [0, 0])
             acc[0] += sent
             acc[1] += received
-    return out
+        for key, n in _interface_counts(ctx, snap).items():
+            ifaces[key] = ifaces.get(key, 0) + n
+    return conns, ifaces
+
+
+def _byte_totals() -> dict[tuple, list]:
+    """(peer, interface, connection) -> [sent, received], closed contexts included."""
+    return _totals()[0]
+
+
+def interface_totals() -> dict[tuple, int]:
+    """(interface, direction) -> bytes this process moved (closed contexts included): the
+    counters of ``linerate_interface_bytes_total`` and of the utilization."""
+    return _totals()[1]
 
 
 # ----------------------------------------------------------------------------- the host
@@ -215,24 +293,55 @@ def _capacity_env() -> dict[str, float]:
 def link_capacity(ifname: str) -> float | None:
     """Bytes per second of an interface: LINERATE_LINK_CAPACITY, else the driver's speed (for
     an RDMA port ``dev:port``, the rate in /sys/class/infiniband). ``shm`` (co-located ranks:
-    their shared segment and links) is the host's memory copy rate (``memcpy_rate``) unless
-    LINERATE_LINK_CAPACITY names it (``shm=...``; a rate for every interface is not one for
-    memory)."""
+    their shared segment and links) is the most one rank copies per second, one figure per
+    host (``shm_rate``), unless LINERATE_LINK_CAPACITY names it (``shm=...``; a rate for every
+    interface is not one for memory)."""
+    return _capacity_and_source(ifname)[0]
+
+
+def capacity_source(ifname: str) -> str | None:
+    """Where ``link_capacity(ifname)`` comes from: "setting" (LINERATE_LINK_CAPACITY),
+    "measured" (``shm``: the copy rate measured on the host) or "driver" (the interface's
+    speed, an RDMA port's rate); None where the capacity is unknown."""
+    return _capacity_and_source(ifname)[1]
+
+
+def _capacity_and_source(ifname: str) -> tuple[float | None, str | None]:
     env = _capacity_env()
     if ifname in env:
-        return env[ifname]
+        return env[ifname], "setting"
     if ifname == "shm":
-        return memcpy_rate()
+        return shm_rate(), "measured"
     if "*" in env:
-        return env["*"]
+        return env["*"], "setting"
     if ":" in ifname:
-        return _rdma_rate(ifname)
+        rate = _rdma_rate(ifname)
+        return rate, "driver" if rate else None
     try:
         with open(f"/sys/class/net/{ifname}/speed") as f:
             mbit = int(f.read().strip())
     except (OSError, ValueError):
-        return None
-    return mbit * 1e6 / 8.0 if mbit > 0 else None
+        return None, None
+    return (mbit * 1e6 / 8.0, "driver") if mbit > 0 else (None, None)
+
+
+def shm_rate() -> float:
+    """The measured capacity of ``shm``, bytes per second: the copy rate that the creator of
+    this process's first shared segment measured (``memcpy_rate``) when it set the segment up,
+    before any traffic, and published in it; every rank of the host reads the same figure.
+    A process that never tracked a segment measures it itself."""
+    global _shm_rate
+    if _shm_rate is None:
+        with _lock:
+            live = list(_contexts)
+        for ctx in live:
+            rate = getattr(getattr(ctx, "shm", None), "copy_rate", None)
+            if rate:
+                with _lock:
+                    if _shm_rate is None:
+                        _shm_rate = float(rate)
+                break
+    return _shm_rate if _shm_rate is not None else memcpy_rate()
 
 
 def _rdma_rate(port: str) -> float | None:
@@ -245,49 +354,64 @@ def _rdma_rate(port: str) -> float | None:
     return gbit * 1e9 / 8.0 if gbit > 0 else None
 
 
-#: The memory copy probe (``memcpy_rate``): bytes per copy (larger than a last-level cache, so
-#: the copies stream from memory as the collectives' do), and copies (the best one counts).
-MEMCPY_PROBE_BYTES = 64 << 20
-MEMCPY_PROBE_COPIES = 4
+#: The copy probe (``memcpy_rate``): the sizes copied (the sizes of the shared-memory
+#: collectives' copies, which run from a cache that holds them: their fastest) and the copies
+#: of each size (the best one counts), after a warm-up of WARM copies of the largest.
+MEMCPY_PROBE_SIZES = (64 << 10, 256 << 10, 1 << 20)
+MEMCPY_PROBE_COPIES = 16
+MEMCPY_PROBE_WARM = 4
 _memcpy_rate: float | None = None
 _memcpy_lock = threading.Lock()
 
 
 def memcpy_rate() -> float:
-    """This host's memory copy bandwidth, bytes per second: the best of MEMCPY_PROBE_COPIES
-    copies of MEMCPY_PROBE_BYTES by one thread with glibc's memmove (the copy the shared
-    segment's collectives make), measured once per process, at the first use (about 0.1 s).
-    The capacity of interface ``shm``: the bytes a rank sends through shared memory per second
-    are the bytes it copies for its peers, so its utilization means what a NIC's does."""
+    """The most bytes one thread of this host copies per second with glibc's memmove (the copy
+    the shared-memory collectives and links make): the best of MEMCPY_PROBE_COPIES copies of
+    each of MEMCPY_PROBE_SIZES between two buffers, after a warm-up; measured once per process
+    (about 3 ms). The segment's creator measures it while setting the segment up
+    (transport/shm.py), before any traffic, and publishes it there: the capacity of ``shm``.
+    A rank's copies run one after the other on its thread, at best from a cache as these do,
+    so its utilization of ``shm`` stays at or under 1; copies of tensors too large for the
+    cache run slower than this."""
     global _memcpy_rate
     with _memcpy_lock:
         if _memcpy_rate is None:
             import ctypes
-            n = MEMCPY_PROBE_BYTES
+            n = max(MEMCPY_PROBE_SIZES)
             src, dst = bytearray(n), bytearray(n)
             a = ctypes.addressof((ctypes.c_char * n).from_buffer(src))
             b = ctypes.addressof((ctypes.c_char * n).from_buffer(dst))
             ctypes.memset(a, 1, n)  # both buffers' pages faulted in before the timing
             ctypes.memset(b, 0, n)
-            best = float("inf")
-            for _ in range(MEMCPY_PROBE_COPIES):
-                t0 = time.perf_counter()
-                ctypes.memmove(b, a, n)
-                best = min(best, time.perf_counter() - t0)
-            _memcpy_rate = n / max(best, 1e-9)
+            move, clock = ctypes.memmove, time.perf_counter
+            for _ in range(MEMCPY_PROBE_WARM):
+                move(b, a, n)
+            rate = 0.0
+            for size in MEMCPY_PROBE_SIZES:
+                best = float("inf")
+                for _ in range(MEMCPY_PROBE_COPIES):
+                    t0 = clock()
+                    move(b, a, size)
+                    best = min(best, clock() - t0)
+                rate = max(rate, size / max(best, 1e-9))
+            _memcpy_rate = rate
         return _memcpy_rate
 
 
 def _capacity_or_none(ifname: str) -> float | None:
     """link_capacity for the scrape path: a setting changed to something bad is logged once
     and the capacity left out, so that the other series still export."""
+    return _capacity_and_source_or_none(ifname)[0]
+
+
+def _capacity_and_source_or_none(ifname: str) -> tuple[float | None, str | None]:
     try:
-        return link_capacity(ifname)
+        return _capacity_and_source(ifname)
     except ValueError as e:
         if str(e) not in _warned:
             _warned.add(str(e))
             log.warning("linerate metrics: %s", e)
-        return None
+        return None, None
 
 
 _warned: set[str] = set()
@@ -337,19 +461,11 @@ def _window() -> float:
     return settings.read("LINERATE_METRICS_WINDOW")
 
 
-def _iface_totals() -> dict[tuple, int]:
-    out: dict[tuple, int] = {}
-    for (peer, ifname, _), (sent, received) in _byte_totals().items():
-        out[(ifname, "tx")] = out.get((ifname, "tx"), 0) + sent
-        out[(ifname, "rx")] = out.get((ifname, "rx"), 0) + received
-    return out
-
-
 def sample(prev: tuple | None) -> tuple:
     """One sampler step: update utilization from ``prev`` = (time, totals) and call the
     ``on_window`` callbacks."""
     now = time.monotonic()
-    totals = _iface_totals()
+    totals = interface_totals()
     with _lock:
         hooks = list(_window_hooks)
     for hook in hooks:
@@ -394,7 +510,7 @@ class _Collector:
         fam.add_metric(ids + [_version(), info["transport"], info["nsocks"], info["algorithm"]], 1)
         yield fam
 
-        totals = _byte_totals()
+        totals, ifbytes = _totals()
         sent = CounterMetricFamily("linerate_sent_bytes", "Payload bytes sent, per connection",
                                    labels=base + ["peer", "interface", "connection"])
         recv = CounterMetricFamily("linerate_received_bytes", "Payload bytes received, per connection",
@@ -406,18 +522,27 @@ class _Collector:
             ifaces.add(ifname)
         yield sent
         yield recv
+        moved = CounterMetricFamily(
+            "linerate_interface_bytes",
+            "Bytes moved per interface, those of the utilization (shm: written once for all "
+            "readers, and read)", labels=base + ["interface", "direction"])
+        for (ifname, direction), n in sorted(ifbytes.items()):
+            moved.add_metric(ids + [ifname, direction], n)
+            ifaces.add(ifname)
+        yield moved
 
         cap = GaugeMetricFamily("linerate_link_capacity_bytes_per_second",
-                                "Link rate (driver speed or LINERATE_LINK_CAPACITY)",
-                                labels=base + ["interface"])
+                                "Link rate (driver speed, LINERATE_LINK_CAPACITY, or for shm "
+                                "the host's measured copy rate)",
+                                labels=base + ["interface", "source"])
         for ifname in sorted(ifaces):
-            c = _capacity_or_none(ifname)
+            c, source = _capacity_and_source_or_none(ifname)
             if c:
-                cap.add_metric(ids + [ifname], c)
+                cap.add_metric(ids + [ifname, source], c)
         yield cap
         util = GaugeMetricFamily("linerate_link_utilization_ratio",
-                                 "linerate's bytes over the last window / link capacity",
-                                 labels=base + ["interface", "direction"])
+                                 "linerate_interface_bytes_total over the last window / link "
+                                 "capacity", labels=base + ["interface", "direction"])
         with _lock:
             util_now = dict(_util)
             retrans = dict(_retired_retrans)

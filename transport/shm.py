@@ -51,6 +51,7 @@ import math
 import mmap
 import os
 import platform
+import re
 import select
 import secrets
 import socket
@@ -64,7 +65,8 @@ import numpy as np
 import torch
 
 from .interfaces import read_text
-from .rendezvous import multi_get
+from .metrics import memcpy_rate
+from .rendezvous import multi_get, version_mismatch, version_text
 from .request import TransportError
 
 log = logging.getLogger("linerate.transport")
@@ -73,8 +75,19 @@ MODES = ("auto", "0", "1")
 SHM_DIR = "/dev/shm"
 #: Data bytes per rank of the group (the collectives pipeline through it in chunks).
 BYTES_PER_RANK = 4 << 20
-_MAGIC = b"LRSHM\x00\x02\x00"
-_HEADER = 4096            # magic, sizes, token; then one bell per rank
+#: The segment's layout (header, bells, control rows, data and point-to-point areas): bumped
+#: with any change to it. The segment's magic carries it, and the ranks compare it at rendezvous
+#: with the linerate and wire versions (transport/rendezvous.py ``version_text``), so that ranks
+#: of different layouts never share a segment. 3: the header records the host's copy rate and
+#: the segment's creator (``_OWNER_OFF``).
+LAYOUT_VERSION = 3
+_MAGIC = b"LRSHM\x00" + struct.pack("<H", LAYOUT_VERSION)
+_HEADER = 4096            # magic, sizes, copy rate, token; then one bell per rank
+#: The host's copy rate (a float64, bytes per second: the capacity of interface ``shm``),
+#: measured by the segment's creator before it publishes the segment (``_create``).
+_RATE_OFF = 24
+#: The segment's creator: its pid and pid namespace (int64 each), for ``sweep_stale``.
+_OWNER_OFF = 32
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBoard)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
@@ -454,11 +467,18 @@ class SetupBoard:
         self._lib = _futex_lib() if _SYS_FUTEX is not None else None
         self._got: dict[int, str] = {}   # posted(), as last read
 
-    def post(self, rank: int, mode: str) -> None:
+    def post(self, rank: int, mode: str) -> bool:
         """This rank mapped the segment (with LINERATE_SHM ``mode``): say so, and wake the
-        waiting ranks (the futex add is a full barrier: the post is seen before the ring)."""
+        waiting ranks (the futex add is a full barrier: the post is seen before the ring).
+        Returns whether every rank of the segment has posted, as seen after the ring: the
+        last of them to post sees every post (each one's store comes before its barrier)."""
         self._slots[rank] = self._MODES.get(mode, 3)
         self.ring()
+        return self.all_posted()
+
+    def all_posted(self) -> bool:
+        """Whether every rank of the segment has mapped it (its name can go)."""
+        return int(np.count_nonzero(self._slots)) == len(self._slots)
 
     def posted(self) -> dict[int, str]:
         """{rank: its LINERATE_SHM} of the ranks that posted so far ("?" for a value no
@@ -566,6 +586,13 @@ class Segment:
         #: {peer's group rank: (bytes sent to it, bytes received from it)}, set by whoever moves
         #: them (collectives/shm_algos.py Engine), read by Context.stats; None: nothing counted.
         self.traffic = None
+        #: The same bytes as the memory moved them: a callable returning (bytes written for
+        #: the peers, each once however many read it; bytes read of theirs), set by the same
+        #: user, read by transport/metrics.py (interface ``shm``'s rate and utilization).
+        self.copied = None
+        #: The host's copy rate, bytes per second, as the segment's creator measured it before
+        #: any traffic (transport/metrics.py memcpy_rate): every rank of the host reads the same.
+        self.copy_rate = float(raw[_RATE_OFF:_RATE_OFF + 8].view(np.float64)[0])
         self._cause_lock = threading.Lock()
 
     # ------------------------------------------------------------------ cause records
@@ -663,8 +690,10 @@ class Segment:
 
 # ----------------------------------------------------------------------------- set-up
 def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
-    """Create and map a fresh segment; (name, path, token, mapping). Not yet unlinked."""
+    """Create and map a fresh segment; (name, path, token, mapping). Not yet unlinked. The
+    segments that crashed set-ups left behind go first (``sweep_stale``)."""
     nbytes = p2p_layout(size)[3]
+    sweep_stale()
     for _ in range(8):
         name = "linerate-" + secrets.token_hex(16)
         path = os.path.join(SHM_DIR, name)
@@ -689,6 +718,8 @@ def _create(size: int) -> tuple[str, str, bytes, torch.Tensor]:
     mm[_TOKEN_OFF:_TOKEN_OFF + _TOKEN_LEN] = token
     mm[0:len(_MAGIC)] = _MAGIC
     struct.pack_into("<qq", mm, 8, nbytes, size)
+    struct.pack_into("<d", mm, _RATE_OFF, memcpy_rate())
+    struct.pack_into("<qq", mm, _OWNER_OFF, os.getpid(), pidns())
     return name, path, token, torch.frombuffer(mm, dtype=torch.uint8)
 
 
@@ -718,7 +749,13 @@ def _attach(name: str, size: int, secret: bytes, mac: str) -> torch.Tensor:
     finally:
         os.close(fd)
     token = bytes(mm[_TOKEN_OFF:_TOKEN_OFF + _TOKEN_LEN])
-    if mm[0:len(_MAGIC)] != _MAGIC or not hmac.compare_digest(_mac(secret, name, token), mac):
+    magic = bytes(mm[0:len(_MAGIC)])
+    if magic != _MAGIC and magic[:6] == _MAGIC[:6]:
+        mm.close()
+        raise ShmRefused(f"{path} has shared-memory layout {struct.unpack('<H', magic[6:])[0]}, "
+                         f"this rank's linerate {LAYOUT_VERSION}: the ranks run different "
+                         f"linerate versions")
+    if magic != _MAGIC or not hmac.compare_digest(_mac(secret, name, token), mac):
         mm.close()
         raise ShmRefused(f"{path}: the token in the segment does not match its creator's (not the "
                          f"segment the host's lowest rank created)")
@@ -732,6 +769,53 @@ def _unlink(path: str) -> None:
         pass
     except OSError as e:  # pragma: no cover - /dev/shm is ours to clean
         log.warning("could not unlink %s: %s", path, e)
+
+
+def sweep_stale(shm_dir: str | None = None) -> list[str]:
+    """Unlink the segments of this user in ``shm_dir`` (default SHM_DIR) whose creator has
+    exited: names a set-up left behind when every rank of its host died before they had all
+    mapped the segment (a segment's name goes once they have; after that the mappings alone
+    hold it). Only a regular 0600 file of this user, of this layout (its magic), whose creator's
+    pid namespace is this process's and whose creator is gone, is touched. Returns the names
+    unlinked; never raises."""
+    shm_dir = shm_dir or SHM_DIR
+    gone = []
+    me, uid = pidns(), os.geteuid()
+    if not me:
+        return gone
+    try:
+        entries = [e.name for e in os.scandir(shm_dir) if _SEGMENT_NAME.fullmatch(e.name)]
+    except OSError:
+        return gone
+    for name in entries:
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != uid
+                    or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size < _TOKEN_OFF):
+                continue
+            head = os.pread(fd, _OWNER_OFF + 16, 0)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if len(head) < _OWNER_OFF + 16 or head[:len(_MAGIC)] != _MAGIC:
+            continue
+        pid, ns = struct.unpack_from("<qq", head, _OWNER_OFF)
+        if pid > 0 and ns == me and not pid_alive(pid):
+            _unlink(path)
+            gone.append(name)
+    if gone:
+        log.info("linerate: unlinked %d shared-memory segment(s) in %s left by set-ups whose "
+                 "processes died: %s", len(gone), shm_dir, ", ".join(gone))
+    return gone
+
+
+_SEGMENT_NAME = re.compile(r"linerate-[0-9a-f]{32}")
 
 
 class Offer:
@@ -811,7 +895,7 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     if size < 2:
         return None, Layout(((rank,),), True)
     base = f"{prefix}shm/{generation}/"
-    me = {"host": host_id(), "mode": mode}
+    me = {"host": host_id(), "mode": mode, "version": version_text()}
     offer_rec = _loads(offered, 0) if offered else {}
     segment_offered = "name" in offer_rec or "error" in offer_rec
     spec = None
@@ -834,10 +918,16 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
             peers = [me if r == rank else _loads(raw, r)
                      for r, raw in enumerate(_gather(store, f"{base}host/", range(size)))]
         else:
-            peers = _records_of_mappers(store, base, rank, size, me, SetupBoard(spec, size))
+            peers = _records_of_mappers(store, base, rank, size, me, SetupBoard(spec, size),
+                                        spec_name)
     finally:
         if mine_offer is not None:  # every rank on this host has mapped it, or given up
             mine_offer.close()
+    # Every rank's versions, on every rank: a rank of a linerate too old to compare its own
+    # with rank 0's at rendezvous is named here (its record says none).
+    for r, p in enumerate(peers):
+        if p.get("version") != me["version"]:
+            raise version_mismatch(rank, r, me["version"], p.get("version"))
     modes = {str(p.get("mode")) for p in peers}
     if len(modes) > 1:
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
@@ -896,6 +986,7 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
         if rank == creator:
             try:
                 name, path, token, buf = _create(n)
+                SetupBoard(buf, n).post(0, "auto")  # mapped (the last mapper unlinks it)
                 store.set(f"{base}seg/{creator}", json.dumps({"name": name,
                                                               "mac": _mac(secret, name, token)}))
             except OSError as e:
@@ -919,6 +1010,9 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
                     why = "ok"
                 except ShmRefused as e:
                     why = str(e)
+                else:  # the last of the host's ranks to map it unlinks its name at once
+                    if SetupBoard(buf, n).post(mine.index(rank), "auto"):
+                        _unlink(os.path.join(SHM_DIR, str(seg["name"])))
             store.set(f"{base}ok/{rank}", why)
             name = str(seg.get("name", "?"))
     finally:
@@ -928,7 +1022,7 @@ def _host_segment(store, base: str, rank: int, mine: tuple, secret: bytes):
 
 
 def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
-                        board: SetupBoard) -> list:
+                        board: SetupBoard, name: str | None = None) -> list:
     """Every rank's host record, on a rank that mapped the offered segment: the ranks that
     mapped it too post on its ``board`` (their record is then this rank's host, their
     LINERATE_SHM, "ok"); the others' records come from the store. This rank posts; it publishes
@@ -936,8 +1030,14 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
     record from the store) only once some rank has not posted within PUBLISH_AFTER_S, or had
     not when the wait ended. When every rank posted by then, this rank asks nothing of the
     store here: a store request is a hand-off to the process that hosts it, and a small
-    group's set-up on a busy host is a chain of such hand-offs."""
-    board.post(rank, str(me["mode"]))
+    group's set-up on a busy host is a chain of such hand-offs.
+
+    The rank that sees every rank posted unlinks the segment's name ``name`` at once: every
+    rank has mapped it (where some ranks are on other hosts, rank 0 unlinks it once it has read
+    the records)."""
+    unlinked = board.post(rank, str(me["mode"])) and name is not None
+    if unlinked:
+        _unlink(os.path.join(SHM_DIR, name))
     keys = [f"{base}host/{r}" for r in range(size)]
     published = False
     since = time.monotonic()
@@ -956,14 +1056,17 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
 
     store.wait_set(keys, max_delay=0.02, bell=board, pending=pending)
     got = board.posted()
+    if len(got) == size and not unlinked and name is not None:
+        _unlink(os.path.join(SHM_DIR, name))
     rest = [r for r in range(size) if r not in got]
     raws = {}
     if rest:
         if not published:
             publish()
         raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest])))
-    return [me if r == rank else
-            {"host": me["host"], "mode": got[r], "offer": "ok"} if r in got else
+    # A rank that posted mapped this segment, of this layout (its magic): its record is this
+    # rank's (host, versions) but for its LINERATE_SHM.
+    return [me if r == rank else {**me, "mode": got[r], "offer": "ok"} if r in got else
             _loads(raws[r], r) for r in range(size)]
 
 

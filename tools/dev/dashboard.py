@@ -55,14 +55,26 @@ def rate(counter: str, extra: str = "") -> str:
     return f"rate({counter}{{{sel}}}[$__rate_interval])"
 
 
-def series(name: str) -> str:
-    return f"{name}{{{SEL}}}"
+def series(name: str, extra: str = "") -> str:
+    """``name{job, host[, extra]}``."""
+    sel = SEL + (f", {extra}" if extra else "")
+    return f"{name}{{{sel}}}"
 
 
-def by_kind(counter: str) -> str:
+def per_host(expr, extra: str = "", by: str = "host, interface") -> str:
+    """A per-rank quantity (``expr(extra)``: a selector or a rate with matchers ``extra``) per
+    host and interface: summed over a host's ranks for a NIC, which they share; for ``shm`` the
+    busiest rank's (its capacity is what one rank copies per second: the ranks do not share
+    it)."""
+    extra = f"{extra}, " if extra else ""
+    nic, shm = expr(extra + 'interface!="shm"'), expr(extra + 'interface="shm"')
+    return f"sum by ({by}) ({nic}) or max by ({by}) ({shm})"
+
+
+def by_kind(counter: str, extra: str = "") -> str:
     """Bytes/s of a byte counter per host and interface kind: ``shm`` (shared memory), ``rdma``
     (an RDMA device:port; Linux interface names cannot hold a colon) or ``tcp``."""
-    inner = rate(counter)
+    inner = rate(counter, extra)
     inner = f'label_replace({inner}, "kind", "tcp", "interface", ".*")'
     inner = f'label_replace({inner}, "kind", "rdma", "interface", ".+:.+")'
     inner = f'label_replace({inner}, "kind", "shm", "interface", "shm")'
@@ -139,42 +151,61 @@ def build() -> dict:
             .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"])))
 
     sent, received = "linerate_sent_bytes_total", "linerate_received_bytes_total"
+    moved = "linerate_interface_bytes_total"
     capacity = "max by (host, interface) (" + series("linerate_link_capacity_bytes_per_second") + ")"
+
+    def moved_rate(direction: str):
+        return lambda extra: rate(moved, f'direction="{direction}", {extra}')
 
     # ------------------------------------------------------------------ Links
     d = d.with_row(row("Links"))
     d = d.with_panel(graph(
         "Link utilization (exporter)",
-        "linerate_link_utilization_ratio: bytes each rank moved over its last metrics window "
-        "(LINERATE_METRICS_WINDOW) divided by the interface capacity, summed over the ranks of a "
-        "host. Absent for interfaces without a known capacity (loopback, unless "
-        "LINERATE_LINK_CAPACITY is set).", "percentunit",
-        [("sum by (host, interface, direction) (" + series("linerate_link_utilization_ratio") + ")",
+        "linerate_link_utilization_ratio: linerate_interface_bytes_total over each rank's last "
+        "metrics window (LINERATE_METRICS_WINDOW) divided by the interface capacity; a NIC's "
+        "summed over the ranks of a host, shm's the busiest rank's (the capacity of shm is what "
+        "one rank copies per second, and a copy that several peers read counts once). Absent "
+        "for interfaces without a known capacity (loopback, unless LINERATE_LINK_CAPACITY is "
+        "set). shm reads above 100% only where LINERATE_LINK_CAPACITY sets its capacity too "
+        "low.",
+        "percentunit",
+        [(per_host(lambda extra: series("linerate_link_utilization_ratio", extra),
+                   by="host, interface, direction"),
           "{{host}} {{interface}} {{direction}}")], soft_max=1))
     d = d.with_panel(graph(
         "Link utilization (from byte counters)",
-        "Rate of the payload byte counters of all ranks of a host per interface, divided by the "
-        "interface capacity (linerate_link_capacity_bytes_per_second). Independent of the "
-        "exporter's window; smoothed over $__rate_interval.", "percentunit",
-        [(f"sum by (host, interface) ({rate(sent)}) / on (host, interface) {capacity}",
+        "Rate of linerate_interface_bytes_total per interface, divided by the interface "
+        "capacity (linerate_link_capacity_bytes_per_second): a NIC's summed over the ranks of "
+        "a host, shm's the busiest rank's. The exporter's definition, independent of its "
+        "window; smoothed over $__rate_interval.", "percentunit",
+        [(f"({per_host(moved_rate('tx'))}) / on (host, interface) {capacity}",
           "{{host}} {{interface}} tx"),
-         (f"sum by (host, interface) ({rate(received)}) / on (host, interface) {capacity}",
+         (f"({per_host(moved_rate('rx'))}) / on (host, interface) {capacity}",
           "{{host}} {{interface}} rx")], soft_max=1))
     d = d.with_panel(graph(
         "Bytes/s per interface",
-        "Payload bytes per second (linerate frames) of all ranks of a host, per interface (rail).",
+        "linerate_interface_bytes_total per second of all ranks of a host, per interface "
+        "(rail): a NIC's payload bytes (linerate frames); for shm the bytes the ranks wrote "
+        "for their peers (tx: once, however many peers read them) and read of theirs (rx).",
         "Bps",
-        [(f"sum by (host, interface) ({rate(sent)})", "{{host}} {{interface}} tx"),
-         (f"sum by (host, interface) ({rate(received)})", "{{host}} {{interface}} rx")]))
+        [("sum by (host, interface) (" + rate(moved, 'direction="tx"') + ")",
+          "{{host}} {{interface}} tx"),
+         ("sum by (host, interface) (" + rate(moved, 'direction="rx"') + ")",
+          "{{host}} {{interface}} rx")]))
     d = d.with_panel(targets(
         bargauge.Panel().id(next(ids)).title("Link capacity")
-        .description("linerate_link_capacity_bytes_per_second: /sys/class/net/IF/speed, or "
-                     "LINERATE_LINK_CAPACITY when set; for shm the host's memory copy rate.")
+        .description("linerate_link_capacity_bytes_per_second by its source: driver "
+                     "(/sys/class/net/IF/speed, an RDMA port's rate), setting "
+                     "(LINERATE_LINK_CAPACITY), or for shm measured: the most one rank copies "
+                     "per second, measured once per host when the shared segment is set up "
+                     "(every rank of the host exports the same figure).")
         .datasource(ds).span(WIDTH).height(HEIGHT).unit("Bps").min(0)
         .display_mode(cm.BarGaugeDisplayMode.BASIC).orientation(cm.VizOrientation.HORIZONTAL)
         .show_unfilled(True)
         .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)),
-        [(capacity, "{{host}} {{interface}}")]))
+        [("max by (host, interface, source) ("
+          + series("linerate_link_capacity_bytes_per_second") + ")",
+          "{{host}} {{interface}} ({{source}})")]))
 
     # ------------------------------------------------------------------ Peers
     d = d.with_row(row("Peers"))
@@ -237,10 +268,12 @@ def build() -> dict:
     d = d.with_row(row("Slow ranks and links"))
     d = d.with_panel(graph(
         "Bytes/s per interface kind",
-        "Payload bytes per second of all ranks of a host by kind of interface: shm (shared "
-        "memory between the ranks of a host: the bytes written into the segment for a peer and "
-        "read of a peer's), rdma (an RDMA device:port) or tcp (every other interface).", "Bps",
-        [(by_kind(sent), "{{host}} {{kind}} tx"), (by_kind(received), "{{host}} {{kind}} rx")]))
+        "linerate_interface_bytes_total per second of all ranks of a host by kind of interface: "
+        "shm (shared memory between the ranks of a host: the bytes written for the peers, once "
+        "however many read them, and read of theirs), rdma (an RDMA device:port) or tcp (every "
+        "other interface).", "Bps",
+        [(by_kind(moved, 'direction="tx"'), "{{host}} {{kind}} tx"),
+         (by_kind(moved, 'direction="rx"'), "{{host}} {{kind}} rx")]))
     d = d.with_panel(graph(
         "Time waited for each peer",
         "rate of linerate_peer_wait_seconds_total, summed over the waiting ranks: seconds per "
