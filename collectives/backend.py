@@ -5,8 +5,8 @@ Collectives of a group run one after another on the group's worker thread, in ca
 sequence number travels in every frame and a rank in a different op is reported). Point-to-
 point sends and receives go straight to the transport and progress on their own.
 
-Method names follow what torch 2.4-2.15 call on a Python process group, with both the old and
-the 2.13 names bound to one implementation.
+Method names follow what torch calls on a Python process group (2.13 is the tested version),
+with both the names of torch before 2.13 and those of 2.13 bound to one implementation.
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from linerate import _log
 from linerate.transport import Context, metrics
 
-from . import (algorithms, flight, fusion, shm_algos, slowlink, straggler,
+from . import (algorithms, flight, fusion, pipeline, shm_algos, slowlink, straggler,
                timeline, two_level)
+from . import frameworks
 from .comm import OPNAMES, Comm, Scratch
 from .dispatch import Dispatch
 from .mixing import mix
@@ -35,7 +37,7 @@ from .stage import Stage
 from .validate import Checks
 from .options import Options
 from .reduce_ops import RedOpType, finish_avg, op_name, op_type
-from .work import Work, call_on_wait
+from .work import Work, call_on_wait, on_streams
 
 log = logging.getLogger("linerate")
 
@@ -111,6 +113,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         else:
             self._options = options
             self._options.validate()
+        _log.configure()  # LINERATE_LOG_LEVEL (the process's, not the group's)
         self._timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._group_name = group_name
         self._group_desc = ""
@@ -121,11 +124,14 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             self._ctx.global_ranks = list(global_ranks)
         layout = self._ctx.layout  # learnt at rendezvous (the ``layout`` property)
         seg = self._ctx.shm
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", self._summary())
         # Every rank on this host with a shared segment: the worker's ops run on it.
-        self._shm = shm_algos.Engine(seg) if seg is not None and seg.size == size else None
+        cma = self._options.transport.cma
+        self._shm = shm_algos.Engine(seg, cma) if seg is not None and seg.size == size else None
         # This host's ranks share a segment, the group spans hosts: the engine of the local
         # phases of the two-level algorithms (collectives/two_level.py).
-        self._local = shm_algos.Engine(seg) if seg is not None and seg.size < size else None
+        self._local = shm_algos.Engine(seg, cma) if seg is not None and seg.size < size else None
         #: What the algorithm table (collectives/algorithms.py) knows of the group.
         self._shape = algorithms.Shape(size, layout.hosts, layout.shared)
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
@@ -163,6 +169,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         #: Two-level all_reduces whose end ran after the next op's start (two_level.all_reduce).
         self.chain_stats = {"ops": 0}
         self._scratch = Scratch()
+        #: Pipelined staging of large CUDA all_reduces (collectives/pipeline.py), by device:
+        #: made by the first such op, its pinned buffers reused by the later ones.
+        self._stagers: dict = {}
         self._shut = False
         # Prioritized all_reduces (allreduce_priority) run at once, each on a thread of its
         # own, with a scratch of their own; created on first use.
@@ -188,11 +197,15 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             self._watch = straggler.Watch(
                 store, _incarnation(), rank, size, self._ctx.global_ranks or None,
                 metrics.identity()[1], self._options.slow_rank_ms, self._options.slow_log_s,
-                group_name, links=slowlink.LinkRates(self._ctx))
+                group_name, links=slowlink.LinkRates(
+                    self._ctx, threshold=self._options.slow_link_ratio))
             self._ctx.record_arrivals()
             self._life.arrivals = True
             self._life.add(self._watch)
         self._life.add(MetricsHook(size))
+        # A framework that trains each rank alone beside this group (Accelerate without its
+        # CPU mode, on a machine without a GPU) is named: now, at shutdown, at exit.
+        frameworks.watch(rank, size)
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -269,6 +282,24 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         host, LINERATE_SHM): then its TCP connections carry (almost) nothing."""
         return self._shm is not None
 
+    def _summary(self) -> str:
+        """One line on what the group is made of (logged at INFO when it is created)."""
+        ctx, hosts = self._ctx, self._ctx.layout.hosts
+
+        def n(k: int, what: str) -> str:
+            return f"{k} {what}{'s' if k != 1 else ''}"
+        text = (f"rank {self._rank}: group {self._group_name or '?'} of {n(self._size, 'rank')} "
+                f"on {n(len(hosts), 'host')}")
+        if len(hosts) > 1:
+            text += (f"; {ctx.transport} to other hosts, up to "
+                     f"{n(ctx.options.nsocks, 'connection')} per peer on each of "
+                     f"{n(ctx.nrails, 'interface')}")
+        mine = next((h for h in hosts if self._rank in h), ())
+        if len(mine) > 1:
+            text += ("; shared memory with the other ranks of this host" if ctx.shm is not None
+                     else "; TCP, not shared memory, to the other ranks of this host")
+        return text
+
     def connection_stats(self) -> list[dict]:
         """Bytes sent and received per connection (peer rank, connection index, addresses)."""
         return self._ctx.connection_stats()
@@ -309,6 +340,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
             seq = self._seq
             work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
                         result, stage.devices)
+            if stage.sync is not None:
+                on_streams(work, stage.sync)
             self._life.queued(name, seq, desc)
             op = Op(name, seq, fn, stage, timeout, work, result, nbytes, desc, chain_bytes)
             here = here and self._sched.take_turn()
@@ -460,6 +493,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         op = op_type(opts.reduceOp)
         for t in tensors:
             self._check_op(op, t, what)
+        if len(tensors) == 1 and (tensors[0].is_cuda or pipeline.standin_installed()):
+            work = self._pipelined(tensors[0], op, opts)
+            if work is not None:
+                return work
         stage = Stage(self._rank, what)
         bufs = [stage.out(t, keep=True) for t in tensors]
         algo = self._options.allreduce_algo
@@ -479,6 +516,51 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         return self._submit(what, run, list(tensors), stage, self._op_timeout(opts),
                             desc=f"{_dts(tensors)} op={_rop(op)}", opts=opts,
                             chain_bytes=chain_bytes)
+
+    def _pipelined(self, t: torch.Tensor, op, opts) -> Work | None:
+        """An all_reduce of one CUDA tensor of at least LINERATE_STAGE_MIN_BYTES (above
+        LINERATE_FUSION_BYTES), pipelined through host memory (collectives/pipeline.py); None
+        where it does not apply (a smaller tensor, LINERATE_STAGING=whole, a group of one).
+        Decided from the call and the agreed settings: the same on every rank that passes a
+        tensor on the same kind of device (the description says it was staged, so that a rank
+        that passed another kind is named as a mismatch)."""
+        o = self._options
+        nbytes = t.numel() * t.element_size()
+        if (o.staging != "pipelined" or self._size == 1 or nbytes < o.stage_min_bytes
+                or nbytes <= o.fusion_bytes):
+            return None
+        with self._seq_lock:
+            stager = self._stagers.get(t.device)
+            if stager is None:
+                copier = pipeline.copier_for(t.device)
+                if copier is None:
+                    return None
+                stager = self._stagers[t.device] = pipeline.Stager(
+                    copier, o.stage_chunk_bytes, o.stage_buffers)
+        what = "all_reduce"
+        staged = pipeline.Staged(stager, t, self._rank, what)
+        algo = o.allreduce_algo
+        reduce_chunk = self._algos.all_reduce
+
+        def run(comm: Comm):
+            staged.run(comm, lambda c, chunk: reduce_chunk(c, chunk, op, algo))
+
+        return self._submit(what, run, [t], staged, self._op_timeout(opts),
+                            desc=f"{_dts([t])} op={_rop(op)} (a device tensor, staged in chunks "
+                                 f"of {o.stage_chunk_bytes} bytes)", opts=opts)
+
+    @property
+    def staging_stats(self) -> dict:
+        """Pipelined staging so far (collectives/pipeline.py): all_reduces run that way, chunks
+        moved, host buffers held, by device."""
+        return {str(d): {"ops": st.ops, "chunks": st.chunks, "buffers": len(st.bufs),
+                         "buffer_bytes": st.chunk_bytes}
+                for d, st in list(self._stagers.items())}
+
+    def _close_stagers(self) -> None:
+        for st in list(self._stagers.values()):
+            st.close()
+        self._stagers.clear()
 
     def _lone(self, t, opts) -> Work | None:
         """A synchronous all_reduce of one small contiguous CPU tensor that finds nothing
@@ -958,9 +1040,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if self._shut:
             return
         self._shut = True
+        frameworks.check(self._rank, self._size)
         if self._watch is not None:
             self._watch.close()
         self._sched.stop(self._timeout)
+        self._close_stagers()
         if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
             self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
         if self._plan is not None:

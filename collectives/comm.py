@@ -10,6 +10,7 @@ import torch
 from linerate.transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
 
 from .mismatch import OpNames
+from .views import byte_view  # noqa: F401 - also this module's API (collectives/p2p.py)
 
 # Opcodes travel in every frame so that a rank in a different collective is named, not mixed in.
 OPCODES = {
@@ -19,13 +20,6 @@ OPCODES = {
 }
 # Their names, and the words for mismatches the transport reports (collectives/mismatch.py).
 OPNAMES = OpNames({v: k for k, v in OPCODES.items()})
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A memoryview of a contiguous CPU tensor's bytes, without a copy."""
-    if t.numel() == 0:  # an empty tensor may carry any stride; there are no bytes to view
-        return memoryview(bytearray(0))
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def pieces(t: torch.Tensor, piece_elems: int) -> list[torch.Tensor]:

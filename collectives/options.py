@@ -47,6 +47,16 @@ class Options:
     fusion_bytes: int = 4 << 20
     #: How long a fusable all_reduce waits for more to fuse with, when nobody waits on it yet.
     cycle_ms: float = 1.0
+    #: All_reduces of a CUDA tensor of at least ``stage_min_bytes`` (and above
+    #: ``fusion_bytes``): "pipelined" through host memory in chunks, the device copies beside
+    #: the exchange (collectives/pipeline.py), or "whole" (one staged copy each way).
+    staging: str = "pipelined"
+    #: The chunk of pipelined staging, and the size of each of its pinned host buffers.
+    stage_chunk_bytes: int = 4 << 20
+    #: CUDA all_reduces of at least this many bytes are pipelined (smaller ones: one copy).
+    stage_min_bytes: int = 8 << 20
+    #: Pinned host buffers a group keeps for pipelined staging (made by its first such op).
+    stage_buffers: int = 3
     #: Priority scheduling (collectives/priority.py): a layer's gradients are all-reduced in
     #: partitions of at most this many bytes, which a more urgent layer's partitions overtake.
     partition_bytes: int = 4 << 20
@@ -64,6 +74,9 @@ class Options:
     #: Log a warning naming a persistently late rank or slow link at most once per this many
     #: seconds; 0: no log line.
     slow_log_s: float = 0.0
+    #: Slow links (collectives/slowlink.py): a TCP connection whose rate while sending stays
+    #: below this share of its siblings' median is named slow; 0: none is.
+    slow_link_ratio: float = 0.6
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
@@ -98,7 +111,10 @@ class Options:
                 "LINERATE_ROOTED_ALGO": self.rooted_algo,
                 "LINERATE_SMALL_BYTES": self.small_bytes,
                 "LINERATE_PIECE_BYTES": self.piece_bytes,
-                "LINERATE_FUSION_BYTES": self.fusion_bytes}
+                "LINERATE_FUSION_BYTES": self.fusion_bytes,
+                "LINERATE_STAGING": self.staging,
+                "LINERATE_STAGE_CHUNK_BYTES": self.stage_chunk_bytes,
+                "LINERATE_STAGE_MIN_BYTES": self.stage_min_bytes}
 
     def validate(self) -> None:
         if not isinstance(self.transport, TransportOptions):

@@ -5,6 +5,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .views import np_view
+
 RedOpType = dist.ReduceOp.RedOpType
 
 SUPPORTED_DTYPES = (
@@ -113,7 +115,7 @@ def fold_rows(out: torch.Tensor, rows, op: RedOpType, npdt) -> None:
     are the same). ``rows``: a 2-D array or a list of arrays of NumPy dtype ``npdt``
     (``NP_DTYPES[out.dtype]``); ``out`` a contiguous CPU tensor of that many elements. AVG
     accumulates as SUM (finish_avg divides)."""
-    o = out.numpy()
+    o = np_view(out, npdt)  # not out.numpy(): that would pin the caller's storage
     if len(rows) == 1:
         o[...] = rows[0]
         return

@@ -1,8 +1,9 @@
 """linerate: a torch.distributed backend over striped TCP (and RDMA), and its tools.
 
-``import linerate`` registers the ``linerate`` backend with torch.distributed (torch's
-``torch.backends`` entry point also imports this package at ``import torch``, so scripts need no
-import of ours). It stays cheap: nothing heavy is imported until it is used.
+``import linerate`` registers the ``linerate`` backend with torch.distributed: at once where torch
+is imported, else when it is (torch's ``torch.backends`` entry point also registers it at
+``import torch``, so scripts need no import of ours). It stays cheap: it imports no torch, and
+nothing heavy is imported until it is used.
 
 The public names (``linerate.DecentralizedDataParallel``, ``linerate.Options``, ...) load on
 first use. The subpackages are ``linerate.transport`` (moves bytes), ``linerate.collectives``
@@ -65,17 +66,48 @@ def __getattr__(name):
     return value
 
 
+def backend_of(group=None):
+    """The ``linerate.ProcessGroupLinerate`` behind a torch.distributed group (``None``: the
+    default group), for its own methods: ``connection_stats()``, ``slow_report()``,
+    ``allreduce_priority()``, ``options``, ... The group's CPU backend is looked at first, then
+    its CUDA backend (``"cpu:gloo,cuda:linerate"``). Raises ``RuntimeError`` where
+    torch.distributed is not initialized or no backend of the group is linerate's."""
+    import torch
+    import torch.distributed as dist
+    from linerate.collectives.backend import ProcessGroupLinerate
+    if isinstance(group, ProcessGroupLinerate):
+        return group
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("linerate.backend_of: torch.distributed is not initialized: call "
+                               "dist.init_process_group first")
+        group = dist.group.WORLD
+    found = []
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except Exception:  # noqa: BLE001 - no backend for this device type
+            continue
+        if isinstance(backend, ProcessGroupLinerate):
+            return backend
+        found.append(f"{device}: {getattr(backend, 'name', lambda: type(backend).__name__)()}")
+    raise RuntimeError(f"linerate.backend_of: the group has no linerate backend "
+                       f"({', '.join(found) or 'no backend'}): make one with "
+                       f"dist.init_process_group('linerate') or "
+                       f"dist.new_group(backend='linerate')")
+
+
 def register() -> bool:
-    """Register the ``linerate`` backend with torch.distributed (once); True if registered."""
-    from .collectives._autoload import register as _register
+    """Register the ``linerate`` backend with torch.distributed (once); True if registered.
+    Imports torch."""
+    from ._torch_hook import register as _register
     return _register()
 
 
-try:
-    register()
-except Exception:  # noqa: BLE001 - never break `import torch` (we are imported from it)
-    import logging as _logging
-    _logging.getLogger("linerate").warning(
-        "linerate: could not register the torch.distributed backend 'linerate'", exc_info=True)
+# Registered now where torch is imported, else once it is: ``import linerate`` itself never
+# imports torch (the ``linerate`` command's ``top`` and ``flight`` run without it).
+from ._torch_hook import after_torch as _after_torch  # noqa: E402
 
-__all__ = ["BACKEND_NAME", "DISTRIBUTION", "__version__", "register", *_LAZY]
+_after_torch()
+
+__all__ = ["BACKEND_NAME", "DISTRIBUTION", "__version__", "register", "backend_of", *_LAZY]

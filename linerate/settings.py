@@ -9,9 +9,9 @@ The settings of a process group are parsed once, when the group is created:
 ``linerate.Options.from_env()`` (which ``create_process_group`` calls when it is given no
 ``linerate.Options`` through ``pg_options``) fills the typed dataclasses ``Options`` /
 ``TransportOptions`` / ``MetricsOptions`` from this registry, through each setting's ``field``.
-The few process-wide settings (where pyverbs is loaded from, the netlab tools' state) are read
-here too, by :func:`read`. Nothing outside this module reads ``os.environ`` for a ``LINERATE_*``
-name (tests/test_settings.py checks it).
+The few process-wide settings (the shared I/O pool's size, where pyverbs is loaded from, the log
+level, the netlab tools' state) are read here too, by :func:`read`. Nothing outside this module
+reads ``os.environ`` for a ``LINERATE_*`` name (tests/test_settings.py checks it).
 
 ``python -m linerate.settings --page`` writes the documentation's settings reference
 (docs/settings.md: every variable with its default, what it accepts and what it does, from this
@@ -27,12 +27,14 @@ import re
 from typing import Any, Callable, Iterator, Mapping
 
 __all__ = ["Setting", "SETTINGS", "read", "raw", "is_set", "parse", "check", "fields", "fill",
-           "parse_size", "parse_rate", "parse_capacity", "markdown_table",
-           "ALLREDUCE_ALGOS", "ROOTED_ALGOS", "TRANSPORTS"]
+           "parse_size", "parse_rate", "parse_capacity", "parse_port_range", "markdown_table",
+           "ALLREDUCE_ALGOS", "ROOTED_ALGOS", "TRANSPORTS", "LOG_LEVELS"]
 
 ALLREDUCE_ALGOS = ("auto", "ring", "direct", "hd", "doubling", "two_level")
 ROOTED_ALGOS = ("auto", "chain", "direct", "tree", "two_level")
 TRANSPORTS = ("tcp", "rdma", "auto")
+#: LINERATE_LOG_LEVEL's values ("": leave the level to the process's logging configuration).
+LOG_LEVELS = ("", "DEBUG", "INFO", "WARNING", "ERROR")
 
 
 # ============================================================================ value parsers
@@ -134,6 +136,40 @@ def _port_or_off(text: str) -> int:
 def _gid_index(text: str) -> int:
     s = text.strip()
     return int(s) if s else -1
+
+
+def _log_level(text: str) -> str:
+    return text.strip().upper()
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """LINERATE_PORT_RANGE: ``"20000-20100"`` -> (20000, 20100), both ends included; empty:
+    None (any free port). A malformed range raises ValueError."""
+    s = str(text).strip()
+    if not s:
+        return None
+    m = re.fullmatch(r"(\d{1,5})\s*-\s*(\d{1,5})", s)
+    if not m:
+        raise ValueError(f"bad port range {text!r}: expected LOW-HIGH, e.g. 29600-29700")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"bad port range {text!r}: expected 1 <= LOW <= HIGH <= 65535")
+    return lo, hi
+
+
+def _port_range(text: str) -> str:
+    r = parse_port_range(text)
+    return "" if r is None else f"{r[0]}-{r[1]}"
+
+
+def _port_range_ok(v) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        parse_port_range(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _optional_int(text: str) -> int | None:
@@ -273,7 +309,8 @@ _ALL = [
        "credit window of priority scheduling (TCP_NOTSENT_LOWAT) per connection", "transport",
        "transport.credit_bytes"),
     _S("LINERATE_TRANSPORT", _word, _one_of(TRANSPORTS), "tcp", "tcp",
-       "one of " + ", ".join(TRANSPORTS), "tcp, rdma or auto (every rank must agree)",
+       "one of " + ", ".join(TRANSPORTS),
+       "the transport between hosts: tcp, rdma or auto (every rank must agree)",
        "transport", "transport.transport"),
     _S("LINERATE_CONNECT", _word, _one_of(("lazy", "eager")), "lazy", "lazy", "lazy or eager",
        "when TCP links are made: lazy (a peer's link when this rank first sends to it, "
@@ -291,7 +328,7 @@ _ALL = [
        "per byte, nothing staged in the shared segment), where every rank of the host may "
        "(probed once per group; else the copies through the segment): auto tries both and "
        "takes the one measured faster, 1 always (where every rank has 1), 0 never (one rank "
-       "with 0 turns it off for its host)", "transport"),
+       "with 0 turns it off for its host)", "transport", "transport.cma"),
     _S("LINERATE_IO", _word, _one_of(("auto", "shared", "threads")), "auto", "auto",
        "auto, shared or threads",
        "who drives the TCP connections: threads (a sender and a receiver thread per "
@@ -310,6 +347,12 @@ _ALL = [
        "(where every host's co-located ranks can map theirs), 1 (co-located ranks must share "
        "memory: group creation fails naming the ranks that cannot), 0 (off); every rank must "
        "agree", "transport", "transport.shm"),
+    _S("LINERATE_PORT_RANGE", _port_range, _port_range_ok, "", "(any free port)",
+       "LOW-HIGH: TCP ports from 1 to 65535, LOW <= HIGH, both included (empty: any free "
+       "port)",
+       "the ports linerate's listening sockets bind to (each rank's TCP listeners, one per "
+       "interface, and the receivers of `linerate bench --raw`'s link probe), for firewalls "
+       "that open only a range; ranks need not agree", "transport", "transport.port_range"),
     _S("LINERATE_TLS", _bool, _one_of((True, False)), False, "0",
        "1/0, true/false, yes/no or on/off",
        "TLS 1.3 with mutual authentication on every TCP connection (every rank must agree; "
@@ -364,6 +407,23 @@ _ALL = [
     _S("LINERATE_CYCLE_MS", _number, _duration(zero_ok=True, limit=10_000), 1.0, "1",
        "a finite number of milliseconds from 0 (no wait) to 10000",
        "how long a fusable all_reduce waits for more to fuse with", "collectives", "cycle_ms"),
+    _S("LINERATE_STAGING", _word, _one_of(("pipelined", "whole")), "pipelined", "pipelined",
+       "pipelined or whole",
+       "how an all_reduce of a CUDA tensor of at least LINERATE_STAGE_MIN_BYTES moves through "
+       "host memory: pipelined (in chunks, the device copies on side streams beside the "
+       "exchange) or whole (one copy of the whole tensor each way, as the other collectives of "
+       "CUDA tensors); every rank must agree", "collectives", "staging"),
+    _S("LINERATE_STAGE_CHUNK_BYTES", parse_size, _int_in(4096, 1 << 40), 4 << 20, "4M",
+       f"{_SIZE}, from 4K to below 1T",
+       "chunk of pipelined staging, and the size of each of its pinned host buffers; every "
+       "rank must agree", "collectives", "stage_chunk_bytes"),
+    _S("LINERATE_STAGE_MIN_BYTES", parse_size, _int_in(0, 1 << 62), 8 << 20, "8M",
+       f"{_SIZE}, 0 or more",
+       "all_reduces of a CUDA tensor of at least this size (and above LINERATE_FUSION_BYTES) "
+       "are pipelined; every rank must agree", "collectives", "stage_min_bytes"),
+    _S("LINERATE_STAGE_BUFFERS", _int, _int_in(2, 65), 3, "3", "an integer from 2 to 64",
+       "pinned host buffers of LINERATE_STAGE_CHUNK_BYTES that a group keeps for pipelined "
+       "staging, made by its first pipelined all_reduce", "collectives", "stage_buffers"),
     _S("LINERATE_PARTITION_BYTES", parse_size, _int_in(4096, 1 << 62), 4 << 20, "4M",
        f"{_SIZE}, at least 4K", "PriorityDataParallel's partition size", "collectives",
        "partition_bytes"),
@@ -405,14 +465,19 @@ _ALL = [
     _S("LINERATE_LINK_CAPACITY", _text, _capacity_ok, "", "(driver speed)",
        "a rate such as 10gbit for every interface, or eth0=10gbit,eth1=25gbit (tc units: "
        "gbps is gigaBYTES/s)", "link rate where the driver reports none; shm=RATE: shared "
-       "memory's (default: the host's memory copy rate, measured once per process)", "metrics",
+       "memory's (default: the host's copy rate, measured once per host when its shared segment is set up)", "metrics",
        "metrics.link_capacity"),
     _S("LINERATE_SLOW_LINK_RATIO", _number,
        lambda v: _is_num(v) and math.isfinite(v) and 0 <= v < 1, 0.6, "0.6",
        "a number from 0 (off) to below 1",
        "a TCP connection whose rate while sending stays below this share of the median rate "
        "of its rank's other measured connections is named a slow link (read when a group's "
-       "links start being watched)", "metrics"),
+       "links start being watched)", "metrics", "slow_link_ratio"),
+    _S("LINERATE_LOG_LEVEL", _log_level, _one_of(LOG_LEVELS), "", "(unset)",
+       "DEBUG, INFO, WARNING or ERROR, in any case (empty: unset)",
+       "level of linerate's loggers (`linerate` and the loggers below it), applied when a "
+       "process group is created; where the process has configured no logging handler, "
+       "linerate adds one that writes to stderr", "metrics"),
     # ---------------------------------------------------------------- tools
     _S("LINERATE_NETLAB", _text, _is_str, "", "(set by netlab)",
        "a netlab lab name", "the lab a rank runs in (netlab sets it for the ranks it starts)",
@@ -425,10 +490,10 @@ _ALL = [
     # ---------------------------------------------------------------- docker compose
     _S("LINERATE_WORKERS", _optional_int, lambda v: v is None or _int_in(1, 1 << 16)(v), 3,
        "3", "a number of containers >= 1",
-       "docker/compose.yaml: replicas of the `ranks` service", "docker"),
+       "replicas of the `ranks` service of docker/compose.yaml", "docker"),
     _S("LINERATE_RANKS", _optional_int, lambda v: v is None or _int_in(1, 1 << 16)(v), 4, "4",
        "a number of ranks >= 2 (LINERATE_WORKERS + 1)",
-       "docker/compose.yaml: torchrun's --nnodes", "docker"),
+       "torchrun's --nnodes in docker/compose.yaml", "docker"),
 ]
 
 #: Every setting by name.
@@ -527,8 +592,11 @@ DETAILS: dict[str, str] = {
         "connections on each interface (see [Running on a cluster](cluster.md) and "
         "`LINERATE_RAIL_SPREAD`)."),
     "LINERATE_CHUNK_BYTES": (
-        "A message is cut into chunks of this size, dealt round-robin over the connections "
-        "of a link and reassembled in order at the receiver."),
+        "A message is cut into chunks of this size. Each connection of a link, once it has "
+        "written its previous chunk, takes the next chunk of the most urgent queued message, "
+        "so one message uses every connection (and every rail) at once and a slower "
+        "connection simply takes fewer chunks. The receiver reads each chunk straight into "
+        "its place in the destination."),
     "LINERATE_PIECE_BYTES": (
         "Reducing piece k overlaps receiving piece k+1, and a reduced piece is forwarded at "
         "once. Smaller pieces start the pipeline sooner; larger ones cost fewer Python "
@@ -594,13 +662,41 @@ DETAILS: dict[str, str] = {
         "A rank alone on its host needs no segment. With `auto` or `1`, point-to-point "
         "messages between co-located ranks also go over shared memory (links of kind `shm`); "
         "`0` keeps them on TCP. See [Shared memory](shared-memory.md)."),
+    "LINERATE_PORT_RANGE": (
+        "Each listener takes the first free port of the range. Every rank of a host takes one "
+        "port per interface of `LINERATE_SOCKET_IFNAME` (one without it) and per process "
+        "group: give a host at least that many ports per rank of the job. A range with no free port fails group creation "
+        "naming the setting. The connections a rank makes go out from ephemeral ports, as "
+        "usual; the Store's port is `MASTER_PORT` and the exporter's `LINERATE_METRICS_PORT`. "
+        "A group whose ranks all share one host opens no listener. See "
+        "[Running on a cluster](cluster.md#firewalls-and-ports)."),
     "LINERATE_TLS": ("See [Running on a cluster](cluster.md) for certificates."),
     "LINERATE_FUSION_BYTES": (
-        "All_reduces of one tensor up to this size are fused, up to this many bytes per fused "
-        "op. Every rank must have the same value (checked at group creation). See "
+        "Every all_reduce of one tensor up to this size is fused, up to this many bytes per "
+        "fused op. Every rank must have the same value (checked at group creation). See "
         "[Fusion and priority](fusion-priority.md)."),
     "LINERATE_CYCLE_MS": (
         "An all_reduce that somebody already waits on is not held back."),
+    "LINERATE_STAGING": (
+        "Pipelined, chunk k+1 is copied to the host while chunk k is exchanged, and chunk k "
+        "is copied back while chunk k+1 is, so the critical path holds one chunk's copy each "
+        "way instead of the whole tensor's. Either way the op reads its input after the work "
+        "queued on the caller's current stream, and `Work.wait()` makes the caller's current "
+        "stream wait for the result. Ranks must pass their tensors on the same kind of device "
+        "(a CUDA tensor on one rank and a CPU tensor on another is named as a mismatch). See "
+        "[GPU hosts](gpu.md)."),
+    "LINERATE_STAGE_CHUNK_BYTES": (
+        "Smaller chunks shorten the copies that do not overlap (the first one to the host, "
+        "the last one back); larger ones cost fewer algorithm runs per op. Every rank must "
+        "have the same value (checked at group creation)."),
+    "LINERATE_STAGE_MIN_BYTES": (
+        "Smaller CUDA tensors keep one staged copy each way. Every rank must have the same "
+        "value (checked at group creation)."),
+    "LINERATE_STAGE_BUFFERS": (
+        "A group holds at most this many times LINERATE_STAGE_CHUNK_BYTES of pinned host "
+        "memory for staging, from its first pipelined all_reduce until it is destroyed. Two "
+        "suffice for the overlap; a third keeps the copy of chunk k+1 from waiting for the "
+        "copy back of chunk k-1. Ranks may differ."),
     "LINERATE_FR_ENTRIES": ("See [Faults and the flight recorder](faults.md)."),
     "LINERATE_FR_DUMP": ("`/tmp/fr` gives `/tmp/fr.rank0.json`, `/tmp/fr.rank1.json`, ..."),
     "LINERATE_SLOW_RANK_MS": (
@@ -614,8 +710,9 @@ DETAILS: dict[str, str] = {
     "LINERATE_METRICS_PORT": (
         "Each rank of a host gets its own port. See [Metrics](metrics.md)."),
     "LINERATE_METRICS_ADDR": (
-        "The exporter has no authentication: bind it to a private address where the hosts "
-        "are reachable from outside."),
+        "The exporter serves plain HTTP, without TLS or authentication: bind it to a private "
+        "address where the hosts are reachable from outside, or put a proxy that adds them "
+        "in front (see [Metrics](metrics.md))."),
     "LINERATE_LINK_CAPACITY": (
         "Utilization is bytes carried over this capacity. Beware tc's units: `10gbps` is "
         "80 Gbit/s."),
@@ -626,6 +723,10 @@ DETAILS: dict[str, str] = {
         "sample; its ratio to its siblings is smoothed, and it is named after two samples in a "
         "row below the threshold. Every rank's measurements together name the host and rail "
         "at fault. See [Slow links](metrics.md#slow-links)."),
+    "LINERATE_LOG_LEVEL": (
+        "`INFO` adds a line per rank when a group is created (its ranks and hosts, the "
+        "transport to other hosts, shared memory or not) and the choices made at set-up; "
+        "`DEBUG` adds the connections' set-up. See [Logging](logging.md)."),
     "LINERATE_WORKERS": ("See docker/README.md in the repository."),
 }
 
@@ -633,7 +734,7 @@ _SCOPE_TITLES = {
     "transport": "Transport: connections, shared memory, TLS",
     "rdma": "RDMA",
     "collectives": "Collectives: algorithms, fusion, tracing",
-    "metrics": "Metrics",
+    "metrics": "Metrics and logging",
     "tools": "Tools",
     "docker": "docker compose",
 }
@@ -646,6 +747,20 @@ def markdown_table(scopes=None) -> str:
         if scopes is None or s.scope in scopes:
             lines.append(f"| `{s.name}` | {s.default_text} | {s.doc}; accepts {s.accepts} |")
     return "\n".join(lines)
+
+
+def _sentence(doc: str) -> str:
+    """A setting's one line of doc as a sentence: its first letter capitalised where it starts
+    with a plain word, left as it is where it starts with a name (``tcp,``, ``docker/...``,
+    ``all_reduce``, a `code` span)."""
+    first = doc.split(" ", 1)[0].rstrip(",;:")
+    plain = (re.fullmatch(r"[a-z][a-z'-]*", first) is not None
+             and first.removesuffix("'s") not in _NAME_WORDS)
+    return (doc[0].upper() + doc[1:] if plain else doc) + "."
+
+
+#: Lowercase words that are names (values a setting takes): never capitalised.
+_NAME_WORDS = frozenset({"tcp", "rdma", "auto", "shm", "lazy", "eager", "torchrun", "pyverbs"})
 
 
 def markdown_page() -> str:
@@ -669,6 +784,12 @@ def markdown_page() -> str:
         "*field* of each setting below is its attribute there. The operation timeout is the "
         "process group's (`init_process_group(timeout=...)`).",
         "",
+        "A setting without a field belongs to the process, not to a group, and is read from "
+        "the environment only: "
+        + ", ".join(f"`{s.name}`" for s in _ALL if s.field is None
+                    and s.scope not in ("tools", "docker"))
+        + " (each says when it is read), and those of the tools and of docker compose.",
+        "",
         "`python -m linerate.settings` prints the same registry as one table.",
         "",
         "| variable | default | scope |",
@@ -682,7 +803,7 @@ def markdown_page() -> str:
             continue
         out += ["", f"## {title}"]
         for s in members:
-            out += ["", f"### {s.name}", "", s.doc[0].upper() + s.doc[1:] + ".", "",
+            out += ["", f"### {s.name}", "", _sentence(s.doc), "",
                     f"- default: {s.default_text}", f"- accepts: {s.accepts}"]
             if s.field:
                 out.append(f"- field: `Options.{s.field}`")

@@ -47,7 +47,7 @@ def pytest_configure(config):
 #: Files whose tests run in this process, ranks (if any) as threads: the ``unit`` tier.
 UNIT_FILES = {"test_unit_backend.py", "test_matching.py", "test_model.py", "test_whatif.py",
               "test_fuzz.py", "test_dashboard.py", "test_settings.py", "test_slowlink.py",
-              "test_staging.py"}
+              "test_staging.py", "test_resizable.py"}
 #: Single tests of other files that start no rank process.
 UNIT_TESTS = {"test_docs.py": ("test_every_directive_is_understood",
                                "test_settings_page_is_generated_from_the_registry",

@@ -6,6 +6,7 @@ calls): its rows carry linerate and Gloo from the same run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,12 +62,21 @@ def test_a_rerun_replaces_its_section_and_keeps_the_others():
 
 
 def test_every_section_of_the_page_names_its_machine_and_command():
+    """Each generated section of docs/performance.md: its setup's title and description, a
+    machine line, and exactly the commands the setup runs (a setup changed without
+    regenerating its section fails here: `python -m linerate.tools.dev.perf_report --only KEY`)."""
     page = (ROOT / "docs" / "performance.md").read_text()
     sections = pr.parse_sections(page)
     assert sections, "docs/performance.md holds no generated section"
-    assert set(sections) <= {s.key for s in pr.SETUPS}
+    setups = {s.key: s for s in pr.SETUPS}
+    assert set(sections) <= set(setups)
     for key, text in sections.items():
-        assert "Machine: " in text and "```text\n" in text, key
+        s = setups[key]
+        assert text.startswith(f"<!-- perf:{key} -->\n## {s.title}\n\n{s.about}\n\nMachine: "), key
+        assert re.search(r"^Machine: \d+ cores \(.+\), memory copy [\d.]+ GB/s, Linux .+, "
+                         r"Python [\d.]+, torch .+, linerate .+; \d{4}-\d\d-\d\d\.$", text, re.M), key
+        shown = re.search(r"```text\n(.*?)\n```", text, re.S)
+        assert shown and shown.group(1).splitlines() == pr.commands(s), (key, shown and shown.group(1))
         assert "| linerate" in text or "linerate" in text.split("```text")[1], key
 
 
@@ -82,3 +92,32 @@ def test_latency_bench_measures_both_backends_in_one_run(tmp_path):
     assert got == {(b, o) for b in ("linerate", "gloo") for o in ("all_reduce", "barrier")}
     assert all(r["median_us"] > 0 and r["ranks"] == 2 for r in rows)
     assert "| all_reduce | 4096 | 2 | linerate |" in p.stdout
+
+
+def test_a_plot_is_written_by_its_command_and_shown_under_its_table():
+    sweep = next(s for s in pr.SETUPS if s.key == "sweep")
+    assert f"--plot {pr.IMG_DIR}/perf-sweep.png" in pr.commands(sweep)[0]
+    body = sweep.render([{"json": _bench_json(), "label": ""}], MACHINE)
+    assert "| 2 | all_reduce | 64 MiB |" in body and body.endswith(f"]({pr.IMG_DIR}/perf-sweep.png)")
+    assert pr.capture([{"stdout": "frame\n"}], MACHINE) == "```text\nframe\n```"
+
+
+def test_every_picture_of_the_page_exists_and_comes_from_its_sections_command():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    for key, text in pr.parse_sections(page).items():
+        for img in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+            assert (ROOT / "docs" / img).is_file(), (key, img)
+            assert f"--plot {img}" in text.split("```text\n", 1)[1].split("```", 1)[0], (key, img)
+
+
+@pytest.mark.timeout(240)
+def test_top_capture_prints_one_frame_of_a_live_benchmark():
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LINERATE_")}
+    env.update(LINERATE_SHM="0", LINERATE_LINK_CAPACITY="10gbit")
+    p = subprocess.run([sys.executable, "-m", "linerate.tools.dev.top_capture", "--nproc", "2",
+                        "--max-bytes", "256K"], env=env, capture_output=True, text=True,
+                       timeout=230)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2/2 endpoints up" in p.stdout and "all_reduce      2" in p.stdout, p.stdout
+    assert " lo " in p.stdout and "10.0 Gbit/s" in p.stdout, p.stdout

@@ -293,3 +293,12 @@ def test_options_from_the_environment_follow_its_changes(monkeypatch):
     monkeypatch.delenv("LINERATE_NSOCKS")
     monkeypatch.delenv("LINERATE_SMALL_BYTES")
     assert Options.from_env() == b
+
+
+def test_cma_and_slow_link_ratio_are_group_options():
+    o = Options.from_env({"LINERATE_CMA": "0", "LINERATE_SLOW_LINK_RATIO": "0.3"})
+    assert (o.transport.cma, o.slow_link_ratio) == ("0", 0.3)
+    o = Options()
+    o.transport.cma = "sometimes"
+    with pytest.raises(ValueError, match=r"LINERATE_CMA \(Options.transport.cma\)"):
+        o.validate()

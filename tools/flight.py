@@ -21,7 +21,7 @@ import re
 import sys
 
 from linerate.collectives.flight import KIND, VERSION
-from linerate.collectives.straggler import decide, describe
+from linerate.collectives.lateness import decide, describe
 
 
 class DumpError(Exception):
@@ -155,7 +155,7 @@ def analyze(dumps: list[tuple[str, dict]], late_ms: float = 5.0) -> dict:
 
 def _late(ranks: list, dumped: list, ops: dict, late_ms: float) -> dict | None:
     """Who entered the group's completed ops last, from every rank's durations and waits
-    (collectives/straggler.py decide, over every op completed on all ranks): None without a
+    (collectives/lateness.py decide, over every op completed on all ranks): None without a
     dump of every rank."""
     if len(dumped) != len(ranks) or len(ranks) < 2:
         return None

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 from linerate import settings
 from linerate.transport.interfaces import listen_addresses
+from linerate.transport.ports import PortRangeExhausted, listen_on
 
 DEFAULT_STREAMS = 4
 DEFAULT_SECONDS = 2.0
@@ -293,13 +294,11 @@ class _Receiver:
     def __init__(self, addr: str, streams: int, limit: float, what: str):
         self.streams, self.limit, self.what = streams, limit, what
         self.token = secrets.token_hex(_TOKEN_BYTES)
-        self.listener = socket.socket(_family(addr), socket.SOCK_STREAM)
-        try:
-            self.listener.bind((addr, 0))
-            self.listener.listen(streams + 4)
-        except OSError:
-            self.listener.close()
-            raise
+        try:  # within LINERATE_PORT_RANGE, as the ranks' own listeners
+            self.listener = listen_on(addr, streams + 4, _port_range(), f"link probe {what}",
+                                      reuse=False)
+        except PortRangeExhausted as e:
+            raise LinkProbeError(str(e)) from None
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
         self.lock = threading.Lock()
@@ -435,9 +434,16 @@ def _send(local: str, addr: str, port: int, token: bytes, streams: int, seconds:
 
 # ---------------------------------------------------------------------------- iperf3 processes
 def _free_port(addr: str) -> int:
-    with socket.socket(_family(addr), socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+    """A port for iperf3's server: free now, within LINERATE_PORT_RANGE where it is set."""
+    try:
+        with listen_on(addr, 1, _port_range(), "link probe's iperf3 server", reuse=False) as s:
+            return s.getsockname()[1]
+    except PortRangeExhausted as e:
+        raise LinkProbeError(str(e)) from None
+
+
+def _port_range() -> tuple[int, int] | None:
+    return settings.parse_port_range(settings.read("LINERATE_PORT_RANGE"))
 
 
 def _start_iperf_server(addr: str, what: str) -> tuple[subprocess.Popen, int]:

@@ -44,6 +44,12 @@ MAX_HOSTS = 250
 MAX_RAILS = 16
 
 EXIT_UNAVAILABLE = 2
+#: Where ``ip netns exec`` finds a namespace's own files for /etc, bind-mounted over
+#: /etc/<file> in the processes it runs: netlab gives each namespace a ``hosts`` that names
+#: every lab address (``write_hosts``), so that reverse lookups in the lab (torch's TCPStore
+#: names the address of each socket it connects or accepts) succeed without a DNS server,
+#: which the lab cannot reach.
+NETNS_ETC = Path("/etc/netns")
 
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,19}$")
@@ -325,10 +331,54 @@ def up(name: str = "lab", hosts: int = 2, rate: str | int = "1gbit", rails: int 
     return lab
 
 
+def address_name(lab: Lab, host: Host, rail: int) -> str:
+    """The name of ``host``'s address on ``rail`` in the lab's hosts files: ``h1.lab.netlab``,
+    ``h1-r1.lab.netlab`` for rail 1."""
+    return f"{host.name}{f'-r{rail}' if rail else ''}.{lab.name}.netlab"
+
+
+def write_hosts(lab: Lab) -> None:
+    """/etc/netns/<namespace>/hosts for each of the lab's host namespaces: this machine's
+    /etc/hosts and a line per lab address. Best effort: where /etc cannot be written the lab
+    works as before (torch then logs that it cannot name a socket's peer)."""
+    try:
+        base = Path("/etc/hosts").read_text()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    lines = [base.rstrip("\n"), "", f"# linerate netlab {lab.name}"]
+    if not re.search(r"^\s*::1\s", base, re.M):
+        lines.append("::1 localhost")
+    # each address also as IPv6 maps it: a dual-stack listener (the TCPStore's) sees its
+    # peers as ::ffff:a.b.c.d, which glibc looks up as an IPv6 address
+    lines += [f"{a}{addr} {address_name(lab, h, k)}" for h in lab.hosts
+              for k, addr in enumerate(h.addrs) for a in ("", "::ffff:")]
+    text = "\n".join(lines) + "\n"
+    for h in lab.hosts:
+        try:
+            d = NETNS_ETC / h.netns
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "hosts").write_text(text)
+        except OSError as e:
+            print(f"netlab: cannot write {NETNS_ETC / h.netns / 'hosts'}: {e}", file=sys.stderr)
+            return
+
+
+def _remove_hosts(name: str) -> None:
+    """The lab's /etc/netns folders (also those of namespaces already gone)."""
+    pat = re.compile(rf"^{re.escape(netns_prefix(name))}(h[0-9]+|sw)$")
+    try:
+        folders = [d for d in NETNS_ETC.iterdir() if pat.match(d.name)]
+    except OSError:
+        return
+    for d in folders:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _build(lab: Lab) -> None:
     sw = lab.switch_netns
     for ns in [sw] + [h.netns for h in lab.hosts]:
         _sh("ip", "netns", "add", ns)
+    write_hosts(lab)
     two_tier = lab.nodes > 1
     sw_ip = ["link set lo up"]
     sw_tc = []
@@ -386,6 +436,7 @@ def down(name: str = "lab") -> list[str]:
             gone.append(ns)
         else:
             print(f"netlab: could not delete {ns}: {r.stderr.strip()}", file=sys.stderr)
+    _remove_hosts(name)
     try:
         state_path(name).unlink()
     except FileNotFoundError:
@@ -521,13 +572,34 @@ def _pump(stream, prefix: str, out) -> None:
     stream.close()
 
 
-_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 1 << 19
+
+
+def _own_etc(libc, host: Host) -> None:
+    """This thread: a mount namespace of its own where ``host``'s /etc/netns files are
+    bind-mounted over /etc, as ``ip netns exec`` gives the processes it runs (``write_hosts``).
+    Mounts are made only once the thread is in a namespace of its own whose mounts propagate
+    nowhere (slave): the machine's /etc is never touched. Best effort: nothing is mounted where
+    a step fails."""
+    files = [f for f in sorted((NETNS_ETC / host.netns).glob("*"))
+             if f.is_file() and (Path("/etc") / f.name).is_file()]
+    if not files:
+        return
+    before = os.stat("/proc/thread-self/ns/mnt").st_ino
+    if (libc.unshare(_CLONE_NEWNS) != 0
+            or os.stat("/proc/thread-self/ns/mnt").st_ino == before
+            or libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0):
+        return
+    for f in files:
+        libc.mount(str(f).encode(), f"/etc/{f.name}".encode(), None, _MS_BIND, None)
 
 
 def _in_netns(host: Host, fn):
     """``fn()`` run in ``host``'s network namespace, on a short-lived thread that enters it
     (setns(2) moves only the calling thread; sockets made there stay in that namespace,
-    whichever thread uses them later, and threads it starts begin there)."""
+    whichever thread uses them later, and threads it starts begin there), with the host's
+    /etc/netns files over /etc as ``ip netns exec`` has them (``_own_etc``)."""
     got: dict = {}
 
     def run() -> None:
@@ -537,6 +609,7 @@ def _in_netns(host: Host, fn):
                 if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"setns into {host.netns}: {os.strerror(err)}")
+            _own_etc(libc, host)
             got["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
             got["error"] = e

@@ -18,6 +18,7 @@ import time
 from . import framing, handshake
 from .context import Context, _STORE_PREFIX
 from .options import TransportOptions
+from .rendezvous import version_text
 
 __all__ = ["FakePeer", "DictStore", "DEFAULT_OPTIONS"]
 
@@ -77,7 +78,8 @@ class FakePeer:
         generation = secret.hex()[:16]
         base = f"{_STORE_PREFIX}shm/{generation}/host/"
         store.set(base + "1",
-                  json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto")}))
+                  json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto"),
+                              "version": version_text()}))
         (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
         self.sock = socket.create_connection((host, port), timeout=10)
         handshake.connect_side(self.sock, secret, 1, 0, 0, 1)

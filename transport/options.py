@@ -98,6 +98,13 @@ class TransportOptions:
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.
     shm: str = "auto"
+    #: Cross-memory attach for the large all_reduces of co-located ranks
+    #: (collectives/shm_algos.py): ``auto`` (measured against the copies through the segment),
+    #: ``1`` (where every rank of the host has 1) or ``0`` (one rank with 0 turns it off).
+    cma: str = "auto"
+    #: ``LOW-HIGH``: the ports this rank's TCP listeners bind to, the first free one of the
+    #: range (transport/ports.py); empty: any free port. Ranks need not agree.
+    port_range: str = ""
     #: TLS 1.3 on every TCP connection (transport/tls.py), mutual authentication against
     #: ``tls_ca``; every rank must agree. Not with the RDMA transport (group creation fails).
     tls: bool = False
@@ -128,6 +135,11 @@ class TransportOptions:
     @property
     def ifnames(self) -> list[str]:
         return [n.strip() for n in self.socket_ifname.split(",") if n.strip()]
+
+    @property
+    def ports(self) -> tuple[int, int] | None:
+        """port_range as (low, high), or None: any free port."""
+        return _settings.parse_port_range(self.port_range)
 
     @property
     def rdma_ports(self) -> list[str]:

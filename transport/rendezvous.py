@@ -384,10 +384,36 @@ def multi_set(store, keys: list[str], values: list[bytes]) -> None:
             store.set(k, v)
 
 
+#: The agreement record's entry that names what every rank must run the same of.
+VERSION_KEY = "linerate version"
+
+
+def version_text() -> str:
+    """What every rank of a group must run the same of: linerate's version, the wire protocol
+    (transport/handshake.py) and the shared segment's layout (transport/shm.py)."""
+    import linerate
+
+    from . import handshake, shm
+    return (f"linerate {linerate.__version__} (wire protocol {handshake.VERSION}, "
+            f"shared-memory layout {shm.LAYOUT_VERSION})")
+
+
+def version_mismatch(rank: int, other: int, mine: str, theirs) -> TransportError:
+    """The error of ``rank``, which runs ``mine``, in a group where rank ``other`` runs
+    ``theirs`` (None: a linerate too old to say)."""
+    them = (theirs if isinstance(theirs, str) and theirs else
+            "an older linerate, which does not publish its version")
+    return TransportError(f"rank {rank}: rank {other} runs {them[:200]}, this rank {mine}: "
+                          f"every rank of a group must run the same linerate (install the same "
+                          f"torch-linerate version on every host)")
+
+
 def agreed_settings(options, nrails: int) -> dict:
     """The settings every rank of a group must share, as this rank has them (resolved:
-    ``LINERATE_NSOCKS=auto`` counts as the number it means here)."""
-    return {"LINERATE_TRANSPORT": getattr(options, "transport", "tcp"),
+    ``LINERATE_NSOCKS=auto`` counts as the number it means here), and the versions
+    (``VERSION_KEY``)."""
+    return {VERSION_KEY: version_text(),
+            "LINERATE_TRANSPORT": getattr(options, "transport", "tcp"),
             "LINERATE_CHECKSUM": int(options.checksum),
             "LINERATE_TLS": int(options.tls),
             "LINERATE_NSOCKS": options.nsocks,
@@ -398,7 +424,8 @@ def agreed_settings(options, nrails: int) -> dict:
 
 def check_agreement(rank: int, mine: dict, raw: bytes) -> None:
     """Compare this rank's shared settings with rank 0's record; a difference is a ValueError
-    naming every setting that differs and both values."""
+    naming every setting that differs and both values. Different versions (``VERSION_KEY``)
+    are a TransportError naming both, checked first."""
     try:
         theirs = json.loads(raw.decode())
         ok = isinstance(theirs, dict)
@@ -406,6 +433,8 @@ def check_agreement(rank: int, mine: dict, raw: bytes) -> None:
         ok = False
     if not ok:
         raise TransportError(f"rank {rank}: rank 0 published malformed settings in the store: {raw[:200]!r}")
+    if VERSION_KEY in mine and theirs.get(VERSION_KEY) != mine[VERSION_KEY]:
+        raise version_mismatch(rank, 0, mine[VERSION_KEY], theirs.get(VERSION_KEY))
     differ = [f"{name} is {mine[name]} here but {theirs.get(name, '(not set)')} on rank 0"
               for name in mine if theirs.get(name) != mine[name]]
     if differ:
@@ -513,5 +542,6 @@ def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
 
 
 __all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "hosts_store", "store_lost",
-           "agreed_settings", "check_agreement", "parse_addresses", "agree_transport",
-           "choose_links", "store_get", "multi_get", "multi_set"]
+           "agreed_settings", "check_agreement", "version_text", "version_mismatch", "VERSION_KEY",
+           "parse_addresses", "agree_transport", "choose_links", "store_get", "multi_get",
+           "multi_set"]

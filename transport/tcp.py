@@ -45,6 +45,7 @@ import weakref
 
 from . import handshake, tls
 from .link import StreamLink
+from .ports import listen_on
 from .sharedlink import SharedStreamLink
 from .request import TransportError
 
@@ -234,13 +235,15 @@ class TcpMesh:
     def listen(self) -> list:
         """Open one listener per rail; return [[address, port], ...] to publish."""
         listeners = []
-        for addr in self.addresses:
-            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            ls = socket.socket(family, socket.SOCK_STREAM)
-            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            ls.bind((addr, 0))
-            ls.listen(max(128, self.size * self.nconns))
-            listeners.append(ls)
+        ports = getattr(self.options, "ports", None)  # LINERATE_PORT_RANGE
+        try:
+            for addr in self.addresses:
+                listeners.append(listen_on(addr, max(128, self.size * self.nconns), ports,
+                                           f"rank {self.rank}"))
+        except BaseException:
+            for ls in listeners:
+                ls.close()
+            raise
         self.listeners = listeners
         return [[addr, ls.getsockname()[1]] for addr, ls in zip(self.addresses, listeners)]
 
