@@ -117,3 +117,27 @@ def ones_like_rank(shape, dtype, rank: int) -> torch.Tensor:
     if dtype in (torch.uint8,):
         t = t.abs()
     return t.to(dtype)
+
+
+def fold(xs, op):
+    """The reduction of the ranks' inputs ``xs`` (tensors, in rank order) by ReduceOp ``op``:
+    what every collective that reduces is checked against."""
+    out = xs[0].clone()
+    for x in xs[1:]:
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            out = out | x if out.dtype == torch.bool else out + x
+        elif op == dist.ReduceOp.PRODUCT:
+            out = out & x if out.dtype == torch.bool else out * x
+        elif op == dist.ReduceOp.MIN:
+            out = torch.minimum(out, x)
+        elif op == dist.ReduceOp.MAX:
+            out = torch.maximum(out, x)
+        elif op == dist.ReduceOp.BAND:
+            out = out & x
+        elif op == dist.ReduceOp.BOR:
+            out = out | x
+        elif op == dist.ReduceOp.BXOR:
+            out = out ^ x
+    if op == dist.ReduceOp.AVG:
+        out = out / len(xs)
+    return out

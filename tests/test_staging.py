@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _threads import ones_like_rank, outcomes, run_threads
+from _threads import fold as _fold, ones_like_rank, outcomes, run_threads
 
 import linerate
 from linerate.collectives import pipeline
@@ -44,26 +44,6 @@ def _ops(dtype):
     if dtype.is_floating_point:
         return (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)
     return (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR)
-
-
-def _fold(xs, op):
-    out = xs[0].clone()
-    for x in xs[1:]:
-        if op in (R.SUM, R.AVG):
-            out = out + x
-        elif op == R.PRODUCT:
-            out = out * x
-        elif op == R.MIN:
-            out = torch.minimum(out, x)
-        elif op == R.MAX:
-            out = torch.maximum(out, x)
-        elif op == R.BAND:
-            out = out & x
-        elif op == R.BOR:
-            out = out | x
-        elif op == R.BXOR:
-            out = out ^ x
-    return out / len(xs) if op == R.AVG else out
 
 
 def _opts(op):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _threads import ThreadRankError, ones_like_rank, outcomes, run_threads, sync
+from _threads import ThreadRankError, fold as _fold, ones_like_rank, outcomes, run_threads, sync
 
 pytestmark = pytest.mark.timeout(120)  # the unit tier: tests/conftest.py UNIT_FILES
 
@@ -37,29 +37,6 @@ def _ops_for(dtype):
     if dtype.is_floating_point:
         return (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)
     return (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR)
-
-
-def _fold(xs, op):
-    """The reduction of the ranks' inputs, in rank order."""
-    out = xs[0].clone()
-    for x in xs[1:]:
-        if op in (R.SUM, R.AVG):
-            out = out | x if out.dtype == torch.bool else out + x
-        elif op == R.PRODUCT:
-            out = out & x if out.dtype == torch.bool else out * x
-        elif op == R.MIN:
-            out = torch.minimum(out, x)
-        elif op == R.MAX:
-            out = torch.maximum(out, x)
-        elif op == R.BAND:
-            out = out & x
-        elif op == R.BOR:
-            out = out | x
-        elif op == R.BXOR:
-            out = out ^ x
-    if op == R.AVG:
-        out = out / len(xs)
-    return out
 
 
 def _same(got, want, op=None):
