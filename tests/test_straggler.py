@@ -118,6 +118,7 @@ def _slowed(rank, world, lr, slow, n, nbytes, dump):
     from linerate.transport import metrics
 
     pg = lr._get_backend(torch.device("cpu"))
+    torch.set_num_threads(1)  # the fill and check below: four ranks on the machine's cores
     t = torch.empty(max(1, nbytes // 4))
     want = world * (world + 1) // 2  # every sum exact in float32
     named_at, wrong, decided, bad_sums = None, [], 0, []
