@@ -162,16 +162,6 @@ def _port_range(text: str) -> str:
     return "" if r is None else f"{r[0]}-{r[1]}"
 
 
-def _port_range_ok(v) -> bool:
-    if not isinstance(v, str):
-        return False
-    try:
-        parse_port_range(v)
-    except ValueError:
-        return False
-    return True
-
-
 def _optional_int(text: str) -> int | None:
     s = text.strip()
     return int(s) if s else None
@@ -205,14 +195,21 @@ def _is_str(v) -> bool:
     return isinstance(v, str)
 
 
-def _capacity_ok(v) -> bool:
-    if not isinstance(v, str):
-        return False
-    try:
-        parse_capacity(v)
-    except ValueError:
-        return False
-    return True
+def _parses(parse: Callable[[str], Any]) -> Callable[[Any], bool]:
+    """A string that ``parse`` accepts (raises no ValueError)."""
+    def ok(v) -> bool:
+        if not isinstance(v, str):
+            return False
+        try:
+            parse(v)
+        except ValueError:
+            return False
+        return True
+    return ok
+
+
+_capacity_ok = _parses(parse_capacity)
+_port_range_ok = _parses(parse_port_range)
 
 
 # ============================================================================ the registry
