@@ -1,21 +1,20 @@
 """The ``linerate`` torch.distributed process group: torch's calls in, algorithms run, Work out.
 
-Collectives of a group run one after another on the group's worker thread, in call order
+The adapter validates a call, stages its tensors and hands it to the group's runner
+(collectives/runner.py), which numbers the calls and runs them one after another in call order
 (every rank calls them in the same order, so every rank runs the same sequence; the op's
-sequence number travels in every frame and a rank in a different op is reported). Point-to-
-point sends and receives go straight to the transport and progress on their own.
+sequence number travels in every frame and a rank in a different op is reported); what runs is
+the algorithm table's choice (collectives/dispatch.py). The adapter names no algorithm.
+Point-to-point sends and receives go straight to the transport and progress on their own.
 
 Method names follow what torch calls on a Python process group (2.13 is the tested version),
 with both the names of torch before 2.13 and those of 2.13 bound to one implementation.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
-import time
-import weakref
 from datetime import timedelta
 
 import torch
@@ -24,39 +23,24 @@ import torch.distributed as dist
 from linerate import _log
 from linerate.transport import Context, metrics
 
-from . import (algorithms, flight, fusion, pipeline, shm_algos, slowlink, straggler,
-               timeline, two_level)
-from . import frameworks
-from .comm import OPNAMES, Comm, Scratch
+from . import flight, frameworks, pipeline, slowlink, straggler, timeline
+from .comm import OPNAMES, Comm
 from .dispatch import Dispatch
 from .mixing import mix
-from .op import FlightHook, Lifecycle, MetricsHook, Op
-from .scheduler import Scheduler
+from .op import FlightHook, Lifecycle, MetricsHook
 from .p2p import PointToPoint
+from .runner import Runner
 from .stage import Stage
 from .validate import Checks
 from .options import Options
 from .reduce_ops import RedOpType, finish_avg, op_name, op_type
-from .work import Work, call_on_wait, on_streams
+from .work import Work
 
 log = logging.getLogger("linerate")
 
 BACKEND_NAME = "linerate"
-#: A two-level all_reduce of at least this many bytes may be chained to the next one queued
-#: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
-CHAIN_MIN_BYTES = 1 << 20
 #: The ops whose result is final when the algorithm returns (AVG divides after it).
 _CHAIN_OPS = (RedOpType.SUM, RedOpType.MIN, RedOpType.MAX, RedOpType.PRODUCT)
-
-
-class _WorkerView:
-    """What the algorithm table reads of a Comm (_choose) when no op runs yet."""
-    worker = True
-
-
-_WORKER = _WorkerView()
-#: The Stage of a call whose tensors the algorithm uses as they are (nothing to copy back).
-_NO_STAGE = Stage()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -126,57 +110,21 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         seg = self._ctx.shm
         if log.isEnabledFor(logging.INFO):
             log.info("%s", self._summary())
-        # Every rank on this host with a shared segment: the worker's ops run on it.
-        cma = self._options.transport.cma
-        self._shm = shm_algos.Engine(seg, cma) if seg is not None and seg.size == size else None
-        # This host's ranks share a segment, the group spans hosts: the engine of the local
-        # phases of the two-level algorithms (collectives/two_level.py).
-        self._local = shm_algos.Engine(seg, cma) if seg is not None and seg.size < size else None
-        #: What the algorithm table (collectives/algorithms.py) knows of the group.
-        self._shape = algorithms.Shape(size, layout.hosts, layout.shared)
-        #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
-        self._plan = (two_level.Plan(layout.hosts, rank, self._options.pipeline)
-                      if self._shape.two_level_ok else None)
-        #: The algorithm table's choices, run (collectives/dispatch.py).
-        self._algos = Dispatch(self._options, self._shape, self._plan, self._shm, self._local)
-        #: Synchronous calls that find nothing queued on a group of one host's shared segment
-        #: run straight on it (_run_lone): barriers, and all_reduces up to _lone_max bytes
-        #: (what a fused run carries; 0: none), agree()'s fused run of one call (_lone).
-        self._lone_ok = (self._shm is not None and size > 1
-                         and self._algos.choose(_WORKER, "agree", 0) == "shm")
-        self._lone_max = (min(self._options.fusion_bytes, self._carry_bytes("shm"),
-                              self._shm.C - 64) if self._lone_ok else 0)
-        self._lone_comm: Comm | None = None
+        #: The algorithm table's choices and what they keep (collectives/dispatch.py): the
+        #: shared-memory engine of every rank on this host (``shm``) or of this host's ranks
+        #: where the group spans hosts (``local``), the two-level plan.
+        self._algos = Dispatch.for_group(self._options, layout, rank, size, seg)
+        self._shm, self._local = self._algos.shm, self._algos.local
+        self._shape, self._plan = self._algos.shape, self._algos.plan
         self._lone_desc: dict = {}  # (dtype, elements, op) -> the call's text
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
                                    else rank), self._options.metrics)
-        self._seq = 0
-        self._seq_lock = threading.Lock()
-        #: The order ops run in: the worker thread and the callers' turns (scheduler.py).
-        #: It calls _execute and _run_fused through the instance (so a test may wrap them),
-        #: weakly: a destroyed group leaves no cycle for the garbage collector.
-        me = weakref.ref(self)
-        self._sched = Scheduler(rank, self._options, lambda op: me()._execute(op),
-                                lambda entries: me()._run_fused(entries))
-        #: The end of a two-level all_reduce chained to the next op (two_level.all_reduce):
-        #: the worker's next op runs it once its own first phase is under way.
-        self._chained = None
-        self._chain = 0        # running digest of the fusable calls (fusion.chain_digest)
-        #: Tensor fusion so far: async all_reduce calls queued as entries, fused ops run.
-        self.fusion_stats = {"calls": 0, "ops": 0}
-        #: Two-level all_reduces whose end ran after the next op's start (two_level.all_reduce).
-        self.chain_stats = {"ops": 0}
-        self._scratch = Scratch()
         #: Pipelined staging of large CUDA all_reduces (collectives/pipeline.py), by device:
         #: made by the first such op, its pinned buffers reused by the later ones.
         self._stagers: dict = {}
-        self._shut = False
-        # Prioritized all_reduces (allreduce_priority) run at once, each on a thread of its
-        # own, with a scratch of their own; created on first use.
-        self._prio_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._prio_scratch = threading.local()
+        self._stagers_lock = threading.Lock()
         self.timeline = timeline.get(global_ranks[rank] if global_ranks and len(global_ranks) == size
                                      else rank, path=self._options.timeline)
         #: The last LINERATE_FR_ENTRIES collectives, written out on a timeout (flight.py).
@@ -188,6 +136,11 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         #: begin -> run -> finish | fail of every op (collectives/op.py), observed by the
         #: flight recorder and the metrics.
         self._life = Lifecycle(self._ctx, rank)
+        #: How each call runs (collectives/runner.py): numbered, in order, plain, fused,
+        #: lone, chained or prioritized; the algorithms asked of the table.
+        self._run = Runner(self._ctx, self._options, rank, size, self._algos, self._life,
+                           group_name)
+        self._lone_max = self._run.lone_max
         if isinstance(self._flight, flight.Recorder):
             self._life.add(FlightHook(self._flight))
         #: Who makes the others wait (collectives/straggler.py): while the exporter runs or
@@ -220,6 +173,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
+        self._run.group_name = name
         self._ctx.label = name
         self._flight.group = name
 
@@ -323,160 +277,33 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     def _submit(self, name: str, fn, result: list, stage: Stage, timeout: float,
                 nbytes: int | None = None, desc: str = "", opts=None, chain_bytes: int = 0) -> Work:
-        """Queue ``fn(comm)`` to run as the group's next collective. ``desc`` is what every
-        rank must agree on (dtypes, sizes, reduce op, root: checked against the neighbour's);
-        ``nbytes`` its size for the metrics (default: from ``result``).
+        """Queue ``fn(comm)`` as the group's next collective (collectives/runner.py ``submit``:
+        a synchronous call that finds the worker idle runs in this thread)."""
+        return self._run.submit(name, fn, result, stage, timeout, nbytes, desc, opts, chain_bytes)
 
-        A synchronous call (``opts.asyncOp`` False: torch waits on the Work at once) finds
-        the worker idle with nothing queued: it runs here, in the caller's thread, in the same
-        order and with the same checks, without the two thread hand-offs (to the worker and
-        back) that are most of a small op's time where ranks outnumber cores. A call without
-        options, or from C++ (asyncOp defaults to True), is queued."""
-        if self._shut:
-            raise RuntimeError(f"linerate: {name} on a process group that was shut down")
-        here = opts is not None and not getattr(opts, "asyncOp", True)
-        with self._seq_lock:  # queue order is sequence order
-            self._seq += 1
-            seq = self._seq
-            work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
-                        result, stage.devices)
-            if stage.sync is not None:
-                on_streams(work, stage.sync)
-            self._life.queued(name, seq, desc)
-            op = Op(name, seq, fn, stage, timeout, work, result, nbytes, desc, chain_bytes)
-            here = here and self._sched.take_turn()
-            if not here:
-                self._sched.put(op)
-        if here:
-            self._sched.run_on_turn(self._execute, op)
-        return work
+    @property
+    def _shut(self) -> bool:
+        """Whether the group was shut down or aborted (its runner takes no more calls)."""
+        return self._run.shut
+
+    @_shut.setter
+    def _shut(self, value: bool) -> None:
+        self._run.shut = value
 
     @property
     def _worker(self):
         """The group's worker thread, or None while it has none (scheduler.py)."""
-        return self._sched.worker
+        return self._run.worker
 
-    def _execute(self, op: Op) -> None:
-        """Run one queued op: on the worker, or in a synchronous caller's thread when the
-        worker's turn was free (_submit). Either way it alone uses the engines now."""
-        life = self._life
-        comm = None
-        prev, self._chained = self._chained, None  # the op before, chained to this one
-        try:
-            life.usable(op.name, op.seq)
-            # The shared-memory engines are this op's (worker=True).
-            comm = Comm(self._ctx, op.name, op.seq, op.timeout, self._options.piece_bytes,
-                        self._scratch, True, self._shm)
-            comm.set_call(op.desc)
-            life.begin((op,), comm)
-            comm.before_tail = prev
-            if op.chain_bytes >= CHAIN_MIN_BYTES:
-                # The host's ranks agree in every such op (the same calls on every rank),
-                # wherever it runs; only the worker offers to chain.
-                comm.chain_next = self._next_chainable
-            op.fn(comm)
-            if comm.before_tail is not None:  # not run by this op's algorithm: now
-                comm.before_tail = None
-                prev(None)
-            if comm.deferred_tail is not None:  # chained: the next op ends this one
-                self._chained = self._finisher(op, comm, comm.deferred_tail)
-                self.chain_stats["ops"] += 1
-                return
-        except BaseException as e:  # every failure reaches the Work, and the peers
-            if prev is not None and (comm is None or comm.before_tail is not None):
-                prev(None)  # the op before ends (it fails on the broken group, or completes)
-            life.fail((op,), comm, e)
-        else:
-            life.finish((op,), comm, op.nbytes)
+    @property
+    def fusion_stats(self) -> dict:
+        """Tensor fusion so far: all_reduce calls run as fusion entries, fused ops run."""
+        return self._run.fusion_stats
 
-    def _finisher(self, op: Op, comm: Comm, tail):
-        """The end of a chained op (its ``tail(loc)``, then what _execute does after an op),
-        for the next op to run: ``finish(loc)`` never raises (a failure goes to its Work)."""
-        life = self._life
-
-        def finish(loc) -> None:
-            try:
-                tail(loc)
-            except BaseException as e:  # noqa: BLE001 - to this op's Work, and the peers
-                life.fail((op,), comm, e)
-                return
-            life.finish((op,), comm, op.nbytes)
-
-        return finish
-
-    def _next_chainable(self) -> bool:
-        """Whether the worker's next op is queued and is an all_reduce that a two-level
-        all_reduce can chain to (two_level.all_reduce). Never from a synchronous caller's
-        thread: the worker runs what is queued."""
-        if threading.current_thread() is not self._sched.worker:
-            return False
-        head = self._sched.head()
-        if type(head) is not Op or head.name != "all_reduce":
-            return False
-        nb = head.chain_bytes
-        return nb >= CHAIN_MIN_BYTES and self._algos.choose(_WORKER, "all_reduce", nb) == "two_level"
-
-    def _run_fused(self, offered: list) -> None:
-        """Agree with the peers how many of the offered entries to fuse, then run them."""
-        life = self._life
-        head = offered[0]
-        comm = None
-        taken = offered
-        try:
-            life.usable("all_reduce", head.seq)
-            comm = Comm(self._ctx, "all_reduce", head.seq, min(e.timeout for e in offered),
-                        self._options.piece_bytes, self._scratch, True, self._shm)
-            # The head call is part of the digest: a head that differs (dtype, size, op) is
-            # a mismatch named like any other; the calls after it are checked by agree().
-            comm.set_call(f"{head.desc} (fused with what follows)")
-            life.begin((head,), comm)
-            how = self._algos.choose(comm, "agree", 0)
-            carry = self._carry_bytes(how)
-            if how == "two_level":
-                k, head_done = two_level.agree(comm, offered, len(offered), carry, self._plan,
-                                               self._algos.host_engine())
-            else:
-                k, head_done = (shm_algos if how == "shm" else fusion).agree(
-                    comm, offered, len(offered), carry)
-            taken = offered[:k]
-            if k > 1:
-                for e in taken[1:]:
-                    e.t0 = head.t0
-                    for h in life.hooks:
-                        h.started(e)
-            nbytes = fusion.run(comm, taken[1:] if head_done else taken, self._algos.all_reduce,
-                                self._options.allreduce_algo)
-            if head_done:
-                nbytes += taken[0].nbytes
-                comm.algorithm = ("two_level" if how == "two_level" else "direct") if k == 1 \
-                    else comm.algorithm
-        except BaseException as e:  # every failure reaches the Works, and the peers
-            # agree() raises ValueError naming the differing calls. A peer's report may end
-            # the agreement before this rank compared, or before its run began (the group
-            # already broken): its error then shows every call of its run, the one that
-            # differs among them.
-            seq, desc = ((f"{head.seq}..#{taken[-1].seq}", f"fused: {fusion.summary(taken)}")
-                         if len(taken) > 1 else (head.seq, head.desc))
-            if not head.inline:
-                self._sched.pop(len(taken))
-            life.fail(taken, comm, e, named=(ValueError,), seq_text=seq, desc=desc)
-            return
-        if not head.inline:
-            self._sched.pop(len(taken))
-        self.fusion_stats["calls"] += len(taken)
-        self.fusion_stats["ops"] += 1
-        life.finish(taken, comm, nbytes, comm.algorithm if len(taken) == 1 else
-                    f"{comm.algorithm} (fused x{len(taken)})")
-
-    def _carry_bytes(self, how: str) -> int:
-        """Up to how many bytes the head call of a fused run travels with the agreement and
-        is reduced there (``how``: the agreement's algorithm), which is that algorithm's own
-        all_reduce: none where LINERATE_ALLREDUCE_ALGO forces another (the forced algorithm
-        then runs every call, as the table says)."""
-        algo = self._options.allreduce_algo
-        if algo in ("auto", "two_level") or (algo == "direct" and how == "direct"):
-            return self._options.small_bytes
-        return 0
+    @property
+    def chain_stats(self) -> dict:
+        """Two-level all_reduces whose end ran after the next op's start."""
+        return self._run.chain_stats
 
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
@@ -504,8 +331,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         # same all_reduce synchronously where another does not), the same on every rank.
         if (len(bufs) == 1 and self._size > 1
                 and bufs[0].numel() * bufs[0].element_size() <= self._options.fusion_bytes):
-            return self._fusable(what, bufs[0], tensors[0], op, stage, self._op_timeout(opts),
-                                 sync=not getattr(opts, "asyncOp", True))
+            return self._run.fusable(what, bufs[0], tensors[0], op, _rop(op), stage,
+                                     self._op_timeout(opts), f"{_dts(tensors)} op={_rop(op)}",
+                                     sync=not getattr(opts, "asyncOp", True))
 
         def run(comm: Comm):
             for b in bufs:
@@ -529,7 +357,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if (o.staging != "pipelined" or self._size == 1 or nbytes < o.stage_min_bytes
                 or nbytes <= o.fusion_bytes):
             return None
-        with self._seq_lock:
+        with self._stagers_lock:
             stager = self._stagers.get(t.device)
             if stager is None:
                 copier = pipeline.copier_for(t.device)
@@ -563,12 +391,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self._stagers.clear()
 
     def _lone(self, t, opts) -> Work | None:
-        """A synchronous all_reduce of one small contiguous CPU tensor that finds nothing
-        queued, on a group whose ranks share one segment: the fused run of this one call
-        (what _fusable would run in this thread), straight from here to
-        shm_algos.lone_all_reduce: no queue entry, no Stage, no Comm of its own; the same
-        agreement, checks, timeout, lifecycle and result. None where it does not apply (the
-        general way then runs the call)."""
+        """A synchronous all_reduce of one small contiguous CPU tensor that may run the lone
+        way (collectives/runner.py ``lone_all_reduce``), checked as every call is; None where
+        it does not apply or the worker is busy (the general way then runs the call)."""
         what = "all_reduce"
         self._check_tensor(t, what)
         op = op_type(opts.reduceOp)
@@ -576,8 +401,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if not t.is_cpu or not t.is_contiguous():
             return None
         n = t.numel()
-        nbytes = n * t.element_size()
-        if nbytes > self._lone_max:
+        if n * t.element_size() > self._lone_max:
             return None
         key = (t.dtype, n, op)
         desc = self._lone_desc.get(key)
@@ -586,87 +410,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
                 self._lone_desc.clear()
             desc = self._lone_desc[key] = (f"{_dt(t)} op={_rop(op)}",
                                            f"{_dt(t)} op={_rop(op)} (fused with what follows)")
-        flat = t.detach().view(-1)
-        return self._run_lone(what, desc[0], desc[1], self._op_timeout(opts), [t], nbytes,
-                              lambda comm, chain: shm_algos.lone_all_reduce(
-                                  comm, flat, op, chain, desc[0]), fused=True)
-
-    def _run_lone(self, name: str, desc: str, call: str, timeout: float, result: list,
-                  nbytes, fn, fused: bool = False) -> Work | None:
-        """Number a synchronous call and run ``fn(comm, chain)`` for it in this thread, on
-        the group's reused Comm, where the worker is idle with nothing queued (else None:
-        the general way queues it). As _execute runs an op, for a one-host group's lone
-        small calls: no two-level chaining there. ``fused``: a fusable all_reduce (it moves
-        the running digest of fusable calls, ``chain``)."""
-        if self._shut:
-            raise RuntimeError(f"linerate: {name} on a process group that was shut down")
-        with self._seq_lock:  # as _submit and _fusable: numbered and turn taken at once
-            if not self._sched.take_turn():
-                return None
-            self._seq += 1
-            seq = self._seq
-            chain = self._chain = (fusion.chain_digest(self._chain, seq, desc) if fused
-                                   else self._chain)
-            self._life.queued(name, seq, desc)
-        life = self._life
-        comm = None
-        try:
-            work = Work(f"{name} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
-                        result)
-            op = Op(name, seq, None, _NO_STAGE, timeout, work, result, nbytes, desc)
-            try:
-                life.usable(name, seq)
-                comm = self._lone_comm
-                if comm is None:
-                    comm = self._lone_comm = Comm(self._ctx, name, seq, timeout,
-                                                  self._options.piece_bytes, self._scratch,
-                                                  True, self._shm)
-                else:
-                    comm.renew(name, seq, timeout)
-                comm.set_call(call)
-                life.begin((op,), comm)
-                fn(comm, chain)
-            except BaseException as e:  # as _execute's and _run_fused's: to the Work, the peers
-                life.fail((op,), comm, e, named=(ValueError,) if fused else ())
-            else:
-                if fused:
-                    self.fusion_stats["calls"] += 1
-                    self.fusion_stats["ops"] += 1
-                life.finish((op,), comm, nbytes)
-        finally:
-            self._sched.give_turn()
-        return work
-
-    def _fusable(self, what: str, buf: torch.Tensor, tensor: torch.Tensor, op, stage: Stage,
-                 timeout: float, sync: bool = False) -> Work:
-        """Queue an all_reduce as a fusion entry (collectives/fusion.py). ``sync``: the caller
-        waits at once (see _submit): with the worker idle and nothing queued, it runs the
-        fused run of this one entry itself (the peers agree on what to fuse as from the
-        worker: the least count offered)."""
-        if self._shut:
-            raise RuntimeError(f"linerate: {what} on a process group that was shut down")
-        desc = f"{_dts([tensor])} op={_rop(op)}"
-        with self._seq_lock:
-            self._seq += 1
-            seq = self._seq
-            self._chain = fusion.chain_digest(self._chain, seq, desc)
-            work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'})",
-                        [tensor], stage.devices)
-            call_on_wait(work, self._sched.expedite)
-            self._life.queued(what, seq, desc)
-            entry = fusion.Entry(seq, buf, tensor, op, _rop(op), stage, work, timeout, desc,
-                                 self._chain)
-            here = sync and self._sched.take_turn()
-            if not here:
-                self._sched.put(entry)
-        if here:
-            entry.inline = True
-            self._sched.run_on_turn(self._run_fused, [entry])
-        return work
-
-    #: Most prioritized all_reduces running at once; more wait, in call order (which keeps
-    #: every rank's running set overlapping: no deadlock).
-    PRIORITY_THREADS = 64
+        return self._run.lone_all_reduce(t.detach().view(-1), [t], op, desc,
+                                         self._op_timeout(opts))
 
     def allreduce_priority(self, tensor: torch.Tensor, priority: int, op=dist.ReduceOp.SUM,
                            name: str = "", timeout: float | None = None) -> Work:
@@ -684,72 +429,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         buf = stage.out(tensor, keep=True)
         timeout = self._timeout if timeout is None else float(timeout)
         desc = f"{_dts([tensor])} op={_rop(op)} {name}".rstrip()
-        tl = self.timeline
-        queued = time.perf_counter()
-        with self._seq_lock:
-            self._seq += 1
-            seq = self._seq
-            work = Work(f"{what} #{seq} (rank {self._rank} of group {self._group_name or '?'}, "
-                        f"priority {priority})", [tensor], stage.devices)
-            self._life.queued(what, seq, desc)
-            if self._priority_on_worker():
-                # Shared memory (one host, or two-level over hosts): the engine runs one op at
-                # a time, on the worker, in call order; its sends keep their priority.
-                def run(comm: Comm) -> None:
-                    comm.priority = priority
-                    t0 = time.perf_counter()
-                    self._algos.all_reduce(comm, _flat(buf), op, self._options.allreduce_algo)
-                    if self.timeline is not None:
-                        self.timeline.span(f"all_reduce {name or seq}", "comm", t0,
-                                           time.perf_counter(), priority=priority,
-                                           bytes=buf.numel() * buf.element_size(),
-                                           queued_ms=round((t0 - queued) * 1000, 3))
-                self._sched.put(Op(what, seq, run, stage, timeout, work, [tensor], None, desc))
-                if tl is not None:
-                    tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
-                return work
-            if self._prio_pool is None:
-                self._prio_pool = concurrent.futures.ThreadPoolExecutor(
-                    self.PRIORITY_THREADS, thread_name_prefix=f"linerate-prio-{self._rank}")
-            self._prio_pool.submit(self._run_priority, seq, buf, op, priority, stage, work, timeout,
-                                   desc, name, queued)
-        if tl is not None:
-            tl.instant(f"queued {name or seq}", "comm", queued, priority=priority)
-        return work
-
-    def _priority_on_worker(self) -> bool:
-        """Prioritized all_reduces run on the group's worker where the table would give the
-        worker a shared-memory algorithm (one host, or two-level over hosts of several ranks):
-        there, flat algorithms beside each other on threads of their own make a DDP-sized step
-        much slower than the two-level all_reduce on the worker."""
-        algo = self._options.allreduce_algo
-        return algo in ("auto", "two_level") and (self._shape.two_level_auto
-                                                  or self._shape.one_host_shm)
-
-    def _run_priority(self, seq, buf, op, priority, stage, work, timeout, desc, name, queued):
-        scratch = getattr(self._prio_scratch, "s", None)
-        if scratch is None:
-            scratch = self._prio_scratch.s = Scratch()
-        life = self._life
-        me = Op("all_reduce", seq, None, stage, timeout, work, [buf], buf.numel() * buf.element_size(),
-                desc)
-        comm = None
-        try:
-            life.usable("all_reduce", seq)
-            comm = Comm(self._ctx, "all_reduce", seq, timeout, self._options.piece_bytes, scratch)
-            comm.priority = priority
-            comm.set_call(desc)
-            life.begin((me,), comm)
-            self._algos.all_reduce(comm, _flat(buf), op, self._options.allreduce_algo)
-        except BaseException as e:  # noqa: BLE001 - reaches the Work and the peers
-            life.fail((me,), comm, e)
-            return
-        t0, t1 = me.t0, time.perf_counter()
-        life.finish((me,), comm, me.nbytes)
-        if self.timeline is not None:
-            self.timeline.span(f"all_reduce {name or seq}", "comm", t0, t1, priority=priority,
-                               bytes=buf.numel() * buf.element_size(),
-                               queued_ms=round((t0 - queued) * 1000, 3))
+        return self._run.priority(buf, tensor, op, priority, stage, timeout, desc, name,
+                                  self.timeline)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
@@ -1025,9 +706,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
         self._validate("barrier")
-        if self._lone_ok and not getattr(opts, "asyncOp", True):
-            work = self._run_lone("barrier", "", "", self._op_timeout(opts), [], None,
-                                  lambda comm, _: shm_algos.barrier(comm))
+        if self._run.lone_ok and not getattr(opts, "asyncOp", True):
+            work = self._run.lone_barrier(self._op_timeout(opts))
             if work is not None:
                 return work
         return self._submit("barrier", lambda comm: self._algos.run(comm, "barrier", 0), [],
@@ -1043,12 +723,9 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         frameworks.check(self._rank, self._size)
         if self._watch is not None:
             self._watch.close()
-        self._sched.stop(self._timeout)
+        self._run.stop(self._timeout)
         self._close_stagers()
-        if self._prio_pool is not None:  # prioritized ops end (each has its deadline)
-            self._prio_pool.shutdown(wait=not threading.current_thread().name.startswith("linerate-prio"))
-        if self._plan is not None:
-            self._plan.close()
+        self._algos.close()
         self._ctx.close()
 
     def abort(self) -> None:
@@ -1059,7 +736,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         if self._watch is not None:
             self._watch.close()
         self._ctx.close(timeout=0.0, reason="aborted")
-        self._sched.put(None)
+        self._run.abort()
 
     def __del__(self):
         try:
@@ -1067,7 +744,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
                 self._shut = True
                 if self._watch is not None:
                     self._watch.close()
-                self._sched.put(None)
+                self._run.abort()
                 self._ctx.close(timeout=1.0)
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass

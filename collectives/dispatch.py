@@ -1,13 +1,28 @@
 """What runs a group's collective: the algorithm table's choice (collectives/algorithms.py),
 called with what each algorithm needs (the two-level ones: the group's plan and the engine
-of its host's shared segment)."""
+of its host's shared segment).
+
+This is the only place between the process-group adapter and the algorithms: the adapter
+(collectives/backend.py) and the runner (collectives/runner.py, which decides how a call runs:
+plain, fused, lone, chained or prioritized) ask it, and never name an algorithm's module. It
+builds what the algorithms of one group keep (the shared-memory engines, the two-level plan),
+picks the fusion agreement's algorithm from the same table, and offers the lone small calls
+of a one-host group where the table gives them the shared segment."""
 from __future__ import annotations
 
 import torch
 
-from . import algorithms
+from . import algorithms, fusion, shm_algos, two_level
 from .comm import Comm
 from .reduce_ops import finish_avg
+
+
+class _WorkerView:
+    """What the table reads of a Comm (``choose``) when no op runs yet: the group's worker."""
+    worker = True
+
+
+WORKER = _WorkerView()
 
 
 class Dispatch:
@@ -23,6 +38,22 @@ class Dispatch:
         #: ranks where the group spans hosts (collectives/shm_algos.py); None where none.
         self.shm = shm
         self.local = local
+
+    @classmethod
+    def for_group(cls, options, layout, rank: int, size: int, seg) -> "Dispatch":
+        """The algorithms of one group: its shape (from the ``layout`` learnt at rendezvous),
+        the shared-memory engine of the group's segment (every rank on this host) or of this
+        host's ranks (the group spans hosts), and the two-level plan where it can run."""
+        cma = options.transport.cma
+        shm = shm_algos.Engine(seg, cma) if seg is not None and seg.size == size else None
+        local = shm_algos.Engine(seg, cma) if seg is not None and seg.size < size else None
+        shape = algorithms.Shape(size, layout.hosts, layout.shared)
+        plan = two_level.Plan(layout.hosts, rank, options.pipeline) if shape.two_level_ok else None
+        return cls(options, shape, plan, shm, local)
+
+    def close(self) -> None:
+        if self.plan is not None:
+            self.plan.close()
 
     def choose(self, comm, op: str, nbytes: int, allreduce_algo: str | None = None) -> str:
         """The algorithm for this op (collectives/algorithms.py, the one table)."""
@@ -49,6 +80,51 @@ class Dispatch:
     def host_engine(self):
         """The engine of the two-level algorithms' local phases."""
         return self.local if self.local is not None else self.shm
+
+    # ------------------------------------------------------------------ fusion
+    def carry_bytes(self, how: str) -> int:
+        """Up to how many bytes the head call of a fused run travels with the agreement and
+        is reduced there (``how``: the agreement's algorithm), which is that algorithm's own
+        all_reduce: none where LINERATE_ALLREDUCE_ALGO forces another (the forced algorithm
+        then runs every call, as the table says)."""
+        algo = self.options.allreduce_algo
+        if algo in ("auto", "two_level") or (algo == "direct" and how == "direct"):
+            return self.options.small_bytes
+        return 0
+
+    def agree(self, comm: Comm, entries: list, offered: int) -> tuple[int, bool, str]:
+        """How many of the ``offered`` fusion entries every rank fuses (collectives/fusion.py
+        ``agree``, by the table's algorithm for it), whether the head entry was reduced along,
+        and the agreement's algorithm."""
+        how = self.choose(comm, "agree", 0)
+        carry = self.carry_bytes(how)
+        if how == "two_level":
+            k, done = two_level.agree(comm, entries, offered, carry, self.plan, self.host_engine())
+        else:
+            k, done = (shm_algos if how == "shm" else fusion).agree(comm, entries, offered, carry)
+        return k, done, how
+
+    def lone_ok(self, size: int) -> bool:
+        """Whether a synchronous barrier or small all_reduce that finds nothing queued may run
+        the lone way (``lone_barrier``, ``lone_all_reduce``): a group of one host's shared
+        segment whose table gives the fusion agreement to it."""
+        return self.shm is not None and size > 1 and self.choose(WORKER, "agree", 0) == "shm"
+
+    def lone_max(self, size: int) -> int:
+        """Up to how many bytes an all_reduce runs the lone way: what a fused run carries on
+        the segment (0: none)."""
+        if not self.lone_ok(size):
+            return 0
+        return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
+
+    @staticmethod
+    def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -> None:
+        """The fused run of one synchronous call, on the segment (shm_algos.lone_all_reduce)."""
+        shm_algos.lone_all_reduce(comm, flat, op, chain, desc)
+
+    @staticmethod
+    def lone_barrier(comm: Comm) -> None:
+        shm_algos.barrier(comm)
 
     # ------------------------------------------------------------------ ops with glue
     def all_reduce(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:

@@ -774,25 +774,25 @@ def test_idle_worker_thread_ends_and_comes_back():
 
 def _where_ops_run(rank, P, lr):
     """Which thread ran each op: a synchronous call with the worker idle (a small all_reduce,
-    a fusion entry, too; on one host the lone way, _run_lone) runs in the caller's thread; an async one, and a synchronous one queued behind it, on the worker, in order.
+    a fusion entry, too; on one host the lone way, runner._run_lone) runs in the caller's thread; an async one, and a synchronous one queued behind it, on the worker, in order.
     (The barrier may go either way: the worker clears its turn just after it completes the
     broadcast's Work.)"""
     import threading
     pg = lr._get_backend(torch.device("cpu"))
     ran = []
-    execute = pg._execute
+    execute = pg._run._execute
 
     def spy(item):
         ran.append((item.name, threading.current_thread().name))
         execute(item)
 
-    run_fused = pg._run_fused
+    run_fused = pg._run._run_fused
 
     def spy_fused(entries):
         ran.append(("all_reduce", threading.current_thread().name))
         run_fused(entries)
 
-    run_lone = pg._run_lone
+    run_lone = pg._run._run_lone
 
     def spy_lone(name, *a, **k):  # a lone small call on one host (None: it went the general way)
         work = run_lone(name, *a, **k)
@@ -800,7 +800,7 @@ def _where_ops_run(rank, P, lr):
             ran.append((name, threading.current_thread().name))
         return work
 
-    pg._execute, pg._run_fused, pg._run_lone = spy, spy_fused, spy_lone
+    pg._run._execute, pg._run._run_fused, pg._run._run_lone = spy, spy_fused, spy_lone
     s = torch.full((3,), float(rank))
     dist.all_reduce(s, group=lr)  # a small one (a fusion entry): synchronous, here too
     assert torch.equal(s, torch.full((3,), float(sum(range(P)))))
@@ -817,7 +817,7 @@ def _where_ops_run(rank, P, lr):
     assert [o[0].item() for o in outs] == [float(q) for q in range(P)]
     assert torch.equal(y, torch.zeros(5))
     dist.barrier(group=lr)
-    pg._execute, pg._run_fused, pg._run_lone = execute, run_fused, run_lone
+    pg._run._execute, pg._run._run_fused, pg._run._run_lone = execute, run_fused, run_lone
     return ran
 
 

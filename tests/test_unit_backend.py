@@ -169,17 +169,17 @@ def test_every_forced_algorithm_gives_gloos_result(algo, rooted):
 def test_sync_calls_run_in_the_callers_thread_async_ones_on_the_worker():
     def fn(pg, r):
         seen = []
-        real = pg._execute
+        real = pg._run._execute
 
         def spy(op):
             seen.append((op.name, threading.current_thread().name.startswith("rank")))
             real(op)
-        pg._execute = spy
+        pg._run._execute = spy
         t = torch.ones(100000)  # not fusable: above LINERATE_FUSION_BYTES below
         pg.allreduce([t], sync()).wait()
         w = pg.allreduce([t])                 # async: the worker
         w.wait()
-        pg._execute = real
+        pg._run._execute = real
         return seen
 
     import linerate
@@ -204,21 +204,21 @@ def test_async_small_all_reduces_fuse_and_agree():
 
 
 def _lone_spy(pg):
-    """Counts the calls that took the lone all_reduce's way (backend._lone)."""
+    """Counts the calls that took the lone all_reduce's way (runner.lone_all_reduce)."""
     seen = [0]
-    real = pg._run_lone
+    real = pg._run._run_lone
 
     def spy(name, *a, **k):
         work = real(name, *a, **k)
         seen[0] += name == "all_reduce" and work is not None
         return work
-    pg._run_lone = spy
+    pg._run._run_lone = spy
     return seen
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P):
-    """Rank 0 calls synchronous small all_reduces (the lone way: backend._lone); the other ranks
+    """Rank 0 calls synchronous small all_reduces (the lone way: runner.lone_all_reduce); the other ranks
     issue the same calls asynchronously, queued and fused on their worker: every call runs
     alone on rank 0 and fused with nothing on the others (the least count offered), every result
     is the fold in rank order, the same bits on every rank, for every dtype and op."""
@@ -316,7 +316,7 @@ def _root(r):
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 def test_ranks_that_disagree_fail_naming_each_other(shm, fusion):
     """Synchronous all_reduces of other sizes: fused runs of one call (on one host: the lone
-    way, backend._lone) and unfused ones."""
+    way, runner.lone_all_reduce) and unfused ones."""
     def fn(pg, r):
         t = torch.ones(10 if r == 0 else 11)
         pg.allreduce([t], sync()).wait()
