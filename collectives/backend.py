@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from linerate import _log
-from linerate.transport import Context, metrics
+from linerate.transport import Context, metrics, slowlink
 
-from . import flight, frameworks, pipeline, slowlink, straggler, timeline
+from . import flight, frameworks, pipeline, straggler, timeline
 from .comm import OPNAMES, Comm
 from .dispatch import Dispatch
 from .mixing import mix

@@ -74,7 +74,7 @@ class Options:
     #: Log a warning naming a persistently late rank or slow link at most once per this many
     #: seconds; 0: no log line.
     slow_log_s: float = 0.0
-    #: Slow links (collectives/slowlink.py): a TCP connection whose rate while sending stays
+    #: Slow links (transport/slowlink.py): a TCP connection whose rate while sending stays
     #: below this share of its siblings' median is named slow; 0: none is.
     slow_link_ratio: float = 0.6
 

@@ -25,7 +25,7 @@ Exported (``linerate_`` series, the exporter's ``rank`` and ``host`` labels):
 lateness relative to the first rank to enter), ``rank_late_ratio{late_rank}`` and
 ``rank_lateness_seconds{late_rank}`` (share of the window's collectives each rank entered last,
 and by how much on average), ``slowest_rank`` (the named rank, -1: nobody), and the window's
-size ``slow_window_collectives``. The slow links of collectives/slowlink.py travel in the same
+size ``slow_window_collectives``. The slow links of transport/slowlink.py travel in the same
 views. A warning names a slow rank or link at most once per ``LINERATE_SLOW_LOG_S`` seconds.
 
 Nothing read from the Store is evaluated or unpickled: a view is JSON of numbers and short
@@ -44,9 +44,8 @@ import weakref
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from linerate.transport import metrics
+from linerate.transport import metrics, slowlink
 
-from . import slowlink
 from .lateness import MIN_OPS, SHARE, WINDOW, decide, describe  # noqa: F401 - also straggler's
 from .op import waits as waited
 
@@ -62,7 +61,7 @@ HISTORY = 256
 #: balanced job spends a few hundredths of a percent of a core on its views).
 VIEW_S = 0.1
 VIEW_MAX_S = 1.0
-#: Publications between two samples of the links' rates (collectives/slowlink.py: each reads
+#: Publications between two samples of the links' rates (transport/slowlink.py: each reads
 #: every connection's TCP_INFO).
 LINK_EVERY = 3
 #: Waits shorter than this are not published (they name nobody).
@@ -83,7 +82,7 @@ def encode(host: str, ops, links) -> str:
     ``seq``, written as the first seq ``s0``, the durations in microseconds from it (-1 where a
     seq has no record: a failed op, another kind of call) and the waits as sparse
     ``[seq, peer, µs]`` triples; ``links``: the slow-link rows' encoding
-    (collectives/slowlink.py), or None."""
+    (transport/slowlink.py), or None."""
     s0 = ops[0][0] if ops else 0
     d = [-1] * (ops[-1][0] - s0 + 1 if ops else 0)
     w = []
@@ -161,7 +160,7 @@ class Watch:
         self.late_s = late_ms / 1e3
         self.log_s = log_s
         self.group = group
-        #: collectives/slowlink.py LinkRates of this group's links (None: links not watched).
+        #: transport/slowlink.py LinkRates of this group's links (None: links not watched).
         self.links = links
         self._keys = [f"{_KEY}{scope}/{q}" for q in range(size)]
         #: (seq, seconds, waits, op name) of the last HISTORY collectives.

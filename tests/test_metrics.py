@@ -174,9 +174,10 @@ def test_names_follow_prometheus_conventions():
 
     import torch.distributed as dist
 
-    from linerate.collectives import slowlink, straggler
+    from linerate.collectives import straggler
+    from linerate.transport import slowlink
 
-    # a watched group's series (collectives/straggler.py, slowlink.py) are there too
+    # a watched group's series (collectives/straggler.py, transport/slowlink.py) are there too
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
     w = straggler.Watch(store, "names", 0, 2, None, "h", 5.0, 0.0)
     w.close()

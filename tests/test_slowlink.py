@@ -1,4 +1,4 @@
-"""Slow links (collectives/slowlink.py): the rate of each TCP connection while it was sending,
+"""Slow links (transport/slowlink.py): the rate of each TCP connection while it was sending,
 its smoothed ratio to its siblings, the group's verdict from every rank's rows, their encoding,
 the exported series; and on a netlab cluster of 4 hosts x 2 rails (conftest's lab_4x2), one
 host's second rail shaped to half the rate is named within 20 collectives, and a balanced
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from linerate.collectives import slowlink
+from linerate.transport import slowlink
 from linerate.transport import metrics
 from linerate.transport.link import tcp_info
 
@@ -375,7 +375,7 @@ RANK = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
-    from linerate.collectives import slowlink
+    from linerate.transport import slowlink
 
     out, n, every, balanced = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("linerate")

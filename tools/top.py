@@ -545,7 +545,7 @@ def _peers(pairs: list[_Pair], show_all: bool) -> dict:
 
 def _link_rates(pairs: list[_Pair], show_all: bool) -> dict:
     """Each connection's rate while sending and its ratio to its siblings (gauges of the
-    ranks' slow-link watch, collectives/slowlink.py): the slow ones, or all with ``show_all``."""
+    ranks' slow-link watch, transport/slowlink.py): the slow ones, or all with ``show_all``."""
     rows: dict[tuple, dict] = {}
     for pair in pairs:
         for name, field_ in ((LINK_RATE, "bytes_per_second"), (LINK_RATIO, "ratio"),
