@@ -410,8 +410,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
                 self._lone_desc.clear()
             desc = self._lone_desc[key] = (f"{_dt(t)} op={_rop(op)}",
                                            f"{_dt(t)} op={_rop(op)} (fused with what follows)")
-        return self._run.lone_all_reduce(t.detach().view(-1), [t], op, desc,
-                                         self._op_timeout(opts))
+        return self._run.lone_all_reduce(t, op, desc, self._op_timeout(opts))
 
     def allreduce_priority(self, tensor: torch.Tensor, priority: int, op=dist.ReduceOp.SUM,
                            name: str = "", timeout: float | None = None) -> Work:

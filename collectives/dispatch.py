@@ -118,9 +118,9 @@ class Dispatch:
         return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
 
     @staticmethod
-    def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -> None:
+    def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
         """The fused run of one synchronous call, on the segment (shm_algos.lone_all_reduce)."""
-        shm_algos.lone_all_reduce(comm, flat, op, chain, desc)
+        shm_algos.lone_all_reduce(comm, t, op, chain, desc)
 
     @staticmethod
     def lone_barrier(comm: Comm) -> None:

@@ -101,11 +101,11 @@ NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.complex
              torch.complex128: np.complex128, torch.int8: np.int8, torch.uint8: np.uint8,
              torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
              torch.bool: np.bool_}
-_NP_BINARY = {RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
+NP_BINARY = {RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
               RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
               RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or,
               RedOpType.BXOR: np.bitwise_xor}
-_NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
+NP_BOOL = {RedOpType.SUM: np.logical_or, RedOpType.AVG: np.logical_or,
             RedOpType.PRODUCT: np.logical_and}
 
 
@@ -115,11 +115,15 @@ def fold_rows(out: torch.Tensor, rows, op: RedOpType, npdt) -> None:
     are the same). ``rows``: a 2-D array or a list of arrays of NumPy dtype ``npdt``
     (``NP_DTYPES[out.dtype]``); ``out`` a contiguous CPU tensor of that many elements. AVG
     accumulates as SUM (finish_avg divides)."""
-    o = np_view(out, npdt)  # not out.numpy(): that would pin the caller's storage
+    fold_rows_into(np_view(out, npdt), rows, op, npdt)  # not out.numpy(): it pins the storage
+
+
+def fold_rows_into(o: np.ndarray, rows, op: RedOpType, npdt) -> None:
+    """fold_rows into the NumPy array ``o``."""
     if len(rows) == 1:
         o[...] = rows[0]
         return
-    f = (_NP_BOOL.get(op) if npdt is np.bool_ else None) or _NP_BINARY[op]
+    f = (NP_BOOL.get(op) if npdt is np.bool_ else None) or NP_BINARY[op]
     with np.errstate(all="ignore"):  # overflow gives inf, as in torch and Gloo: no warning
         f(rows[0], rows[1], out=o)
         for i in range(2, len(rows)):

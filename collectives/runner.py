@@ -264,18 +264,18 @@ class Runner:
                     f"{comm.algorithm} (fused x{len(taken)})")
 
     # ------------------------------------------------------------------ lone
-    def lone_all_reduce(self, flat, result: list, op, desc: tuple, timeout: float) -> Work | None:
-        """A synchronous all_reduce of one small contiguous CPU tensor (``flat``, its view)
-        that finds nothing queued, on a group whose ranks share one segment: the fused run of
+    def lone_all_reduce(self, t, op, desc: tuple, timeout: float) -> Work | None:
+        """A synchronous all_reduce of one small contiguous CPU tensor ``t`` that finds nothing
+        queued, on a group whose ranks share one segment: the fused run of
         this one call (what ``fusable`` would run in this thread), straight to
         ``Dispatch.lone_all_reduce``: no queue entry, no Stage, no Comm of its own; the same
         agreement, checks, timeout, lifecycle and result. ``desc``: the call's text, and as
         the head of a fused run. None where the worker is busy (the general way then runs
         the call)."""
-        nbytes = flat.numel() * flat.element_size()
+        nbytes = t.numel() * t.element_size()
         run = self._algos.lone_all_reduce
-        return self._run_lone("all_reduce", desc[0], desc[1], timeout, result, nbytes,
-                              lambda comm, chain: run(comm, flat, op, chain, desc[0]), fused=True)
+        return self._run_lone("all_reduce", desc[0], desc[1], timeout, [t], nbytes,
+                              lambda comm, chain: run(comm, t, op, chain, desc[0]), fused=True)
 
     def lone_barrier(self, timeout: float) -> Work | None:
         """A synchronous barrier that finds nothing queued, straight on the segment (see

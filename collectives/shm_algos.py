@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 import time
 import types
 import weakref
@@ -40,11 +39,12 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import (BYTES_PER_RANK, cma_read, pidns, usable_cores,
-                                     watchable_pid)
+from linerate.transport.shm import (BYTES_PER_RANK, WEAK_ORDER, cma_read, pidns,
+                                     usable_cores, watchable_pid)
 
 from .comm import Comm, OpTimeout
-from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows
+from .reduce_ops import (NP_BINARY, NP_BOOL, NP_DTYPES, RedOpType, finish_avg, fold_rows,
+                         fold_rows_into)
 from .views import np_view
 
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
@@ -106,9 +106,9 @@ LEFT_WAIT_S = 0.2
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
 #: x86 keeps stores in order and loads in order (TSO): a tick stored after a phase's data is
-#: seen after it. Elsewhere a full barrier (an atomic add) goes before each tick and after each
-#: wait. (Only the x86 path has been exercised.)
-_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
+#: seen after it. Elsewhere (transport/shm.py WEAK_ORDER) a full barrier goes before each tick
+#: and after each wait. (Only the x86 path has been exercised.)
+_WEAK_ORDER = WEAK_ORDER
 
 log = logging.getLogger("linerate.collectives")
 
@@ -195,6 +195,7 @@ class Engine:
         self.gr = tuple(getattr(seg, "ranks", range(P)))
         self.me = self.gr[self.r]
         self.ctrl = seg.ctrl
+        self.row = seg.ctrl[self.r]  # this rank's control row
         self.prog = seg.ctrl[:, _PROG]
         self.want = seg.ctrl[:, _WANT]
         # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
@@ -235,6 +236,9 @@ class Engine:
         self._cma_scratch = None
         #: lone_all_reduce's tensor views of the slots' rows: (set, dtype, elements) -> views.
         self.lone_rows: dict = {}
+        #: lone_all_reduce's NumPy views of the callers' tensors: (address, dtype, elements) ->
+        #: a view made from the address (holding nothing; used only while a tensor is there).
+        self.lone_outs: dict = {}
         self._big = 0                 # large all_reduces run here (the same on every rank)
         self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
         self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
@@ -282,9 +286,10 @@ class Engine:
         """The group closed: drop every view of the segment (its mapping goes now)."""
         self.areas = []
         self.lone_rows = {}
+        self.lone_outs = {}
         self.np_data = self.words = None
         self._cma_scratch = None
-        self.ctrl = self.prog = self.want = None
+        self.ctrl = self.row = self.prog = self.want = None
 
     # ------------------------------------------------------------------ areas
     def S(self, b: int, q: int) -> int:
@@ -308,7 +313,7 @@ class Engine:
         if comm.size != self.P or comm.rank != self.r:
             raise TransportError(f"rank {self.me}: {comm.desc}: the shared segment of ranks "
                                  f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
-        row = self.ctrl[self.r]
+        row = self.row
         #: The last tick before this op: a peer at a later tick is in this op or past it.
         self.base = self.tick
         row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
@@ -1302,15 +1307,16 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     return k, carry
 
 
-def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -> None:
+def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
     """agree() of a rank that offers one call, its entry carried (the same words in the same
     slot: peers that offered more fuse this one call with it), for a synchronous all_reduce of
     at most agree's carry bytes with nothing queued: the least Python that keeps its checks.
     ``chain``: the running digest after this call (fusion.chain_digest), ``desc`` the call's
-    text (for a mismatch's error); ``flat`` is reduced in
-    place (contiguous; an AVG is divided here), folded as agree() folds (the same bits on every
-    rank, whichever of the two it ran). The rows' views are cached per set, dtype and size: a
-    job repeats a few small all_reduces many times."""
+    text (for a mismatch's error); ``t``, a contiguous CPU tensor, is reduced in place (an AVG
+    is divided here), folded as agree() folds (the same bits on every rank, whichever of the
+    two it ran). What a job repeats is cached: the rows' views per set, dtype and size, and
+    the result's NumPy view per address, dtype and size (made from the address, holding
+    nothing: it is used only while a caller's tensor is there)."""
     E = comm.shm
     E.begin(comm)
     P, r, C = E.P, E.r, E.C
@@ -1323,10 +1329,12 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
     words[w0] = 1
     signed = _signed(chain)
     words[w0 + 1] = signed
-    n = flat.numel()
-    nb = n * flat.element_size()
+    n = t.numel()
+    dt = t.dtype
+    ptr = t.data_ptr()
+    nb = n * t.element_size()
     if nb:
-        ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), nb)
+        ctypes.memmove(E.addr[mine] + 64, ptr, nb)
         E.tx_all += nb
         E.rx_all += nb
         E.wrote += nb
@@ -1349,12 +1357,11 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
         from .fusion import compare_digests
         head = types.SimpleNamespace(seq=comm.seq, chain=chain, desc=desc)
         compare_digests([head], 1, bad, lambda q: E.gr[q], E.me)
-    key = (b, flat.dtype, n)
+    key = (b, dt, n)
     rows = E.lone_rows.get(key)
     if rows is None:  # agree()'s rows, as one array (NumPy's dtypes) or tensor views
         if len(E.lone_rows) > 64:
             E.lone_rows.clear()
-        dt = flat.dtype
         npdt = _NP.get(dt)
         rows = E.lone_rows[key] = (
             (npdt, np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
@@ -1363,8 +1370,31 @@ def lone_all_reduce(comm: Comm, flat: torch.Tensor, op, chain: int, desc: str) -
             (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
     npdt, rows = rows
     if npdt is not None:
-        fold_rows(flat, rows, op, npdt)
+        okey = (ptr, dt, n)
+        out = E.lone_outs.get(okey)
+        if out is None:
+            if len(E.lone_outs) > 64:
+                E.lone_outs.clear()
+            out = E.lone_outs[okey] = np.frombuffer(
+                (ctypes.c_char * nb).from_address(ptr), dtype=npdt)
+        if npdt in _NO_WARNINGS:  # integers and bool: nothing to warn of
+            f = _LONE_FOLD[npdt is np.bool_].get(op)
+            f(rows[0], rows[1], out=out)
+            for i in range(2, P):
+                f(out, rows[i], out=out)
+        else:
+            fold_rows_into(out, rows, op, npdt)
+        if op == RedOpType.AVG:
+            finish_avg(t.detach().view(-1), op, P)
     else:
+        flat = t.detach().view(-1)
         _fold(flat, rows, op)
-    finish_avg(flat, op, P)
+        finish_avg(flat, op, P)
     E.publish(range(b * P, b * P + P))
+
+
+#: The NumPy dtypes whose folds cannot overflow into a warning (lone_all_reduce folds them
+#: without np.errstate, a sizeable share of a small all_reduce's time).
+_NO_WARNINGS = frozenset(np.dtype(d).type for d in (np.int8, np.uint8, np.int16, np.int32,
+                                                     np.int64, np.bool_))
+_LONE_FOLD = {False: NP_BINARY, True: {**NP_BINARY, **NP_BOOL}}

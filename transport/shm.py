@@ -92,9 +92,17 @@ _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBoard)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
 _PAGE = 4096
-#: x86 keeps stores in order and loads in order; elsewhere a fence goes between a record and
-#: its flag (Segment.record_cause).
-_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
+#: x86 keeps stores in order and loads in order (TSO): data stored before a flag is seen before
+#: it. Elsewhere (WEAK_ORDER) a fence goes between a record and its flag, here and in every
+#: protocol on the segment (collectives/shm_algos.py, shmlink.py).
+WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
+_WEAK_ORDER = WEAK_ORDER
+#: What ``Segment.fence`` runs on x86, where the one reordering left is a load passing an
+#: earlier store (a tick published, then the sleepers' wishes read): any locked instruction
+#: drains the store buffer, and taking and giving back a Python lock runs two (CPython's lock
+#: is a semaphore or mutex of the C library: an atomic compare-and-swap, an atomic add), in
+#: about 0.1 us against 1-2 us for the futex system call that serves as the fence elsewhere.
+_FENCE_LOCK = None if WEAK_ORDER else threading.Lock()
 
 
 class Layout(NamedTuple):
@@ -661,9 +669,15 @@ class Segment:
             self.bells[q] += 1
 
     def fence(self) -> None:
-        """A full memory barrier (an atomic add on this rank's own bell): stores before it are
-        visible to every rank before loads after it are done."""
-        self.ring(self.rank)
+        """A full memory barrier: stores before it are visible to every rank before loads after
+        it are done (x86: a lock taken and given back, _FENCE_LOCK; elsewhere an atomic add on
+        this rank's own bell)."""
+        lock = _FENCE_LOCK
+        if lock is not None:
+            lock.acquire()
+            lock.release()
+        else:
+            self.ring(self.rank)
 
     def sleep(self, seen: int, timeout: float) -> None:
         """Sleep until this rank's bell differs from ``seen`` (read it before checking the
