@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from linerate.transport import CHANNEL_COLLECTIVE, Context, Request, TransportError
+from linerate.transport import CHANNEL_COLLECTIVE, Context, Request
+from linerate.transport.shmengine import OpTimeout  # noqa: F401 - also this module's API
 
 from .mismatch import OpNames
 from .views import byte_view  # noqa: F401 - also this module's API (collectives/p2p.py)
@@ -57,10 +58,6 @@ class Fold:
 
     def real(self, v: int) -> int:
         return 2 * v + 1 if v < self.rem else v + self.rem
-
-
-class OpTimeout(TransportError):
-    pass
 
 
 class Scratch:

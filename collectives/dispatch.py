@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from linerate.transport.shmengine import Engine
+
 from . import algorithms, fusion, shm_algos, two_level
 from .comm import Comm
 from .reduce_ops import finish_avg
@@ -45,8 +47,8 @@ class Dispatch:
         the shared-memory engine of the group's segment (every rank on this host) or of this
         host's ranks (the group spans hosts), and the two-level plan where it can run."""
         cma = options.transport.cma
-        shm = shm_algos.Engine(seg, cma) if seg is not None and seg.size == size else None
-        local = shm_algos.Engine(seg, cma) if seg is not None and seg.size < size else None
+        shm = Engine(seg, cma) if seg is not None and seg.size == size else None
+        local = Engine(seg, cma) if seg is not None and seg.size < size else None
         shape = algorithms.Shape(size, layout.hosts, layout.shared)
         plan = two_level.Plan(layout.hosts, rank, options.pipeline) if shape.two_level_ok else None
         return cls(options, shape, plan, shm, local)

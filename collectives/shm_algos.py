@@ -9,22 +9,10 @@ chunk k, reduce chunk k-1, copy out chunk k-2), so the segment stays bounded
 (transport.shm.BYTES_PER_RANK per rank, reused by every op). From CMA_BYTES an all_reduce may
 instead read the peers' tensors directly with cross-memory attach (LINERATE_CMA, _cma_choice).
 
-Synchronisation (transport/shm.py gives the words and a bell per rank): each rank publishes a
-counter (its *tick*) after each phase; every rank advances it the same number of times for
-the same calls, so "every rank reached tick T" means "every rank finished that phase". A
-waiting rank checks the counters for a moment (where ranks outnumber cores it gives its core up
-between looks: 4 ranks on 2 cores must not fight spinners), says which tick it waits for and
-sleeps on its bell (a futex: no core burnt); a rank that publishes wakes exactly
-the sleepers whose wait it completes. A sleeper also wakes after a short timeout and looks at
-the transport's state and, every LIVE_S, whether the ranks it waits for still run: a rank that
-died or reported an error fails the wait with that error. Each area of the segment remembers
-the tick at which its last readers finish; a rank writes into an area only once every rank is
-past it.
-
-Agreement: before its first tick of an op a rank writes the op's sequence number, the digest of
-its call (the same digest that travels in TCP frames) and the call's text into its control row;
-a rank that sees a peer in the same op with another digest fails with both calls named and tells
-every rank (the transport's ERROR frames), so a mismatch is named on every rank, never run.
+Synchronisation and agreement are the engine's (transport/shmengine.py): each rank publishes
+a tick after each phase and waits until every rank (or those it reads) published it; a rank in
+an op with other arguments than its peers' is named on every rank, never run. The algorithms
+here say what each phase copies and folds, between those publishes and waits.
 """
 from __future__ import annotations
 
@@ -33,33 +21,20 @@ import logging
 import os
 import time
 import types
-import weakref
 
 import numpy as np
 import torch
 
-from linerate.transport import MismatchError, TransportError
-from linerate.transport.shm import (BYTES_PER_RANK, WEAK_ORDER, cma_read, pidns,
-                                     usable_cores, watchable_pid)
+from linerate.transport import MismatchError
+from linerate.transport.shm import cma_read
+from linerate.transport.shmengine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, CMA_TIMES, PID,
+                                          PIDNS, Engine, to_signed, to_unsigned)
 
-from .comm import Comm, OpTimeout
+from .comm import Comm
 from .reduce_ops import (NP_BINARY, NP_BOOL, NP_DTYPES, RedOpType, finish_avg, fold_rows,
                          fold_rows_into)
 from .views import np_view
 
-# control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
-_PROG, _SEQ, _DIGEST, _AUX = 0, 1, 2, 3
-_WANT, _WHO = 4, 5   # the tick a sleeping rank waits for (0: awake); whose (-1: every rank's)
-_PID, _PIDNS = 6, 7  # the rank's process id and pid namespace (a waiter checks it is alive)
-_DESC_WORD, _DESC_BYTES = 8, 256          # words 8..39: the call's text
-# words 40..55: the (seq, digest) of this rank's last _HIST_N ops, so that a rank that checks a
-# peer which already moved on to a later op can still compare this op's call with its own
-_HIST, _HIST_N = 40, 8
-# words 56..59: cross-memory attach (see _all_reduce_cma): the tensor's address in this op; a
-# private word's address and the nonce it holds (the probe); the probe's verdict (1 ok and
-# tuned, 3 ok and always, 2 not); words 60..63: this rank's smoothed time per byte of each
-# large all_reduce path (picoseconds: CMA, segment), in two slots by the parity of the op count
-_CMA_PTR, _CMA_ADDR, _CMA_NONCE, _CMA_OK, _CMA_TIMES = 56, 57, 58, 59, 60
 #: An all_reduce from this many bytes may read the peers' tensors with cross-memory attach
 #: (process_vm_readv) where every rank may: one copy per byte moved, no staging in the segment.
 #: Neither path wins everywhere: the copies through the segment are faster while the last-level
@@ -82,43 +57,11 @@ CMA_KEEP = 3
 #: The pieces that a rank reduces its share in (each peer's piece is read into a scratch
 #: buffer that stays in cache, then folded); 1 MiB does better than 256 KiB or 4 MiB.
 CMA_PIECE = 1 << 20
-#: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
-POLL_S = 0.005
-#: Seconds a waiting rank polls the counters before it sleeps on its bell, where the segment's
-#: ranks have a core each: a futex sleep and wake-up costs tens of microseconds on each side,
-#: more than a small op's peer usually keeps it waiting. Where ranks outnumber cores it does
-#: not spin (a spinning rank would take the core the rank it waits for needs): YIELD_S.
-SPIN_S = 100e-6
-#: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
-#: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
-#: sleeps: sleeping at once there costs a futex wake-up per wait on each side
-#: (docs/performance.md, small operations at 4 ranks).
-YIELD_S = 200e-6
-#: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
-#: poll of their pidfds: transport/shm.py PidWatch). Looking at every wake-up (where there are
-#: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
-#: all_reduce's CPU on many ranks. A rank that died is still noticed within this plus POLL_S.
-LIVE_S = 0.02
-#: Seconds a rank that finds a peer past the current op without it (``_left_unfinished``)
-#: waits for word that the peer failed before it names a sequence mismatch.
-LEFT_WAIT_S = 0.2
 #: all_reduce up to this many bytes: every rank folds all contributions (one barrier).
 SMALL_BYTES = 64 << 10
 _ALIGN = 64
-#: x86 keeps stores in order and loads in order (TSO): a tick stored after a phase's data is
-#: seen after it. Elsewhere (transport/shm.py WEAK_ORDER) a full barrier goes before each tick
-#: and after each wait. (Only the x86 path has been exercised.)
-_WEAK_ORDER = WEAK_ORDER
 
 log = logging.getLogger("linerate.collectives")
-
-
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def _unsigned(s: int) -> int:
-    return s & ((1 << 64) - 1)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -163,443 +106,7 @@ def _fold(out: torch.Tensor, srcs: list[torch.Tensor], op) -> None:
             f(d, x[lo:hi], out=d)
 
 
-class _Areas:
-    """The segment's areas (2P + 2 of C bytes) as uint8 tensor views, each made when first used:
-    a group's creation had made every one (66 at 32 ranks), where its small ops use a few."""
-
-    __slots__ = ("_data", "_C", "_views")
-
-    def __init__(self, data: torch.Tensor, C: int, n: int):
-        self._data, self._C, self._views = data, C, [None] * n
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        v = self._views[i]
-        if v is None:
-            v = self._views[i] = self._data[i * self._C:(i + 1) * self._C]
-        return v
-
-
-class Engine:
-    """A group's view of its shared segment: slots, counters, waiting. Used by one thread
-    (the group's worker) at a time."""
-
-    def __init__(self, seg, cma: str | None = None):
-        self.seg = seg
-        self.P = P = seg.size
-        self.r = seg.rank
-        #: Group rank of each segment rank (the comm this engine runs on has exactly these
-        #: ranks, in this order: the group, or a SubComm of one host's ranks).
-        self.gr = tuple(getattr(seg, "ranks", range(P)))
-        self.me = self.gr[self.r]
-        self.ctrl = seg.ctrl
-        self.row = seg.ctrl[self.r]  # this rank's control row
-        self.prog = seg.ctrl[:, _PROG]
-        self.want = seg.ctrl[:, _WANT]
-        # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
-        # rank takes the core a rank it waits for needs (it yields instead: wait()).
-        self.spin = SPIN_S if P <= usable_cores() else 0.0
-        self.tick = 0
-        self.base = 0
-        nareas = 2 * P + 2
-        self.C = (P * BYTES_PER_RANK // nareas) // 4096 * 4096
-        self.areas = _Areas(seg.data, self.C, nareas)
-        base = seg.data.data_ptr()  # for memmove without tensor views
-        self.addr = [base + i * self.C for i in range(nareas)]
-        #: The areas as one NumPy array (bytes, and int64 words): what every rank put in its
-        #: slot is read for all ranks at once (agree), not through a tensor view per rank.
-        self.np_data = seg.data[:nareas * self.C].numpy()
-        self.words = self.np_data.view(np.int64)
-        self.free = [0] * nareas
-        self.cursor = 0
-        #: The running op's Comm, weakly (its caller holds it for the op; comm.shm is this
-        #: engine: a strong reference made a cycle that kept a destroyed group's objects
-        #: until the garbage collector ran).
-        self._comm = None
-        self._checked = True
-        self._desc_key = None  # (op, call text) written in this rank's row
-        # Liveness without TCP: with lazy connections co-located ranks may never open one
-        # (whose reset would tell a waiter that a peer died); a waiter checks the pids.
-        self._pidns = pidns()
-        self.ctrl[self.r, _PIDNS] = self._pidns
-        self.ctrl[self.r, _PID] = os.getpid()
-        #: Cross-memory attach between these ranks, agreed by all: None until the first large
-        #: all_reduce asks every rank; then "off", "on" (every rank has LINERATE_CMA=1: always)
-        #: or "tuned" (auto: the path that measured faster, _cma_choice).
-        self.cma = None
-        if cma is None:  # LINERATE_CMA from the environment (a group passes its Options')
-            from linerate import settings
-            cma = settings.read("LINERATE_CMA")
-        self._cma_setting = cma
-        self._cma_scratch = None
-        #: lone_all_reduce's tensor views of the slots' rows: (set, dtype, elements) -> views.
-        self.lone_rows: dict = {}
-        #: lone_all_reduce's NumPy views of the callers' tensors: (address, dtype, elements) ->
-        #: a view made from the address (holding nothing; used only while a tensor is there).
-        self.lone_outs: dict = {}
-        self._big = 0                 # large all_reduces run here (the same on every rank)
-        self._times = ([], [])        # this rank's last seconds per byte: CMA, segment
-        self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
-        #: Bytes moved between this rank and each segment rank q, as a link would count them
-        #: (``traffic``): tx[q], what this rank wrote into the segment that q reads (or what q
-        #: read from this rank's tensor by CMA); rx[q], what this rank read of q's (its slot, its
-        #: share of a result area, its tensor). tx_all/rx_all: bytes sent to / received from
-        #: every peer alike (one add for an op that treats all peers the same). Payload only:
-        #: the control words (ticks, digests, all_to_all's sizes) are not counted.
-        self.tx, self.rx = [0] * P, [0] * P
-        self.tx_all = self.rx_all = 0
-        #: Bytes this rank wrote for its peers to read, each byte once however many peers read
-        #: it (``copied``): into its slot, the root's slot, its share of a result area, or (by
-        #: cross-memory attach) its share of the result in its own tensor. Where one peer reads
-        #: each byte it equals the sum of ``tx``; a broadcast's root writes once what it sends
-        #: to every peer. (What a rank writes that only it reads again is not counted.)
-        self.wrote = 0
-        seg.traffic = self.traffic  # read by the transport's stats (Context.stats)
-        seg.copied = self.copied    # read by the metrics (interface shm's rate, utilization)
-        seg.on_close.append(self._release)
-
-    @property
-    def comm(self) -> Comm | None:
-        ref = self._comm
-        return ref() if ref is not None else None
-
-    @comm.setter
-    def comm(self, comm: Comm | None) -> None:
-        self._comm = weakref.ref(comm) if comm is not None else None
-
-    def traffic(self) -> dict[int, tuple[int, int]]:
-        """{peer's group rank: (bytes sent, bytes received)} through the segment so far (see
-        ``tx``): what this rank wrote for the peer to read and what it read of the peer's;
-        rank r's sent to q equals q's received from r."""
-        tx, rx, ta, ra = self.tx, self.rx, self.tx_all, self.rx_all
-        return {g: (tx[q] + ta, rx[q] + ra) for q, g in enumerate(self.gr) if q != self.r}
-
-    def copied(self) -> tuple[int, int]:
-        """(bytes written for the peers, bytes read of theirs) through the segment so far: what
-        the memory moved, a byte that several peers read written once (``wrote``); what it read
-        is the sum of its per-peer received bytes (``traffic``)."""
-        return self.wrote, sum(self.rx) + self.rx_all * (self.P - 1)
-
-    def _release(self) -> None:
-        """The group closed: drop every view of the segment (its mapping goes now)."""
-        self.areas = []
-        self.lone_rows = {}
-        self.lone_outs = {}
-        self.np_data = self.words = None
-        self._cma_scratch = None
-        self.ctrl = self.row = self.prog = self.want = None
-
-    # ------------------------------------------------------------------ areas
-    def S(self, b: int, q: int) -> int:
-        return b * self.P + q
-
-    def R(self, b: int) -> int:
-        return 2 * self.P + b
-
-    def view(self, area: int, dtype: torch.dtype, n: int, nbytes_per: int) -> torch.Tensor:
-        return self.areas[area][:n * nbytes_per].view(dtype)
-
-    def next_set(self) -> int:
-        b = self.cursor & 1
-        self.cursor += 1
-        return b
-
-    # ------------------------------------------------------------------ op life
-    def begin(self, comm: Comm) -> None:
-        if self.ctrl is None:
-            raise TransportError(f"rank {self.me}: {comm.desc}: the process group was closed")
-        if comm.size != self.P or comm.rank != self.r:
-            raise TransportError(f"rank {self.me}: {comm.desc}: the shared segment of ranks "
-                                 f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
-        row = self.row
-        #: The last tick before this op: a peer at a later tick is in this op or past it.
-        self.base = self.tick
-        row[_SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
-        row[_DIGEST] = _signed(comm.call)
-        key = (comm.op, comm.call_text)
-        if key != self._desc_key:  # the row holds the last op's text: a repeated call keeps it
-            text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:_DESC_BYTES - 1]
-            desc = row[_DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
-            desc[:] = 0
-            desc[:len(text)] = np.frombuffer(text, np.uint8)
-            self._desc_key = key
-        h = _HIST + 2 * (comm.seq % _HIST_N)
-        row[h] = 0            # the entry is being rewritten
-        row[h + 1] = row[_DIGEST]
-        row[h] = comm.seq
-        row[_SEQ] = comm.seq  # last: a peer reads seq, digest, seq (see _check)
-        self.comm = comm
-        self._checked = False
-
-    def publish(self, reads=()) -> None:
-        """This rank finished a phase; ``reads``: areas it read in it (free once every rank
-        published this tick)."""
-        self.tick += 1
-        t = self.tick
-        for a in reads:
-            self.free[a] = t
-        prog, want, ctrl = self.prog, self.want, self.ctrl
-        if ctrl is None:  # closed (abort) while this op ran
-            self._closed()
-        seg = self.seg
-        if _WEAK_ORDER:  # the phase's data stores before the tick
-            seg.fence()
-        prog[self.r] = t
-        seg.fence()  # the tick is visible before the sleepers' wishes are read
-        wants = want.tolist()  # a few words: a list beats NumPy's reductions on them
-        if any(wants):  # wake exactly the sleepers whose wait is over
-            ticks = None  # every rank's tick: read once (31 sleepers at 32 ranks)
-            for q, w in enumerate(wants):
-                if not w:
-                    continue
-                if ticks is None:
-                    ticks = prog.tolist()
-                who = int(ctrl[q, _WHO])
-                if (ticks[who] if who >= 0 else min(ticks)) >= w:
-                    seg.ring(q)
-
-    def wait_free(self, area: int) -> None:
-        t = self.free[area]
-        prog = self.prog
-        if t and (prog is None or min(prog.tolist()) < t):
-            self.wait(t)
-
-    def wait(self, t: int, who: list[int] | None = None) -> None:
-        """Until every rank (or those in ``who``) published tick ``t``."""
-        prog, ctrl = self.prog, self.ctrl  # kept: the group may close meanwhile (abort)
-        if ctrl is None:
-            self._closed()
-        if _ready(prog, t, who):
-            if not self._checked:
-                if self._check(t, who, ctrl):
-                    self._settle(t, who, ctrl)
-            if _WEAK_ORDER:  # the ticks seen before the data they announce
-                self.seg.fence()
-            return
-        comm = self.comm
-        arr = comm.arrivals
-        # Peers that have not published anything in this op yet (at or before its base
-        # tick): when their first contribution comes is noted (collectives/straggler.py).
-        first = None
-        if arr is not None:
-            base, ticks = self.base, prog.tolist()
-            first = [q for q in (who or range(self.P)) if ticks[q] <= base and q != self.r]
-        if self.spin:
-            clock = time.perf_counter
-            until = clock() + self.spin
-            while not _ready(prog, t, who) and clock() < until:
-                pass
-        else:
-            clock = time.perf_counter
-            until = clock() + YIELD_S
-            yld = os.sched_yield
-            while not _ready(prog, t, who) and clock() < until:
-                yld()
-        seg = self.seg
-        bells = seg.bells
-        row = ctrl[self.r]
-        live_at = time.monotonic() + LIVE_S  # the first look at the peers' processes
-        try:
-            while not _ready(prog, t, who):
-                if first:
-                    self._arrived(first, arr)
-                if self.ctrl is None:
-                    self._closed()
-                self._check(t, who, ctrl)
-                broken = comm.ctx.broken
-                if broken is not None:
-                    raise TransportError(str(broken))
-                now = time.monotonic()
-                if now >= live_at:
-                    live_at = now + LIVE_S
-                    self._peers_alive(t, who, prog, ctrl)
-                left = comm.deadline - now
-                if left <= 0:
-                    late = [q for q in (who or range(self.P)) if prog[q] < t]
-                    where = ", ".join(f"rank {self.gr[q]} is in op #{int(ctrl[q, _SEQ])}"
-                                      for q in late)
-                    late = [self.gr[q] for q in late]
-                    raise OpTimeout(f"rank {self.me}: {comm.desc} did not complete within the "
-                                    f"{comm.timeout:.1f}s timeout: still waiting for ranks {late} "
-                                    f"(shared memory; {where})")
-                # Say what this rank waits for (a publisher that completes it rings this
-                # rank's bell), then sleep unless it came meanwhile.
-                row[_WHO] = -1 if who is None else who[0]
-                row[_WANT] = t
-                seg.fence()
-                seen = int(bells[self.r])
-                if _ready(prog, t, who):
-                    break
-                seg.sleep(seen, min(POLL_S, left))
-        finally:
-            row[_WANT] = 0
-        if first:
-            self._arrived(first, arr)
-        if not self._checked:
-            if self._check(t, who, ctrl):
-                self._settle(t, who, ctrl)
-        if _WEAK_ORDER:
-            seg.fence()
-
-    def _arrived(self, first: list, arr: dict) -> None:
-        """Note the time for the peers in ``first`` that published in this op meanwhile."""
-        ticks = self.prog.tolist()
-        base = self.base
-        now = None
-        for q in [q for q in first if ticks[q] > base]:
-            if now is None:
-                now = time.perf_counter()
-            first.remove(q)
-            g = self.gr[q]
-            if g not in arr or now < arr[g]:
-                arr[g] = now
-
-    def _settle(self, t: int, who, ctrl) -> None:
-        """Every rank waited for is at tick ``t`` but one was caught beginning its next op
-        (its sequence number being rewritten): look again until it is readable, so that no op
-        completes without its calls compared (the next op compares only its own)."""
-        comm = self.comm
-        while True:
-            if time.monotonic() > comm.deadline:
-                stuck = [self.gr[q] for q in (who or range(self.P))
-                         if q != self.r and int(ctrl[q, _SEQ]) == 0]
-                raise OpTimeout(f"rank {self.me}: {comm.desc} did not complete within the "
-                                f"{comm.timeout:.1f}s timeout: ranks {stuck} never finished "
-                                f"beginning their next op (shared memory; their sequence "
-                                f"number stayed 0)")
-            os.sched_yield()
-            if not self._check(t, who, ctrl):
-                return
-
-    def _peers_alive(self, t: int, who, prog, ctrl) -> None:
-        """Raise if a rank this one waits for (not at tick ``t`` yet) closed its group or
-        failed (a link's failure) or its process has exited."""
-        comm = self.comm
-        ctx = comm.ctx
-        late = [q for q in (who or range(self.P)) if prog[q] < t]
-        for q in late:
-            failure = ctx.peer_failure(self.gr[q])
-            if failure is not None:
-                # (a peer that failed because of another rank and then closed or exited
-                # names that rank: Context.lost)
-                raise ctx.lost(self.gr[q], str(failure), f"rank {self.me}: {comm.desc}")
-        pids = {q: self._pid(q, ctrl) for q in late}
-        gone = self.seg.watch.exited([p for p in pids.values() if p])  # one syscall
-        for q in late:
-            if pids[q] in gone:
-                err = ctx.lost(self.gr[q], f"rank {self.me}: {comm.desc}: rank {self.gr[q]} "
-                                           f"(process {int(ctrl[q, _PID])} on this host) has "
-                                           f"exited{ctx.where()}",
-                               f"rank {self.me}: {comm.desc}")
-                ctx.report_error(str(err), err.root)  # the other ranks hear of it at once
-                raise err
-
-    def _pid(self, q: int, ctrl) -> int:
-        """Segment rank q's pid where this rank can tell whether it runs, else 0 (no pid
-        published yet, or another pid namespace)."""
-        return watchable_pid(int(ctrl[q, _PID]), int(ctrl[q, _PIDNS]), self._pidns)
-
-    def _closed(self) -> None:
-        comm = self.comm
-        if comm is None:
-            raise TransportError(f"rank {self.me}: the process group was closed")
-        why = comm.ctx.close_error
-        raise TransportError(str(why) if why is not None else
-                             f"rank {self.me}: {comm.desc}: the process group was closed")
-
-    def _check(self, t: int, who, ctrl) -> bool:
-        """A peer in this op with another call, or past this op without this rank, or at this
-        op's tick ``t`` from an earlier op: mismatch. True where a rank at tick ``t`` was caught
-        beginning its next op (its sequence number being rewritten: nothing to compare yet)."""
-        comm = self.comm
-        mine = _signed(comm.call)
-        ready = True
-        moving = False
-        for q in (who or range(self.P)):
-            if q == self.r:
-                continue
-            prog = int(ctrl[q, _PROG])  # before its seq: a seq read after it is as late or later
-            seq = int(ctrl[q, _SEQ])
-            digest = int(ctrl[q, _DIGEST])
-            if int(ctrl[q, _SEQ]) != seq or seq == 0:  # it is beginning another op
-                ready = False
-                moving = moving or prog >= t
-                continue
-            if seq < comm.seq and prog >= t > self.base:
-                # It published this op's tick t in an earlier op: the ranks' ticks only line up
-                # when they make the same calls (e.g. a broadcast's root, one tick, then a
-                # barrier, one tick, against a small all_reduce's two).
-                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
-                               "different sequences of collectives")
-            if seq == comm.seq and digest != mine:
-                self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
-                               "collectives or passed other arguments (dtype, size, reduce op or "
-                               "root)")
-            elif seq > comm.seq and self._past_call_differs(ctrl, q, mine):
-                self._mismatch(q, f"called other arguments in #{comm.seq} (now in "
-                               f"{self._desc(q)} #{seq})", "the ranks called different "
-                               "collectives or passed other arguments (dtype, size, reduce op or "
-                               "root)")
-            elif seq > comm.seq and int(ctrl[q, _PROG]) < t:
-                self._left_unfinished(q, seq)
-            ready = ready and seq >= comm.seq
-        if ready and _ready(ctrl[:, _PROG], t, who):
-            self._checked = True
-        return moving
-
-    def _past_call_differs(self, ctrl, q: int, mine: int) -> bool:
-        """Whether peer q, already in a later op, called this op with another digest (from its
-        history; False where the entry is gone or being rewritten: nothing to compare)."""
-        h = _HIST + 2 * (self.comm.seq % _HIST_N)
-        seq = int(ctrl[q, h])
-        digest = int(ctrl[q, h + 1])
-        return seq == self.comm.seq and int(ctrl[q, h]) == seq and digest != mine
-
-    def _desc(self, q: int) -> str:
-        if self.ctrl is None:
-            return "another op"
-        row = self.ctrl[q, _DESC_WORD:_DESC_WORD + _DESC_BYTES // 8].view(np.uint8)
-        return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
-
-    def _left_unfinished(self, q: int, seq: int) -> None:
-        """Peer q is in op #seq, past this one, without this op's tick: it failed this op
-        (chained ops: the next one's first phase had begun) or it called another sequence of
-        collectives. A peer that failed records why before it moves on (its cause record, its
-        ERROR frame): raise naming the group's root cause, which this rank may learn a moment
-        later (up to ``LEFT_WAIT_S``), and the sequence mismatch only where nothing failed."""
-        comm = self.comm
-        ctx = comm.ctx
-        peer = self.gr[q]
-        deadline = time.monotonic() + LEFT_WAIT_S
-        while ctx.cause_of(peer) is None and ctx.root_cause() is None:
-            if time.monotonic() >= deadline:
-                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
-                               "different sequences of collectives")
-            time.sleep(POLL_S)
-        prefix = f"rank {self.me}: {comm.desc}"
-        cause = ctx.cause_of(peer)
-        said = f": {cause[1]}" if cause is not None and cause[0] == peer else ""
-        raise ctx.lost(peer, f"{prefix}: rank {peer} left it unfinished for #{seq}, having "
-                             f"failed{said}{ctx.where()}", prefix)
-
-    def _mismatch(self, q: int, what: str, why: str) -> None:
-        comm = self.comm
-        msg = (f"rank {self.me}: rank {self.gr[q]} {what} while rank {self.me} called {comm.op}"
-               f"({comm.call_text}) #{comm.seq}: {why}{comm.ctx.where()}")
-        comm.ctx.report_error(msg)
-        raise MismatchError(msg)
-
-
 # ---------------------------------------------------------------------------- algorithms
-def _ready(prog, t: int, who) -> bool:
-    ticks = prog.tolist()  # one read of a few words (NumPy's min costs more than it)
-    if who is None:
-        return min(ticks) >= t
-    return all(ticks[q] >= t for q in who)
-
-
 def _engine(comm: Comm) -> Engine:
     e = comm.shm
     e.begin(comm)
@@ -643,8 +150,8 @@ def all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
         if E.cma is None:
             E.cma = _cma_probe(E)
         if E.cma != "off":
-            m = E._big
-            E._big += 1
+            m = E.big
+            E.big += 1
             use = E.cma == "on" or _cma_choice(E, m)
             t0 = time.perf_counter()
             if use:
@@ -725,9 +232,9 @@ def _cma_probe(E: Engine) -> str:
     r, P, ctrl = E.r, E.P, E.ctrl
     nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
     word = np.array([nonce], dtype=np.int64)  # private memory, alive until the 2nd barrier
-    ctrl[r, _CMA_NONCE] = nonce
-    allowed = E._cma_setting != "0"
-    ctrl[r, _CMA_ADDR] = word.ctypes.data if allowed else 0
+    ctrl[r, CMA_NONCE] = nonce
+    allowed = E.cma_setting != "0"
+    ctrl[r, CMA_ADDR] = word.ctypes.data if allowed else 0
     E.publish()
     E.wait(E.tick)
     ok, why = allowed, "LINERATE_CMA=0"
@@ -735,22 +242,22 @@ def _cma_probe(E: Engine) -> str:
     for q in range(P):
         if not ok or q == r:
             continue
-        addr = int(ctrl[q, _CMA_ADDR])
+        addr = int(ctrl[q, CMA_ADDR])
         if addr == 0:
             ok, why = False, f"rank {E.gr[q]} has LINERATE_CMA=0"
-        elif int(ctrl[q, _PIDNS]) != E._pidns or not E._pidns:
+        elif int(ctrl[q, PIDNS]) != E.pidns or not E.pidns:
             ok, why = False, f"rank {E.gr[q]} runs in another pid namespace"
         else:
             try:
-                cma_read(int(ctrl[q, _PID]), got.ctypes.data, addr, 8)
-                if int(got[0]) != int(ctrl[q, _CMA_NONCE]):
-                    ok, why = False, f"process {int(ctrl[q, _PID])} is not rank {E.gr[q]}"
+                cma_read(int(ctrl[q, PID]), got.ctypes.data, addr, 8)
+                if int(got[0]) != int(ctrl[q, CMA_NONCE]):
+                    ok, why = False, f"process {int(ctrl[q, PID])} is not rank {E.gr[q]}"
             except OSError as e:
                 ok, why = False, str(e)
-    ctrl[r, _CMA_OK] = (3 if E._cma_setting == "1" else 1) if ok else 2
+    ctrl[r, CMA_OK] = (3 if E.cma_setting == "1" else 1) if ok else 2
     E.publish()
     E.wait(E.tick)
-    verdicts = {int(ctrl[q, _CMA_OK]) for q in range(P)}
+    verdicts = {int(ctrl[q, CMA_OK]) for q in range(P)}
     agreed = "off" if 2 in verdicts else "on" if verdicts == {3} else "tuned"
     del word
     if not ok and allowed:
@@ -771,7 +278,7 @@ def _cma_choice(E: Engine, m: int) -> bool:
     lower wins, every CMA_RETRY-th op the other one."""
     if m < CMA_EXPLORE:
         return CMA_TRIAL[m]
-    slot = _CMA_TIMES + 2 * (m % 2)
+    slot = CMA_TIMES + 2 * (m % 2)
     cma, seg = E.ctrl[:, slot], E.ctrl[:, slot + 1]
     if not cma.all() or not seg.all():  # a path without a time on some rank: measure it
         return not cma.all()
@@ -785,13 +292,13 @@ def _cma_note(E: Engine, m: int, used_cma: bool, per_byte: float) -> None:
     i = 0 if used_cma else 1
     E.big_paths[i] += 1
     if E.big_paths[i] > 1:
-        kept = E._times[i]
+        kept = E.times[i]
         kept.append(per_byte)
         del kept[:-CMA_KEEP]
     if E.ctrl is not None:
-        slot = _CMA_TIMES + 2 * (m % 2)
+        slot = CMA_TIMES + 2 * (m % 2)
         for j in (0, 1):
-            E.ctrl[E.r, slot + j] = int(min(E._times[j]) * 1e12) if E._times[j] else 0
+            E.ctrl[E.r, slot + j] = int(min(E.times[j]) * 1e12) if E.times[j] else 0
 
 
 def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
@@ -805,11 +312,11 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
     P, r, ctrl, comm = E.P, E.r, E.ctrl, E.comm
     n, es, dt = flat.numel(), flat.element_size(), flat.dtype
     base = flat.data_ptr()
-    ctrl[r, _CMA_PTR] = base
+    ctrl[r, CMA_PTR] = base
     E.publish()
     E.wait(E.tick)  # every rank is in this op, its tensor in place and its address known
-    pids = [int(ctrl[q, _PID]) for q in range(P)]
-    ptrs = [int(ctrl[q, _CMA_PTR]) for q in range(P)]
+    pids = [int(ctrl[q, PID]) for q in range(P)]
+    ptrs = [int(ctrl[q, CMA_PTR]) for q in range(P)]
 
     def read(q: int, local: int, off: int, nbytes: int) -> None:
         try:
@@ -827,10 +334,10 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
     lo, hi = _share(n, P, r)
     if hi > lo:
         k = max(1, CMA_PIECE // es)
-        if E._cma_scratch is None or E._cma_scratch.numel() < P * CMA_PIECE:
-            E._cma_scratch = torch.empty(P * CMA_PIECE + 64, dtype=torch.uint8)
-        sbase = -(-E._cma_scratch.data_ptr() // 64) * 64 - E._cma_scratch.data_ptr()
-        scratch = [E._cma_scratch[sbase + q * CMA_PIECE:sbase + (q + 1) * CMA_PIECE]
+        if E.cma_scratch is None or E.cma_scratch.numel() < P * CMA_PIECE:
+            E.cma_scratch = torch.empty(P * CMA_PIECE + 64, dtype=torch.uint8)
+        sbase = -(-E.cma_scratch.data_ptr() // 64) * 64 - E.cma_scratch.data_ptr()
+        scratch = [E.cma_scratch[sbase + q * CMA_PIECE:sbase + (q + 1) * CMA_PIECE]
                    for q in range(P)]
         for o in range(lo, hi, k):
             ln = min(k, hi - o)
@@ -1269,7 +776,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     E.wait_free(mine)
     words, step = E.words, E.C // 8
     words[mine * step] = offered
-    words[mine * step + 1] = _signed(entries[offered - 1].chain)
+    words[mine * step + 1] = to_signed(entries[offered - 1].chain)
     flat = head.buf.view(-1)
     n, es, dt = flat.numel(), flat.element_size(), flat.dtype
     if carry and n:
@@ -1290,7 +797,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
                              f"{cs[q]} calls")
     k = min(cs)
     compare_digests(entries, k,
-                    {q: _unsigned(ds[q]) for q in range(P) if q != r and cs[q] == k},
+                    {q: to_unsigned(ds[q]) for q in range(P) if q != r and cs[q] == k},
                     lambda q: E.gr[q], E.me)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
@@ -1327,7 +834,7 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
     words, step = E.words, C >> 3
     w0 = mine * step
     words[w0] = 1
-    signed = _signed(chain)
+    signed = to_signed(chain)
     words[w0 + 1] = signed
     n = t.numel()
     dt = t.dtype
@@ -1349,7 +856,7 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
             if c == 1:  # peers that offered more fuse just this call: compared next time
                 d = int(words[first + q * step + 1])
                 if d != signed:
-                    bad[q] = _unsigned(d)
+                    bad[q] = to_unsigned(d)
             elif c < 1:
                 raise ValueError(f"rank {E.me}: fused all_reduce #{comm.seq}: rank {E.gr[q]} "
                                  f"offered {c} calls")
