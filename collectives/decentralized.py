@@ -36,7 +36,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .neighbor import _layout, _linerate_backend, hierarchical_neighbor_allreduce, neighbor_allreduce
+from .neighbor import (hierarchical_neighbor_allreduce, host_layout, linerate_backend,
+                       neighbor_allreduce)
 from .topology import Topology, by_name
 
 __all__ = ["DecentralizedDataParallel"]
@@ -80,7 +81,7 @@ class DecentralizedDataParallel(torch.nn.Module):
         self.hierarchical = bool(hierarchical)
         nodes = self.world
         if self.hierarchical:
-            hosts, _ = _layout(_linerate_backend(group))
+            hosts, _ = host_layout(linerate_backend(group))
             nodes = len(hosts)
         if isinstance(topology, str):
             topology = by_name(topology, nodes, **topology_kw)

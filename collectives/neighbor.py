@@ -53,7 +53,7 @@ _steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # backend -> 
 _steps_lock = threading.Lock()
 
 
-def _linerate_backend(group):
+def linerate_backend(group):
     """The ProcessGroupLinerate behind ``group`` (None: the default group), or a clear error."""
     if group is None:
         if not dist.is_initialized():
@@ -85,7 +85,7 @@ def neighbor_allreduce(tensor: torch.Tensor, topology: Topology, step: int | Non
     Every rank of the group must call it with the same topology and step (checked: a rank that
     passes another topology, step, dtype or size fails the call on every rank). Returns a Work
     when ``async_op``, else None once the tensor holds the result."""
-    backend = _linerate_backend(group)
+    backend = linerate_backend(group)
     rank, size = backend.rank(), backend.size()
     if not isinstance(topology, Topology):
         raise TypeError(f"rank {rank}: neighbor_allreduce: topology must be a linerate.topology."
@@ -131,13 +131,13 @@ def hierarchical_neighbor_allreduce(tensor: torch.Tensor, topology: Topology,
 
     With uneven hosts the rank-level matrix is not doubly stochastic (a host's average counts
     once whatever its rank count): the mean over ranks is not kept."""
-    backend = _linerate_backend(group)
+    backend = linerate_backend(group)
     rank = backend.rank()
     what = "hierarchical_neighbor_allreduce"
     if not isinstance(topology, Topology):
         raise TypeError(f"rank {rank}: {what}: topology must be a linerate.topology.Topology of "
                         f"the hosts, got {type(topology).__name__}")
-    hosts, _ = _layout(backend)
+    hosts, _ = host_layout(backend)
     if topology.n != len(hosts):
         raise ValueError(f"rank {rank}: {what}: topology {topology!r} has {topology.n} ranks but "
                          f"the group's ranks are on {len(hosts)} host(s) "
@@ -163,7 +163,7 @@ def hierarchical_neighbor_allreduce(tensor: torch.Tensor, topology: Topology,
 
 # ----------------------------------------------------------------------------- hosts
 
-def _layout(backend) -> tuple[tuple[tuple[int, ...], ...], bool]:
+def host_layout(backend) -> tuple[tuple[tuple[int, ...], ...], bool]:
     """(hosts, shared): the group's ranks grouped by host (transport/shm.py's layout, the same
     on every rank), and whether every host's co-located ranks share a segment."""
     lay = getattr(backend, "layout", None)
@@ -174,7 +174,7 @@ def _layout(backend) -> tuple[tuple[tuple[int, ...], ...], bool]:
 
 def _host_of_exactly(backend, ranks) -> int | None:
     """The host whose ranks are exactly ``ranks`` and share a segment, else None."""
-    hosts, shared = _layout(backend)
+    hosts, shared = host_layout(backend)
     if not shared:
         return None
     want = tuple(sorted(ranks))
@@ -190,7 +190,7 @@ def _host_comm(comm: Comm, backend, members: tuple) -> Comm:
     if len(members) == comm.size:          # the whole group is this host
         return comm
     sub = comm.sub(members, _TAG_HOST)
-    _, shared = _layout(backend)
+    _, shared = host_layout(backend)
     sub.shm = backend.host_engine if shared else None
     return sub
 
@@ -245,7 +245,7 @@ def _bounds(n: int, k: int, i: int) -> tuple[int, int]:
 
 
 def _hierarchical_plan(backend, topology: Topology, step: int):
-    hosts, _ = _layout(backend)
+    hosts, _ = host_layout(backend)
     me = backend.rank()
     h = next(a for a, members in enumerate(hosts) if me in members)
     members = hosts[h]

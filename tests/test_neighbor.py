@@ -296,8 +296,8 @@ def _run_neighbor(rank, world, lr):
         for w in works:
             assert w is not None
             w.wait()
-        from linerate.collectives.neighbor import _linerate_backend, _steps
-        after = _steps[_linerate_backend(g)]
+        from linerate.collectives.neighbor import linerate_backend, _steps
+        after = _steps[linerate_backend(g)]
         first = after - 3
         for i, x in enumerate(xs):
             check(f"k={k} counter step {first + i}", x, (topo.matrix(first + i) @ X.numpy())[rank], 1e-12)
@@ -445,7 +445,7 @@ dist.init_process_group("linerate")
 rank, world = dist.get_rank(), dist.get_world_size()
 gloo = dist.new_group(backend="gloo")
 backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-hosts, shared = nb._layout(backend)
+hosts, shared = nb.host_layout(backend)
 assert hosts == ((0, 1), (2, 3)) and shared and backend.host_engine is not None, (hosts, shared)
 host = 0 if rank < 2 else 1
 shm_calls = []

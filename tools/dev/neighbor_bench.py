@@ -163,7 +163,7 @@ def run_worker(args) -> int:
         dtype = getattr(torch, args.dtype)
         numel = args.bytes // torch.empty((), dtype=dtype).element_size()
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        hosts, _ = nb._layout(backend)
+        hosts, _ = nb.host_layout(backend)
         made = _make_topologies(args, world, len(hosts))
         topos = {name: t for name, (t, _, _) in made.items()}
         x = torch.full((numel,), float(rank + 1), dtype=dtype)
