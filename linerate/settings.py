@@ -326,18 +326,17 @@ _ALL = [
        "(probed once per group; else the copies through the segment): auto tries both and "
        "takes the one measured faster, 1 always (where every rank has 1), 0 never (one rank "
        "with 0 turns it off for its host)", "transport", "transport.cma"),
-    _S("LINERATE_IO", _word, _one_of(("auto", "shared", "threads")), "auto", "auto",
-       "auto, shared or threads",
-       "who drives the TCP connections: threads (a sender and a receiver thread per "
-       "connection), shared (a process-wide pool of LINERATE_IO_THREADS epoll threads for "
-       "every link of every group), or auto: threads for the process's first links, up to 8 "
-       "such threads (a ring's two neighbours with 2 connections each), the shared pool for "
-       "every link beyond (threads per rank stay bounded); TLS links always use threads; "
-       "ranks may differ", "transport", "transport.io"),
+    _S("LINERATE_IO", _word, _one_of(("threads", "shared", "auto")), "threads", "threads",
+       "threads, shared or auto",
+       "the I/O model of the plain TCP connections, one for every link of the process: "
+       "threads (the default; auto is the same) gives each connection a sender and a "
+       "receiver thread; shared drives them all from a process-wide pool of "
+       "LINERATE_IO_THREADS epoll threads, so threads per rank do not grow with peers or "
+       "groups; TLS and RDMA streams always have their threads; ranks may differ",
+       "transport", "transport.io"),
     _S("LINERATE_IO_THREADS", _int, _int_in(1, 65), 2, "2", "an integer from 1 to 64",
        "I/O threads of the process-wide pool that drives the TCP connections under "
-       "LINERATE_IO=shared, and the links beyond the threaded ones under auto (read when the "
-       "first such link starts)", "transport"),
+       "LINERATE_IO=shared (read when the first such link starts)", "transport"),
     _S("LINERATE_SHM", _word, _one_of(("auto", "0", "1")), "auto", "auto",
        "auto, 0 or 1",
        "shared memory between the ranks of one host (one segment per host of a group): auto "
@@ -653,8 +652,10 @@ DETAILS: dict[str, str] = {
         "whose time per byte (every rank's, best of its last three) was lower, and every 16th "
         "op the other. Ranks need not agree. See [Shared memory](shared-memory.md)."),
     "LINERATE_IO": (
-        "Under `shared`, threads per rank do not grow with peers or groups. See "
-        "[Scaling](scaling.md). The bytes on the wire are the same in every mode."),
+        "`threads` answers a small message sooner (no hand-off to a loop thread); `shared` "
+        "keeps a rank with many peers or groups at a few I/O threads. Both share everything "
+        "but the loop (transport/link.py `StreamLink`) and put the same bytes on the wire. "
+        "See [Scaling](scaling.md)."),
     "LINERATE_SHM": (
         "A rank alone on its host needs no segment. With `auto` or `1`, point-to-point "
         "messages between co-located ranks also go over shared memory (links of kind `shm`); "

@@ -1,8 +1,7 @@
-"""Threads per rank stay a small constant over TCP. LINERATE_IO=shared: every TCP link of
+"""Threads per rank stay a small constant over TCP with LINERATE_IO=shared: every TCP link of
 every group of a process is driven by the process-wide pool of LINERATE_IO_THREADS epoll
-threads (transport/ioloop.py, transport/sharedlink.py), not by a sender and a receiver thread
-per connection; auto (the default): the process's first links keep those threads, up to
-tcp.AUTO_IO_THREADS, and the pool drives the rest.
+threads (transport/ioloop.py), not by a sender and a receiver thread per connection (the
+default, threads, has those).
 
 8 ranks without shared memory (LINERATE_SHM=0): a small all_reduce and an all_to_all link
 every peer, then 20 two-rank subgroups are created and each used once. Each rank counts its
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from _harness import garbage_left, run_ranks
-from linerate.transport.tcp import AUTO_IO_THREADS
 
 P = 8
 SUBGROUPS = 20
@@ -50,20 +48,13 @@ def _many_links(rank, size, lr):
             "names": names}
 
 
-@pytest.mark.parametrize("io", ["shared", "auto"])
-def test_threads_per_rank_bounded(io):
-    """``shared``: no thread per connection at all; ``auto`` (the default): the first links'
-    connections have their threads, at most tcp.AUTO_IO_THREADS of them, the rest go to the
-    loops."""
-    env = {"LINERATE_SHM": "0"}
-    if io != "auto":
-        env["LINERATE_IO"] = io
+def test_threads_per_rank_bounded():
+    """``shared``: no thread per connection at all, a few loop threads for every link of
+    every group."""
+    env = {"LINERATE_SHM": "0", "LINERATE_IO": "shared"}
     res = run_ranks(_many_links, P, timeout=180, backend="linerate", env=env)
     for rank, r in enumerate(res):
-        if io == "shared":
-            assert r["per_connection"] == 0, (rank, r["names"])
-        else:
-            assert 2 <= r["per_connection"] <= AUTO_IO_THREADS, (rank, r["names"])
+        assert r["per_connection"] == 0, (rank, r["names"])
         assert 1 <= r["io"] <= 2, (rank, r["names"])
         assert r["all"] <= 16, (rank, r["all"], r["names"])
 

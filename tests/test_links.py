@@ -281,7 +281,7 @@ def test_link_peer_death_and_close(kind, request):
         a.close(time.monotonic() + 0.2)
         handed_back = a.cancel(None, underway=True)
         for r in handed_back:
-            r._finish(RuntimeError("closed"))
+            r.finish(RuntimeError("closed"))
         for r in reqs:  # finished by the link, or by us above: none is left hanging
             try:
                 r.wait(5)

@@ -824,7 +824,7 @@ def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segmen
     only the post (at 0.2 s) can end a wait whose polls (at most 60 s apart) would otherwise run
     into the 120 s deadline. A rank that could not map the segment is read from the store."""
     from linerate.transport import rendezvous, shm
-    if shm._SYS_FUTEX is None:
+    if shm.SYS_FUTEX is None:
         pytest.skip("no futex system call number for this machine: the board is polled")
     name, path, token, buf = shm._create(3)
     try:

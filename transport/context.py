@@ -332,7 +332,7 @@ class Context(LinkSink):
             link.close(time.monotonic() + 1.0)
             return
         for r in down:
-            r._finish(_wrap(p.failure or TransportError(
+            r.finish(_wrap(p.failure or TransportError(
                 f"rank {self.rank}: the link to rank {peer} went down as it was made")))
 
     def _link_failed_to_connect(self, peer: int, err: BaseException) -> None:
@@ -406,13 +406,13 @@ class Context(LinkSink):
             if err is None:
                 self._tcp.want(peer)
             else:
-                req._finish(_wrap(err))
+                req.finish(_wrap(err))
             return req
         if err is None and not link.isend(req):  # the link went down or closes
             err = p.failure or (self._close_error if self._closing else TransportError(
                 f"rank {self.rank}: the link to rank {peer} is down"))
         if err is not None:
-            req._finish(_wrap(err))
+            req.finish(_wrap(err))
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
@@ -449,7 +449,7 @@ class Context(LinkSink):
             if staged is not None:
                 with self._lock:
                     m.forget(staged)
-            req._finish(_wrap(err))
+            req.finish(_wrap(err))
         elif staged is not None:
             self._deliver_staged(staged, req)
         elif self._lazy and peer is not None and self.peers[peer].link is None:
@@ -506,10 +506,10 @@ class Context(LinkSink):
             if isinstance(err, Mismatch):
                 self._on_mismatch(req, self._mismatch(err))
             else:
-                req._finish(_wrap(self.peers[req.peer].failure or err))
+                req.finish(_wrap(self.peers[req.peer].failure or err))
             return
         self.matcher.deliver(staged, req)  # numpy copies without holding the GIL
-        req._finish()
+        req.finish()
 
     def staged(self, peer: int) -> list[tuple[int, int, int]]:
         """(channel, tag, opcode) of each message from ``peer`` that arrived (or is arriving)
@@ -566,7 +566,7 @@ class Context(LinkSink):
         if isinstance(done, tuple):
             self._deliver_staged(*done)
         else:
-            done._finish()
+            done.finish()
 
     def control(self, link, kind: int, payload: bytes, value: int) -> None:
         p = self.peers[link.peer]
@@ -598,7 +598,7 @@ class Context(LinkSink):
 
     def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
         if req is not None:
-            req._finish(err)
+            req.finish(err)
         if req is None or req.channel == CHANNEL_COLLECTIVE:
             self.report_error(str(err))
 
@@ -665,7 +665,7 @@ class Context(LinkSink):
         if failed and not closing:
             log.error("%s", coll_err)
         for r in failed:
-            r._finish(_wrap(coll_err if r.channel == CHANNEL_COLLECTIVE else err))
+            r.finish(_wrap(coll_err if r.channel == CHANNEL_COLLECTIVE else err))
         if break_group and not closing:
             self._set_broken(coll_err, only_collective=True)
 
@@ -701,7 +701,7 @@ class Context(LinkSink):
             if p.link is not None:
                 failed += p.link.cancel(match, underway=True)
         for r in failed:
-            r._finish(_wrap(err))
+            r.finish(_wrap(err))
         for fn in list(self.on_failure):
             try:
                 fn(err)
@@ -965,9 +965,9 @@ class Context(LinkSink):
         self._set_broken(self._close_error)
         for link in links:  # sends still queued or under way will not end: fail them
             for r in link.cancel(None, underway=True):
-                r._finish(_wrap(self._close_error))
+                r.finish(_wrap(self._close_error))
         for r in unsent:  # lazy: their link was never made
-            r._finish(_wrap(self._close_error))
+            r.finish(_wrap(self._close_error))
         # Nothing of a closed group is left for the garbage collector: its links and its
         # TCP mesh point back at this Context (their sink, the lazy links' callbacks), which
         # holds them; with the cycles, a destroyed TCP group (its matcher's kept buffers too)

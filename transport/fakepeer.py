@@ -15,8 +15,8 @@ import socket
 import threading
 import time
 
-from . import framing, handshake
-from .context import Context, _STORE_PREFIX
+from . import framing, handshake, rendezvous
+from .context import Context
 from .options import TransportOptions
 from .rendezvous import version_text
 
@@ -71,16 +71,16 @@ class FakePeer:
 
         t = threading.Thread(target=build, name="fakepeer-build", daemon=True)
         t.start()
-        secret = bytes.fromhex(store.get(_STORE_PREFIX + "secret").decode())
+        secret = bytes.fromhex(store.get(rendezvous.STORE_PREFIX + "secret").decode())
         # Rank 1's shared-memory record, as a rank on another host would publish it: no
         # shared memory with rank 0 (transport/shm.py; keys under this group's generation).
         # Rank 0 reads it before it chooses its links (and publishes its address).
         generation = secret.hex()[:16]
-        base = f"{_STORE_PREFIX}shm/{generation}/host/"
+        base = f"{rendezvous.STORE_PREFIX}shm/{generation}/host/"
         store.set(base + "1",
                   json.dumps({"host": "fakepeer-elsewhere", "mode": getattr(opts, "shm", "auto"),
                               "version": version_text()}))
-        (host, port), = json.loads(store.get(_STORE_PREFIX + "addr/0").decode())
+        (host, port), = json.loads(store.get(rendezvous.STORE_PREFIX + "addr/0").decode())
         self.sock = socket.create_connection((host, port), timeout=10)
         handshake.connect_side(self.sock, secret, 1, 0, 0, 1)
         t.join(30)

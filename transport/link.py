@@ -22,7 +22,7 @@ Verbs (all non-blocking but ``flush_control``; none waits for the peer's process
         Queue the message of ``req`` (a ``request.Request``: ``buf``, ``total``, header
         fields, ``priority``). Returns False (the request untouched) when the link is down
         (failed or closed by either side): nothing was queued. Otherwise the link finishes
-        the request with ``req._finish()`` once every byte was handed to the wire, or with an
+        the request with ``req.finish()`` once every byte was handed to the wire, or with an
         error if it cannot be; lower ``priority`` goes first, chunk by chunk.
     ``send_control(kind, payload=b"", value=0) -> bool``
         An urgent control frame (``framing.KIND_ERROR`` with UTF-8 text of at most
@@ -38,10 +38,10 @@ Verbs (all non-blocking but ``flush_control``; none waits for the peer's process
         cannot wait for them: a link returns False there at once, or writes them itself (the
         Context calls it from another thread where a sink callback runs on an I/O loop).
     ``cancel(match=None, underway=True) -> list[Request]``
-        Take the queued sends (``match(req)`` true, or all) out of the queue, and with
-        ``underway`` also the sends whose chunks are on the wire but not all sent: the link
-        no longer finishes them; the caller does. Without ``match``, queued control frames
-        go too.
+        Take the queued sends (``match(req)`` true, or all) that have not begun out of the
+        queue, and with ``underway`` also the sends whose chunks are on the wire but not all
+        sent: the link no longer finishes them; the caller does. Without ``match``, queued
+        control frames go too.
     ``send_mark()``
         A value that changes while queued sends move, None when nothing is queued (for
         close's stall detection).
@@ -93,11 +93,16 @@ Failure
     After ``link_failed``/``link_closed`` the link accepts no sends; what it had queued stays
     queued until the caller cancels it. Frames of one stream arrive in order; the chunks of
     one message may come over several streams, in any order.
+
+Every kind speaks the frames of transport/framing.py through its codec (``SendQueue``,
+``FrameReader``); a kind only moves bytes. ``StreamLink`` below is the link over byte streams
+(TCP, TLS, RDMA queue pairs); its streams are driven by a sender and a receiver thread each
+(``ThreadedStreamLink``) or by the process's I/O loops (transport/ioloop.py
+``LoopStreamLink``, LINERATE_IO), the two sharing everything but the loop.
 """
 from __future__ import annotations
 
 import abc
-import collections
 import fcntl
 import logging
 import socket
@@ -106,15 +111,12 @@ import sys
 import termios
 import threading
 import time
-import zlib
 
 from . import framing
-from .framing import KIND_CLOSE, KIND_DATA, KIND_ERROR
 from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
 
-_CRC = struct.Struct("<I")  # LINERATE_CHECKSUM: CRC-32 of a chunk's payload, after it
 _TIOCOUTQ = 0x5411          # bytes in a socket's send queue not yet acknowledged
 _TCPI_TOTAL_RETRANS = 100   # offsets in struct tcp_info (linux/tcp.h)
 _TCPI_BYTES_ACKED = 120     # u64
@@ -224,21 +226,19 @@ FLUSH_GIVE_UP_S = 0.2
 
 
 # ----------------------------------------------------------------------------- streams
-class _Stream:
-    """One connection of a StreamLink: a socket, or anything that offers what the link calls
-    on one (sendall, sendmsg, recv_into with MSG_WAITALL, shutdown, close, getsockname,
-    getpeername, setsockopt)."""
+class Stream:
+    """One connection of a StreamLink: a socket, or what offers the calls a driver makes on
+    one (sendmsg, recv_into, shutdown, close, getsockname, getpeername, setsockopt), and its
+    receiving state (``reader``, framing.FrameReader)."""
 
-    __slots__ = ("index", "sock", "sent_bytes", "recv_bytes", "recv_msgs", "local", "remote",
-                 "closed", "device")
+    __slots__ = ("index", "sock", "reader", "sent_bytes", "local", "remote", "closed", "device")
 
-    def __init__(self, index: int, sock):
+    def __init__(self, index: int, sock, reader: framing.FrameReader):
         self.index = index
         self.sock = sock
+        self.reader = reader
         self.sent_bytes = 0
-        self.recv_bytes = 0
-        self.recv_msgs = 0
-        self.closed = False
+        self.closed = False  # the peer's CLOSE frame arrived on it
         port = getattr(sock, "interface", None)   # an RDMA stream: its device:port
         self.device = port if isinstance(port, str) else None
         try:
@@ -248,116 +248,90 @@ class _Stream:
             self.local = self.remote = "?"
 
 
-class _Closing(Exception):
-    pass
-
-
-class _PeerEOF(Exception):
-    pass
+def advance(out: list, sent: int) -> None:
+    """Drop the first ``sent`` bytes of the buffers ``out`` (what one sendmsg wrote)."""
+    while sent:
+        k = len(out[0])
+        if sent >= k:
+            sent -= k
+            del out[0]
+        else:
+            out[0] = memoryview(out[0])[sent:]
+            sent = 0
+    if out and len(out[0]) == 0:
+        del out[0]
 
 
 class StreamLink(Link):
-    """A link over ``len(socks)`` byte streams to one peer, all used at once.
+    """A link over ``len(socks)`` byte streams to one peer, all used at once: the striping,
+    the state and the words of its failures, whoever drives the streams (a subclass: the
+    ``start``, ``_wake``, ``_wake_all``, ``wait_sent`` and ``close`` of its I/O model).
 
-    Each message is cut into ``chunk_bytes`` chunks; every stream has a sender thread that
-    takes the next chunk of the most urgent queued message, so the chunks of one message go
-    out on all streams (and all rails) at once, and a slow stream simply takes fewer. Each
-    stream also has a receiver thread that reads a frame header (transport/framing.py), asks
-    the sink where the payload goes and reads it straight there (``recv_into`` a memoryview of
-    the receive buffer: no copy, no Python bytes object). ``checksum``: a CRC-32 follows every
-    chunk's payload and is checked on receipt. ``credit_bytes``: the most not-yet-sent bytes
-    the kernel may hold per link (TCP_NOTSENT_LOWAT), so urgent messages overtake."""
+    Each message is cut into ``chunk_bytes`` chunks; a stream that is free takes the next
+    chunk of the most urgent queued message (framing.SendQueue), so the chunks of one message
+    go out on all streams (and all rails) at once, and a slow stream simply takes fewer. A
+    stream's reader (framing.FrameReader) asks the sink where a payload goes and the bytes are
+    read straight there (``recv_into`` a memoryview of the receive buffer: no copy).
+    ``checksum``: a CRC-32 follows every chunk's payload and is checked on receipt.
+    ``credit_bytes``: the most not-yet-sent bytes the kernel may hold per link
+    (TCP_NOTSENT_LOWAT), so urgent messages overtake."""
+
+    _stream_type = Stream
 
     def __init__(self, peer: int, socks: list, *, rank: int, chunk_bytes: int,
                  checksum: bool = False, credit_bytes: int = 0, speed_bps: int | None = None):
         self.peer = peer
         self.rank = rank
         self.speed_bps = speed_bps
-        self._chunk = chunk_bytes
-        self._checksum = checksum
         self._credit = credit_bytes
-        self._streams = [_Stream(i, s) for i, s in enumerate(socks)]
-        self._cond = threading.Condition(threading.Lock())  # guards the queue
-        self._done_lock = threading.Lock()  # chunks_left, messages_sent (a plain lock: cheap)
-        self._queue: collections.deque = collections.deque()
-        #: Sends not known to be finished (guarded by _cond): a send whose last chunk a sender
-        #: has taken has left the queue; if that thread dies with its stream, the failure must
-        #: still reach the send (finished ones are pruned now and then).
-        self._sending: set = set()
-        self._prune_at = 256
+        max_chunk = max(chunk_bytes, 1 << 24)  # peers may run another chunk size
+        self._streams = [self._stream_type(i, s, framing.FrameReader(max_chunk, checksum))
+                         for i, s in enumerate(socks)]
+        self._cond = threading.Condition(threading.Lock())  # the queue and the state
+        self._queue = framing.SendQueue(chunk_bytes, checksum)
+        self._done_lock = self._queue.lock  # held while a written frame is counted
         self._closing = False
         self._down: str | None = None   # "failed" or "closed"
         self._closes_seen = 0
-        self._messages_sent = 0
-        #: Control frames queued or being written (guarded by _cond; flush_control waits for 0).
-        self._ctl_left = 0
         self._sink: LinkSink | None = None
-        self._threads: list[threading.Thread] = []
-        self._scratch = threading.local()
+
+    # ------------------------------------------------------------------ the I/O model's
+    def _wake(self) -> None:
+        """(under _cond) Something was queued: one stream should look."""
+        raise NotImplementedError
+
+    def _wake_all(self) -> None:
+        """(under _cond) Every stream should look (the link closes, or a stream's peer did)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ Link
     @property
     def nstreams(self) -> int:
         return len(self._streams)
 
-    def start(self, sink: LinkSink) -> None:
-        self._sink = sink
-        for st in self._streams:
-            for fn, what in ((self._recv_loop, "recv"), (self._send_loop, "send")):
-                t = threading.Thread(target=fn, args=(st,), daemon=True,
-                                     name=f"linerate-{what}-{self.peer}.{st.index}")
-                t.start()
-                self._threads.append(t)
-
     def isend(self, req: Request) -> bool:
-        req.chunks_left = max(1, -(-req.total // self._chunk))
-        priority = req.priority
         with self._cond:
             if self._down is not None or self._closing:
                 return False
-            enqueue(self._queue, req, priority)
-            if len(self._sending) >= self._prune_at:
-                self._sending = {r for r in self._sending if not r.is_completed()}
-                self._prune_at = max(256, 2 * len(self._sending))
-            self._sending.add(req)
-            self._cond.notify()
+            self._queue.put(req)
+            self._wake()
         return True
 
     def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool:
         with self._cond:
             if self._down is not None:
                 return False
-            self._queue.appendleft((kind, payload, value))
-            self._ctl_left += 1
-            self._cond.notify()
+            self._queue.put_control(kind, payload, value)
+            self._wake()
         return True
 
     def cancel(self, match=None, underway: bool = True) -> list:
         with self._cond:
-            if match is None:
-                out = [r for r in self._queue if isinstance(r, Request)]
-                self._ctl_left -= len(self._queue) - len(out)  # control frames dropped too
-                self._queue.clear()
-            else:
-                out = [r for r in self._queue if isinstance(r, Request) and match(r)]
-                if out:
-                    gone = set(map(id, out))
-                    self._queue = collections.deque(r for r in self._queue if id(r) not in gone)
-            if underway:
-                queued = set(map(id, out))
-                out += [r for r in self._sending if not r.is_completed() and id(r) not in queued
-                        and (match is None or match(r))]
-                if match is None:
-                    self._sending = set()
-            self._cond.notify_all()
-        return out
+            return self._queue.cancel(match, underway)
 
     def send_mark(self):
         with self._cond:
-            if not self._queue:
-                return None
-            return (len(self._queue), getattr(self._queue[0], "next_off", 0),
-                    sum(st.sent_bytes for st in self._streams))
+            return self._queue.mark()
 
     def unacknowledged_s(self) -> float:
         worst = 0.0
@@ -379,49 +353,145 @@ class StreamLink(Link):
         for st in self._streams:
             conns.append({"index": st.index, "local": st.local, "remote": st.remote,
                           "device": st.device, "sent_bytes": st.sent_bytes,
-                          "received_bytes": st.recv_bytes})
+                          "received_bytes": st.reader.bytes})
             info = tcp_info(st.sock)
             if info is not None:
                 retrans = (retrans or 0) + info["total_retrans"]
                 conns[-1]["tcp"] = info
             kq += kernel_queued(st.sock)
         with self._cond:
-            queued = 0
-            for item in self._queue:
-                queued += len(item[1]) if isinstance(item, tuple) else max(0, item.total - item.next_off)
+            queued = self._queue.queued_bytes()
             state = self._down or ("closed" if self._closing else "up")
-        sent_msgs = self._messages_sent
         return {"kind": self.kind, "peer": self.peer, "state": state, "speed_bps": self.speed_bps,
                 "bytes_sent": sum(c["sent_bytes"] for c in conns),
                 "bytes_received": sum(c["received_bytes"] for c in conns),
-                "messages_sent": sent_msgs,
-                "messages_received": sum(st.recv_msgs for st in self._streams),
+                "messages_sent": self._queue.messages,
+                "messages_received": sum(st.reader.messages for st in self._streams),
                 "queued_bytes": queued + kq, "retransmits": retrans, "connections": conns}
 
     def begin_close(self) -> None:
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def flush_control(self, until: float) -> bool:
-        # Polls (a failure path, rare): written by a sender, then acknowledged by the peer's
+        # Polls (a failure path, rare): written by a stream, then acknowledged by the peer's
         # kernel. A peer that has acknowledged nothing for a while (its host or link down)
         # would not get the frames in time anyway: given up on at once.
         while True:
             with self._cond:
                 if self._down is not None:
                     return False
-                written = self._ctl_left <= 0
-            if written and not any(_unsent(st.sock) for st in self._streams):
+            if self._queue.controls <= 0 and not any(_unsent(st.sock) for st in self._streams):
                 return True
             if time.monotonic() >= until or self.unacknowledged_s() > FLUSH_GIVE_UP_S:
                 return False
             time.sleep(0.001)
 
-    def _control_written(self) -> None:
-        """A sender wrote a control frame (in full)."""
+    # ------------------------------------------------------------------ for the drivers
+    def _credit_window(self, st: Stream) -> None:
+        """The credit window: at most this much not-yet-sent data waits in the kernel's (FIFO)
+        buffer, so a more urgent message queued here overtakes the rest."""
+        if self._credit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            try:
+                st.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT,
+                                   max(16 << 10, self._credit // len(self._streams)))
+            except (OSError, AttributeError) as e:  # not a TCP socket (RDMA stream)
+                log.debug("rank %d: no credit window on connection %d to rank %d: %s",
+                          self.rank, st.index, self.peer, e)
+
+    def _take(self, st: Stream):
+        """(under _cond) ``st``'s next frame, (request or None, buffers, payload bytes); the
+        CLOSE frame (payload bytes -1) once nothing is queued and the link closes or the peer
+        closed ``st``; None: nothing to send now."""
+        frame = self._queue.take()
+        if frame is not None:
+            if len(self._queue):
+                self._wake()  # more: another stream takes the next
+            return frame
+        if self._closing or st.closed:
+            return None, [framing.CLOSE_FRAME], -1
+        return None
+
+    def _written(self, st: Stream, req: Request | None, n: int) -> None:
+        """A frame of ``_take`` is in the stream."""
+        st.sent_bytes += n
+        if self._queue.written(req, n):
+            req.finish()
+
+    def _peer_closed(self, st: Stream) -> None:
+        """The peer's CLOSE frame arrived on ``st``: its answer is this side's CLOSE, once the
+        queue is empty; the link is closed once every stream's came."""
+        st.closed = True
         with self._cond:
-            self._ctl_left -= 1
+            self._closes_seen += 1
+            last = self._closes_seen == len(self._streams) and self._down is None
+            if last:
+                self._down = "closed"
+            self._wake_all()
+            self._cond.notify_all()
+        if last and not self._closing:
+            self._sink.link_closed(self)
+
+    def _send_failed(self, st: Stream, e: OSError) -> None:
+        self._fail(PeerFailure(self.peer, f"rank {self.rank}: sending to rank {self.peer} "
+                                          f"failed ({e}); did rank {self.peer} exit or crash?"))
+
+    def _recv_failed(self, st: Stream, e: BaseException | None) -> None:
+        """``st`` cannot be read any more: it ended without a CLOSE frame (``e`` None), broke
+        (an OSError), carried what breaks the protocol (a FrameError), or the sink raised."""
+        st.reader.stop()
+        if e is None:
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection {st.index} to "
+                                              f"rank {self.peer} ({st.remote}) closed unexpectedly: "
+                                              f"rank {self.peer} exited or crashed"))
+        elif isinstance(e, framing.FrameError):
+            self._fail(ProtocolError(self.peer, f"rank {self.rank}: protocol error from rank "
+                                              f"{self.peer}: {e}"), even_closing=True)
+        elif isinstance(e, OSError):
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection to rank {self.peer} "
+                                              f"failed: {e}; rank {self.peer} exited, crashed or its "
+                                              f"link is down"))
+        else:  # a sink that raised: the link cannot go on
+            log.error("rank %d: receiving from rank %d", self.rank, self.peer, exc_info=e)
+            self._fail(PeerFailure(self.peer, f"rank {self.rank}: receiving from rank "
+                                              f"{self.peer} failed: {e!r}"), even_closing=True)
+
+    def _fail(self, err: BaseException, even_closing: bool = False) -> None:
+        with self._cond:
+            if self._closing and not even_closing:
+                return
+            if self._down is None:
+                self._down = "failed"
+            self._cond.notify_all()
+        self._sink.link_failed(self, err)
+
+
+class ThreadedStreamLink(StreamLink):
+    """A StreamLink whose every stream has a sender and a receiver thread (LINERATE_IO=threads
+    or auto, the default; TLS and RDMA streams, which block, always): the sender takes the
+    next frame and writes it, the receiver reads into what its reader needs, with MSG_WAITALL
+    (one system call per header or payload)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._threads: list[threading.Thread] = []
+
+    def start(self, sink: LinkSink) -> None:
+        self._sink = sink
+        for st in self._streams:
+            self._credit_window(st)
+            for fn, what in ((self._recv_loop, "recv"), (self._send_loop, "send")):
+                t = threading.Thread(target=fn, args=(st,), daemon=True,
+                                     name=f"linerate-{what}-{self.peer}.{st.index}")
+                t.start()
+                self._threads.append(t)
+
+    def _wake(self) -> None:
+        self._cond.notify()
+
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
 
     def wait_sent(self, until: float) -> None:
         self._join("linerate-send", until)
@@ -429,10 +499,7 @@ class StreamLink(Link):
     def close(self, deadline: float) -> None:
         self.begin_close()
         for st in self._streams:
-            try:
-                st.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut_down(st.sock)
             try:
                 st.sock.close()
             except OSError:
@@ -452,167 +519,49 @@ class StreamLink(Link):
             if t.name.startswith(prefix) and t is not me:
                 t.join(max(0.0, until - time.monotonic()))
 
-    # ------------------------------------------------------------------ threads
-    def _send_loop(self, st: _Stream) -> None:
-        sock = st.sock
-        credit = self._credit
-        if credit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
-            # The credit window: at most this much not-yet-sent data waits in the kernel's
-            # (FIFO) buffer, so a more urgent message queued here overtakes the rest.
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT,
-                                max(16 << 10, credit // len(self._streams)))
-            except (OSError, AttributeError) as e:  # not a TCP socket (RDMA stream)
-                log.debug("rank %d: no credit window on connection %d to rank %d: %s",
-                          self.rank, st.index, self.peer, e)
-        chunk = self._chunk
-        pack = framing.HEADER.pack
-        checksum = self._checksum
-        cond = self._cond
+    def _send_loop(self, st: Stream) -> None:
+        sock, cond, n = st.sock, self._cond, 0
         try:
-            while True:
+            while n >= 0:
                 with cond:
-                    q = self._queue
-                    while not q:
-                        if self._closing or st.closed:
-                            raise _Closing
+                    frame = self._take(st)
+                    while frame is None:
                         cond.wait()
-                        q = self._queue
-                    req = q[0]
-                    if isinstance(req, tuple):  # a control frame (kind, payload, value)
-                        q.popleft()
-                        kind, payload, ctag = req
-                        req = None
-                    else:
-                        off = req.next_off
-                        n = min(chunk, req.total - off)
-                        buf = req.buf  # once, here: a failure elsewhere may clear it
-                        req.next_off = off + n
-                        if req.next_off >= req.total:
-                            q.popleft()
-                        if q:
-                            cond.notify()  # more chunks: another stream takes the next
-                if req is None:
-                    sock.sendall(pack(kind, 0, 0, len(payload), ctag, 0, len(payload), 0, 0) + payload)
-                    self._control_written()
-                    continue
-                if req.error is not None or buf is None:
-                    continue  # failed while queued: drop the rest
-                hdr = pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno, req.total, off,
-                           req.call)
-                if n:
-                    data = buf[off:off + n]
-                    sent = sock.sendmsg((hdr, data))
-                    if sent < framing.HEADER_SIZE:
-                        sock.sendall(hdr[sent:])
-                        sock.sendall(data)
-                    elif sent < framing.HEADER_SIZE + n:
-                        sock.sendall(data[sent - framing.HEADER_SIZE:])
-                    if checksum:
-                        sock.sendall(_CRC.pack(zlib.crc32(data)))
-                else:
-                    sock.sendall(hdr)
-                st.sent_bytes += n
-                with self._done_lock:
-                    req.chunks_left -= 1
-                    done = req.chunks_left == 0
-                    if done:
-                        self._messages_sent += 1
-                if done:
-                    req._finish()
-        except _Closing:
-            try:
-                sock.sendall(framing.pack_header(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0))
-            except OSError:
-                pass
+                        frame = self._take(st)
+                req, out, n = frame
+                while out:  # (sendmsg may take part of it)
+                    advance(out, sock.sendmsg(out))
+                if n >= 0:
+                    self._written(st, req, n)
         except OSError as e:
-            self._fail(PeerFailure(self.peer, f"rank {self.rank}: sending to rank {self.peer} "
-                                              f"failed ({e}); did rank {self.peer} exit or crash?"))
+            if n >= 0:  # (the CLOSE frame may find the stream shut)
+                self._send_failed(st, e)
 
-    def _recv_loop(self, st: _Stream) -> None:
-        sock = st.sock
-        sink = self._sink
-        hbuf = bytearray(framing.HEADER_SIZE)
-        hview = memoryview(hbuf)
-        max_chunk = max(self._chunk, 1 << 24)  # peers may run another chunk size
-        unpack = framing.unpack_header
-        checksum = self._checksum
-        cbuf = bytearray(_CRC.size)
+    def _recv_loop(self, st: Stream) -> None:
+        sock, reader, sink, waitall = st.sock, st.reader, self._sink, socket.MSG_WAITALL
         try:
             while True:
-                if not recv_into(sock, hview, framing.HEADER_SIZE):
-                    raise _PeerEOF
-                kind, opcode, channel, length, tag, msgno, total, off, call = unpack(hbuf, max_chunk)
-                if kind == KIND_DATA:
-                    token, dest = sink.claim(self, opcode, channel, tag, msgno, total, call, off,
-                                             length)
-                    if dest is None:  # nowhere to go (mismatched or failed receive): drop
-                        token = None
-                        dest = self._discard(length)
-                    if length and not recv_into(sock, dest, length):
-                        raise _PeerEOF
-                    if checksum and length:
-                        if not recv_into(sock, memoryview(cbuf), _CRC.size):
-                            raise _PeerEOF
-                        if _CRC.unpack(cbuf)[0] != zlib.crc32(dest):
-                            raise framing.FrameError(
-                                f"checksum mismatch in bytes [{off}, {off + length}) of a "
-                                f"{total}-byte message (tag {tag}): the data was corrupted on the "
-                                f"way (LINERATE_CHECKSUM)")
-                    st.recv_bytes += length
-                    if off + length == total:  # exactly one chunk of a message ends it
-                        st.recv_msgs += 1
-                    if token is not None:
-                        sink.filled(self, token, channel, tag, msgno, length)
-                elif kind == KIND_ERROR:
-                    text = bytearray(length)
-                    if length and not recv_into(sock, memoryview(text), length):
-                        raise _PeerEOF
-                    sink.control(self, kind, bytes(text), tag)
-                elif kind == KIND_CLOSE:
-                    st.closed = True
-                    with self._cond:
-                        self._closes_seen += 1
-                        all_closed = self._closes_seen == len(self._streams)
-                        if all_closed and self._down is None:
-                            self._down = "closed"
-                        else:
-                            all_closed = False
-                        self._cond.notify_all()
-                    if all_closed and not self._closing:
-                        sink.link_closed(self)
+                view = reader.need()
+                n = len(view)
+                got = sock.recv_into(view, n, waitall)
+                if got < n and not recv_into(sock, view[got:], n - got):
+                    self._recv_failed(st, None)
                     return
-                else:  # QUERY, PROGRESS
-                    sink.control(self, kind, b"", tag)
-        except _PeerEOF:
-            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection {st.index} to "
-                                              f"rank {self.peer} ({st.remote}) closed unexpectedly: "
-                                              f"rank {self.peer} exited or crashed"))
-        except framing.FrameError as e:
-            self._fail(ProtocolError(self.peer, f"rank {self.rank}: protocol error from rank "
-                                              f"{self.peer}: {e}"), even_closing=True)
-        except OSError as e:
-            self._fail(PeerFailure(self.peer, f"rank {self.rank}: connection to rank {self.peer} "
-                                              f"failed: {e}; rank {self.peer} exited, crashed or its "
-                                              f"link is down"))
-
-    def _fail(self, err: BaseException, even_closing: bool = False) -> None:
-        with self._cond:
-            if self._closing and not even_closing:
-                return
-            if self._down is None:
-                self._down = "failed"
-            self._cond.notify_all()
-        self._sink.link_failed(self, err)
-
-    def _discard(self, n: int) -> memoryview:
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = memoryview(bytearray(max(n, 1 << 16)))
-        return buf[:n]
+                if reader.advance(n, self, sink):
+                    self._peer_closed(st)
+                    return
+        except Exception as e:  # noqa: BLE001 - the stream's end, reported as the link's
+            self._recv_failed(st, e)
 
 
 # ----------------------------------------------------------------------------- helpers
+def shut_down(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _unsent(sock) -> int:
     """Bytes a socket's kernel holds that its peer has not acknowledged (TIOCOUTQ); 0 for what
     is not a socket or is closed."""
@@ -621,19 +570,6 @@ def _unsent(sock) -> int:
     except (OSError, AttributeError, TypeError, ValueError):
         return 0
     return int.from_bytes(out, sys.byteorder, signed=True)
-
-
-def enqueue(q: collections.deque, item, priority: int) -> None:
-    """Queue ``item`` behind the last queued message at least as urgent (a lower ``priority``
-    is more urgent; control frames, tuples without one, stay first). Every link's send
-    queue is ordered so."""
-    if not q or priority >= getattr(q[-1], "priority", priority):
-        q.append(item)
-        return
-    i = len(q) - 1
-    while i > 0 and getattr(q[i - 1], "priority", priority) > priority:
-        i -= 1
-    q.insert(i, item)
 
 
 def recv_into(sock, view: memoryview, n: int) -> bool:
@@ -689,4 +625,5 @@ def kernel_queued(sock) -> int:
         return 0
 
 
-__all__ = ["Link", "LinkSink", "StreamLink", "enqueue", "recv_into", "tcp_info", "kernel_queued"]
+__all__ = ["Link", "LinkSink", "Stream", "StreamLink", "ThreadedStreamLink", "advance",
+           "recv_into", "shut_down", "tcp_info", "kernel_queued", "FLUSH_GIVE_UP_S"]

@@ -2,14 +2,14 @@
 path only adds to integers.
 
 What is counted where:
-- bytes: each connection's ``sent_bytes`` / ``recv_bytes`` (plain ints that the sender and
-  receiver threads add to once per chunk), and for co-located ranks the bytes moved through
+- bytes: each connection's ``sent_bytes`` / ``recv_bytes`` (plain ints that its driver, a
+  sender and a receiver thread or an epoll loop, adds to once per frame), and for co-located ranks the bytes moved through
   the shared segment (its users add once per phase; ``Context.stats()`` counts them in the
   peer's ``shm`` link), both under interface ``shm``. Nothing else runs on the data path.
 - per interface and direction (``linerate_interface_bytes_total``, the bytes of the
   utilization): a NIC's are its connections' bytes; ``shm``'s are the bytes the rank wrote
   into shared memory for its peers, once however many peers read them (the segment's
-  ``copied()``, set by collectives/shm_algos.py, plus the shared-memory links' own bytes), and
+  ``copied()``, set by transport/shmengine.py, plus the shared-memory links' own bytes), and
   the bytes it read of its peers'. A broadcast's root sends its tensor to every peer
   (``linerate_sent_bytes_total``, per peer) but writes it once.
 - everything else of the links (interfaces, capacities, TCP_INFO, queue depths) is read when

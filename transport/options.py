@@ -87,13 +87,12 @@ class TransportOptions:
     #: rank's local index (transport/tcp.py ``spread_rails``); ``0``: every link stripes over
     #: every rail. Every rank must agree.
     rail_spread: str = "auto"
-    #: ``shared``: TCP connections are driven by the process-wide pool of LINERATE_IO_THREADS
-    #: epoll threads (transport/ioloop.py, transport/sharedlink.py): threads per rank do not
-    #: grow with peers or groups; ``threads``: a sender and a receiver thread per connection
-    #: (link.StreamLink), faster in some CPU-bound cases (docs/scaling.md); ``auto``
-    #: (default): threads for the process's first links, up to tcp.AUTO_IO_THREADS threads, the
-    #: shared pool beyond. TLS links always use threads. Need not be agreed: both interoperate.
-    io: str = "auto"
+    #: The I/O model of the plain TCP connections, one for the whole process: ``threads``
+    #: (default; ``auto`` is the same): a sender and a receiver thread per connection
+    #: (link.ThreadedStreamLink); ``shared``: the process-wide pool of LINERATE_IO_THREADS epoll
+    #: threads (ioloop.LoopStreamLink), so threads per rank do not grow with peers or groups.
+    #: TLS and RDMA streams always use threads. Need not be agreed: both interoperate.
+    io: str = "threads"
     #: Shared memory between the ranks of one host (transport/shm.py): ``auto`` (where every
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.

@@ -50,7 +50,7 @@ import threading
 import time
 
 from . import handshake, metrics, verbs
-from .link import StreamLink
+from .link import ThreadedStreamLink
 from .request import TransportError
 from .verbs import RdmaUnavailable, buffer_address
 
@@ -863,7 +863,7 @@ def local_status(opts) -> tuple[bool, str, int]:
     return True, ", ".join(f"{p.name} ({p.kind}, {p.state})" for p in ports), len(ports)
 
 
-class RdmaLink(StreamLink):
+class RdmaLink(ThreadedStreamLink):
     """A peer's RDMA streams (one RC queue pair each), striped like TCP connections."""
 
     kind = "rdma"

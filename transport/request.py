@@ -35,7 +35,7 @@ class Request:
     """One posted send or receive. ``wait`` raises the transfer's error, if any."""
 
     __slots__ = ("peer", "buf", "total", "channel", "tag", "msgno", "opcode", "done_bytes",
-                 "chunks_left", "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc", "call",
+                 "next_off", "error", "_done", "_lock", "_callbacks", "is_send", "desc", "call",
                  "priority")
 
     def __init__(self, is_send: bool, peer: int | None, buf: memoryview, channel: int, tag: int,
@@ -53,9 +53,8 @@ class Request:
         self.call = 0  # collective: digest of the call's arguments (framing: call)
         self.priority = 0  # sends: lower goes first (Context.isend)
         self.msgno = -1
-        self.done_bytes = 0
-        self.chunks_left = 0
-        self.next_off = 0
+        self.done_bytes = 0  # received, or (a send) written to the wire
+        self.next_off = 0    # a send: where its next frame starts (framing.SendQueue)
         self.error: BaseException | None = None
         # A held lock that completion releases: far cheaper to create than an Event (one
         # request per chunked piece is created on the hot path).
@@ -64,8 +63,10 @@ class Request:
         self._lock.acquire()
         self._callbacks = None
 
-    # -- completion (called by transport threads) --------------------------------------
-    def _finish(self, error: BaseException | None = None) -> None:
+    # -- completion (by the transport) ---------------------------------------------------
+    def finish(self, error: BaseException | None = None) -> None:
+        """Complete the request (with ``error``, or successfully); the first call counts.
+        Its completion callbacks run on the caller's thread."""
         with _cb_lock:
             if self._done:
                 return

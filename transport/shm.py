@@ -426,26 +426,26 @@ def _mac(secret: bytes, name: str, token: bytes) -> str:
 
 # ----------------------------------------------------------------------------- futex
 _libc = None
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5
 # FUTEX_WAKE_OP's operation: *uaddr2 += 1 (atomically), then wake (FUTEX_OP_ADD, CMP_EQ 0).
 _OP_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
 
 
-class _Timespec(ctypes.Structure):
+class Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _futex_add_wake(lib, addr: ctypes.c_void_p) -> None:
+def futex_add_wake(lib, addr: ctypes.c_void_p) -> None:
     """Add 1 to the int32 at ``addr`` (atomically: also a full memory barrier) and wake every
-    thread of any process sleeping on it (``lib``: _futex_lib())."""
-    lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, 0x7FFFFFFF, ctypes.c_void_p(0), addr, _OP_ADD_ONE)
+    thread of any process sleeping on it (``lib``: futex_lib())."""
+    lib.syscall(SYS_FUTEX, addr, _FUTEX_WAKE_OP, 0x7FFFFFFF, ctypes.c_void_p(0), addr, _OP_ADD_ONE)
 
 
-def _futex_wait(lib, addr: ctypes.c_void_p, seen: int, timeout: float) -> None:
+def futex_wait(lib, addr: ctypes.c_void_p, seen: int, timeout: float) -> None:
     """Sleep while the int32 at ``addr`` still holds ``seen``, at most ``timeout`` seconds."""
-    ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
-    lib.syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_int(seen), ctypes.byref(ts),
+    ts = Timespec(int(timeout), int((timeout % 1.0) * 1e9))
+    lib.syscall(SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_int(seen), ctypes.byref(ts),
                 ctypes.c_void_p(0), 0)
 
 
@@ -472,7 +472,7 @@ class SetupBoard:
         self._word = raw[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
         self._slots = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[2::16]
         self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
-        self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+        self._lib = futex_lib() if SYS_FUTEX is not None else None
         self._got: dict[int, str] = {}   # posted(), as last read
 
     def post(self, rank: int, mode: str) -> bool:
@@ -506,16 +506,16 @@ class SetupBoard:
         if self._lib is None:
             time.sleep(timeout)
         elif timeout > 0:
-            _futex_wait(self._lib, self._addr, seen, timeout)
+            futex_wait(self._lib, self._addr, seen, timeout)
 
     def ring(self) -> None:
         if self._lib is not None:
-            _futex_add_wake(self._lib, self._addr)
+            futex_add_wake(self._lib, self._addr)
         else:
             self._word[0] += 1
 
 
-def _futex_lib():
+def futex_lib():
     global _libc
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released in the call
@@ -539,7 +539,7 @@ def cma_read(pid: int, local: int, remote: int, n: int) -> None:
     process is gone; EFAULT: its range is not mapped) when not every byte was read."""
     global _cma_fn
     if _cma_fn is None:
-        f = _futex_lib().process_vm_readv
+        f = futex_lib().process_vm_readv
         f.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
         f.restype = ctypes.c_ssize_t
@@ -583,7 +583,7 @@ class Segment:
         self.bells = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[::16]
         self._bell_addrs = [ctypes.c_void_p(buf.data_ptr() + _BELL_OFF + 64 * q)
                             for q in range(size)]
-        self._lib = _futex_lib() if _SYS_FUTEX is not None else None
+        self._lib = futex_lib() if SYS_FUTEX is not None else None
         self.closed = False
         #: Whether the processes of the segment's other ranks still run (Engine, links).
         self.watch = PidWatch()
@@ -664,7 +664,7 @@ class Segment:
     def ring(self, q: int) -> None:
         """Bump rank q's bell (an atomic add: also a full memory barrier) and wake it."""
         if self._lib is not None:
-            _futex_add_wake(self._lib, self._bell_addrs[q])
+            futex_add_wake(self._lib, self._bell_addrs[q])
         else:  # no futex number for this machine: sleepers poll (sleep() below)
             self.bells[q] += 1
 
@@ -687,7 +687,7 @@ class Segment:
         if self._lib is None:
             time.sleep(min(timeout, 0.0005))
             return
-        _futex_wait(self._lib, self._bell_addrs[self.rank], seen, timeout)
+        futex_wait(self._lib, self._bell_addrs[self.rank], seen, timeout)
 
     def close(self) -> None:
         """Drop this rank's mapping (it goes when the last view of it is gone)."""

@@ -12,16 +12,17 @@ segment's point-to-point area (``shm.p2p_layout``) holds:
   the consumer gave up) and ``shm.p2p_ring_bytes`` data bytes (2 MiB for up to 8 local ranks,
   halved as ranks grow, at least 64 KiB).
 
-A ring carries the frames of transport/framing.py (the 48-byte header: opcode, channel, tag,
-msgno, total, offset, digest, carried opaquely; then the payload), each padded to 8 bytes,
-wrapping around the ring's end. A message is cut into chunks of at most a quarter of the ring,
-so that the producer writes the next chunk while the consumer copies the last one out.
+A ring carries the frames of transport/framing.py (its codec: ``SendQueue`` cuts the frames,
+``FrameReader`` reads them), each padded to 8 bytes, wrapping around the ring's end. A message
+is cut into chunks of at most a quarter of the ring, so that the producer writes the next chunk
+while the consumer copies the last one out.
 
 The producer is whoever holds the link's send lock: the thread that calls ``isend`` writes what
 fits at once (no hand-off for a small message), the progress thread the rest. The consumer is
-only the progress thread: it reads a header, asks the sink where the bytes go (``claim``) and
-copies them from the ring straight into that buffer. Each side rings the other's progress bell
-(FUTEX_WAKE_OP: an atomic add, a full barrier, and a wake) after publishing its position.
+only the progress thread: it copies what arrived into what the reader needs (a header, then
+the buffer the sink claimed for the payload: the bytes go there straight from the ring). Each
+side rings the other's progress bell (FUTEX_WAKE_OP: an atomic add, a full barrier, and a
+wake) after publishing its position.
 
 ONE progress thread per process serves every shm link of every group: it sleeps on the
 progress bells of all its groups at once (``futex_waitv``, Linux 5.16+; before that, on one
@@ -39,12 +40,10 @@ reordered with stores nor loads with loads; elsewhere a fence (an atomic add) go
 from __future__ import annotations
 
 import atexit
-import collections
 import ctypes
 import errno
 import logging
 import os
-import platform
 import select
 import threading
 import time
@@ -53,8 +52,8 @@ import weakref
 import numpy as np
 
 from . import shm
-from .framing import HEADER, HEADER_SIZE, KIND_CLOSE, KIND_DATA, KIND_ERROR, FrameError, unpack_header
-from .link import FLUSH_GIVE_UP_S, Link, LinkSink, enqueue
+from .framing import CLOSE_FRAME, HEADER_SIZE, FrameError, FrameReader, SendQueue
+from .link import FLUSH_GIVE_UP_S, Link, LinkSink
 from .request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
@@ -76,24 +75,16 @@ JOIN_S = 2.0
 #: interpreter's exit they end first (``_Engine.end_idle``, an atexit handler).
 LINGER_S = 10.0
 _HDR = HEADER_SIZE
+_ALIGN = 8                  # every frame is padded to this
 _CHUNK_MAX = 512 << 10
 _MIN_PART = 4096            # a chunk cut short to fit the ring's free space: at least this
 # ring header (int64 words): head, tail, the producer gave up, the consumer gave up
 _HEAD, _TAIL, _WGONE, _RGONE = 0, 8, 16, 24
 # per-rank block: bell (int32 at byte 0), pid and pid namespace (int64 at 64, 72)
 _PID_OFF = 64
-_WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
 _SYS_FUTEX_WAITV = 449      # the same number on every architecture (added in Linux 5.16)
 _FUTEX_32 = 2
 _CLOCK_MONOTONIC = 1
-
-
-def _pad(n: int) -> int:
-    return (n + 7) & ~7
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 class _Waitv(ctypes.Structure):
@@ -115,7 +106,7 @@ class _Port:
         self.raw = seg.raw                  # keeps the mapping while a link uses it
         self.ring_bytes = shm.p2p_ring_bytes(n)
         self._rings, self._slot = rings, slot
-        ptr = seg._buf.data_ptr()
+        ptr = seg.raw.ctypes.data
         blk = shm.P2P_RANK_BYTES
         self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
         self.bell_addr = ptr + base + blk * self.me
@@ -127,7 +118,7 @@ class _Port:
         self._pidns = shm.pidns()
         self.pids[self.me][1] = self._pidns
         self.pids[self.me][0] = os.getpid()
-        self._lib = shm._futex_lib() if shm._SYS_FUTEX is not None else None
+        self._lib = shm.futex_lib() if shm.SYS_FUTEX is not None else None
         self.links: dict[int, ShmLink] = {}
         self.lock = threading.Lock()
 
@@ -142,9 +133,7 @@ class _Port:
         """Bump segment rank q's progress bell and wake its progress thread."""
         addrs = self._bell_addr  # [] once the group is gone (_detach)
         if self._lib is not None and q < len(addrs):
-            addr = addrs[q]
-            self._lib.syscall(shm._SYS_FUTEX, addr, shm._FUTEX_WAKE_OP, 0x7FFFFFFF,
-                              ctypes.c_void_p(0), addr, shm._OP_ADD_ONE)
+            shm.futex_add_wake(self._lib, addrs[q])
 
     def _pid(self, q: int) -> int:
         """Segment rank q's pid where this rank can watch it, else 0 (none published yet,
@@ -229,10 +218,8 @@ class _Engine:
 
     def _wake(self) -> None:
         """Bump the engine's word and wake the progress thread sleeping on it."""
-        if shm._SYS_FUTEX is not None:
-            addr = ctypes.c_void_p(self._word_addr)
-            shm._futex_lib().syscall(shm._SYS_FUTEX, addr, shm._FUTEX_WAKE_OP, 0x7FFFFFFF,
-                                     ctypes.c_void_p(0), addr, shm._OP_ADD_ONE)
+        if shm.SYS_FUTEX is not None:
+            shm.futex_add_wake(shm.futex_lib(), ctypes.c_void_p(self._word_addr))
 
     def add(self, port: _Port) -> None:
         with self._lock:
@@ -441,10 +428,10 @@ class _Engine:
         """Until the engine's word changes from ``word`` (a port added, or removed), or
         ``timeout`` seconds."""
         timeout = max(0.0, timeout)
-        if shm._SYS_FUTEX is None:
+        if shm.SYS_FUTEX is None:
             time.sleep(min(timeout, POLL_S))
         else:
-            shm._futex_wait(shm._futex_lib(), ctypes.c_void_p(self._word_addr), word, timeout)
+            shm.futex_wait(shm.futex_lib(), ctypes.c_void_p(self._word_addr), word, timeout)
 
     def _sleep(self, ports: list, seen: list, timeout: float, word: int) -> None:
         """Until a port's bell or the engine's word (``word``: its value before the ports
@@ -466,7 +453,7 @@ class _Engine:
             for i, v in enumerate(seen):
                 arr[i + 1].val = v & 0xFFFFFFFF
             end = time.monotonic() + timeout
-            ts = _Timespec(int(end), int((end % 1.0) * 1e9))
+            ts = shm.Timespec(int(end), int((end % 1.0) * 1e9))
             r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(key), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
             # EFAULT: a destroyed group's bell, unmapped since the ports were read
             if r == -1 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR,
@@ -475,10 +462,8 @@ class _Engine:
             return
         # No futex_waitv: one bell, then look at all (and at the ports: a new one's bell is
         # not this one), briefly where there are several.
-        timeout = min(timeout, 0.002 if len(ports) > 1 else POLL_S)
-        ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
-        lib.syscall(shm._SYS_FUTEX, ctypes.c_void_p(ports[0].bell_addr), shm._FUTEX_WAIT,
-                    ctypes.c_int(seen[0]), ctypes.byref(ts), ctypes.c_void_p(0), 0)
+        shm.futex_wait(lib, ctypes.c_void_p(ports[0].bell_addr), seen[0],
+                        min(timeout, 0.002 if len(ports) > 1 else POLL_S))
 
 
 _ENGINE = _Engine()
@@ -507,15 +492,6 @@ def progress_threads() -> int:
 
 
 # ----------------------------------------------------------------------------- the link
-class _Out:
-    __slots__ = ("req", "view", "priority")
-
-    def __init__(self, req: Request, view):
-        self.req = req
-        self.view = view
-        self.priority = req.priority
-
-
 class ShmLink(Link):
     """A link to a co-located rank over the group's shared segment (module docstring)."""
 
@@ -534,7 +510,8 @@ class ShmLink(Link):
         self._chunk = min(_CHUNK_MAX, self._R // 4)
         self._lock = threading.Lock()      # the send side: queue, head, the out ring
         self._rlock = threading.Lock()     # the receive side (the progress thread)
-        self._queue: collections.deque = collections.deque()
+        self._queue = SendQueue(self._chunk, min_part=_MIN_PART)
+        self._reader = FrameReader(self._R, align=_ALIGN)
         # Where this link's positions start: 0. Each group's segment is new (zero-filled), and
         # these two words are written by this link only. (Reading them here touched both ring
         # header pages of every pair at group creation: a page fault each, most of a link's
@@ -549,12 +526,7 @@ class ShmLink(Link):
         self._sent = False
         self._sent_ev: threading.Event | None = None
         self._sink: LinkSink | None = None
-        self._bytes_sent = self._bytes_received = 0
-        self._messages_sent = self._messages_received = 0
         self._ack = (self._head, time.monotonic())
-        self._hbuf = bytearray(_HDR)
-        self._hview = memoryview(self._hbuf)
-        self._failed_once = False
 
     # ------------------------------------------------------------------ Link
     @property
@@ -568,14 +540,10 @@ class ShmLink(Link):
         self._port.add(self, ring)
 
     def isend(self, req: Request) -> bool:
-        buf = req.buf
-        view = buf if (buf.format == "B" and buf.ndim == 1) else buf.cast("B")
-        item = _Out(req, view)
-        priority = req.priority
         with self._lock:
             if self._down is not None or self._closing:
                 return False
-            enqueue(self._queue, item, priority)
+            self._queue.put(req)
             finished: list = []
             moved = self._push(finished)
         self._after_push(moved, finished)
@@ -585,7 +553,7 @@ class ShmLink(Link):
         with self._lock:
             if self._down is not None:
                 return False
-            self._queue.appendleft((kind, bytes(payload), value))
+            self._queue.put_control(kind, payload, value)
             finished: list = []  # sends behind the frame may complete in this push too
             moved = self._push(finished)
         self._after_push(moved, finished)
@@ -598,7 +566,7 @@ class ShmLink(Link):
             with self._lock:
                 if self._down is not None:
                     return False
-                if not any(isinstance(item, tuple) for item in self._queue):
+                if self._queue.controls <= 0:
                     return True
                 finished: list = []
                 moved = self._push(finished)
@@ -609,29 +577,11 @@ class ShmLink(Link):
 
     def cancel(self, match=None, underway: bool = True) -> list:
         with self._lock:
-            out = []
-            keep = collections.deque()
-            for item in self._queue:
-                if isinstance(item, tuple):
-                    if match is not None:
-                        keep.append(item)
-                    continue
-                req = item.req
-                if (match is None or match(req)) and (underway or req.next_off == 0):
-                    item.view = None
-                    out.append(req)
-                else:
-                    keep.append(item)
-            self._queue = keep
-        return out
+            return self._queue.cancel(match, underway)
 
     def send_mark(self):
         with self._lock:
-            if not self._queue:
-                return None
-            first = self._queue[0]
-            return (len(self._queue), getattr(getattr(first, "req", None), "next_off", 0),
-                    self._bytes_sent)
+            return self._queue.mark()
 
     def unacknowledged_s(self) -> float:
         tail, now = int(self._oh[_TAIL]), time.monotonic()
@@ -642,16 +592,14 @@ class ShmLink(Link):
 
     def stats(self) -> dict:
         with self._lock:
-            queued = 0
-            for item in self._queue:
-                queued += len(item[1]) if isinstance(item, tuple) else max(0, item.req.total - item.req.next_off)
-            queued += max(0, self._head - int(self._oh[_TAIL]))
+            queued = self._queue.queued_bytes() + max(0, self._head - int(self._oh[_TAIL]))
             state = self._down or ("closed" if self._closing else "up")
+        sent, received = self._queue.bytes, self._reader.bytes
         conn = {"index": 0, "local": "shm", "remote": "shm", "device": "shm",
-                "sent_bytes": self._bytes_sent, "received_bytes": self._bytes_received}
+                "sent_bytes": sent, "received_bytes": received}
         return {"kind": self.kind, "peer": self.peer, "state": state, "speed_bps": None,
-                "bytes_sent": self._bytes_sent, "bytes_received": self._bytes_received,
-                "messages_sent": self._messages_sent, "messages_received": self._messages_received,
+                "bytes_sent": sent, "bytes_received": received,
+                "messages_sent": self._queue.messages, "messages_received": self._reader.messages,
                 "queued_bytes": queued, "retransmits": None, "connections": [conn]}
 
     def begin_close(self) -> None:
@@ -706,6 +654,7 @@ class ShmLink(Link):
         destroyed group's segment had stayed mapped, its /dev/shm space in use, until then)."""
         self._oh, self._ih = self._oh.copy(), self._ih.copy()
         self._out = self._in = memoryview(b"")
+        self._reader.stop()
         self._sink = None  # the Context holds this link: no cycle back to it
 
     # ------------------------------------------------------------------ moving bytes
@@ -713,7 +662,7 @@ class ShmLink(Link):
         if moved:
             self._port.ring(self._q)
         for req in finished:
-            req._finish()
+            req.finish()
 
     def _put(self, pos: int, data) -> None:
         p = pos & self._mask
@@ -741,7 +690,7 @@ class ShmLink(Link):
         """Write what fits of the queue into the out ring (send lock held); True if anything
         was written. Finished sends go to ``finished`` (finished outside the lock)."""
         q = self._queue
-        if self._down is not None or (not q and (self._close_sent or not self._closing)):
+        if self._down is not None or (not len(q) and (self._close_sent or not self._closing)):
             return False
         if int(self._oh[_RGONE]):
             if self._closing:
@@ -751,51 +700,28 @@ class ShmLink(Link):
         free = self._R - (head - int(self._oh[_TAIL]))
         moved = False
         put = self._put
-        while q:
-            item = q[0]
-            if isinstance(item, tuple):
-                kind, payload, value = item
-                need = _pad(_HDR + len(payload))
-                if need > free:
-                    break
-                put(head, HEADER.pack(kind, 0, 0, len(payload), value, 0, len(payload), 0, 0) + payload)
-                q.popleft()
-                head += need
-                free -= need
-                moved = True
-                continue
-            req = item.req
-            view = item.view
-            if view is None or req.is_completed():  # failed while queued: drop the rest
-                q.popleft()
-                continue
-            off = req.next_off
-            left = req.total - off
-            n = min(self._chunk, left, (free - _HDR) & ~7)
-            if n < 0 or (n < left and n < _MIN_PART):
+        while True:
+            frame = q.take(free & ~(_ALIGN - 1))  # (a frame that fits, padded, fits in free)
+            if frame is None:
                 break
-            put(head, HEADER.pack(KIND_DATA, req.opcode, req.channel, n, req.tag, req.msgno,
-                                  req.total, off, req.call))
-            if n:
-                put(head + _HDR, view[off:off + n])
-            rec = _pad(_HDR + n)
+            req, parts, n = frame
+            pos = head
+            for part in parts:
+                put(pos, part)
+                pos += len(part)
+            rec = pos - head + (head - pos) % _ALIGN
             head += rec
             free -= rec
             moved = True
-            req.next_off = off + n
-            self._bytes_sent += n
-            if req.next_off >= req.total:
-                q.popleft()
-                item.view = None
-                self._messages_sent += 1
+            if q.written(req, n):
                 finished.append(req)
-        if not q and self._closing and not self._close_sent and free >= _HDR:
-            put(head, HEADER.pack(KIND_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0))
+        if not len(q) and self._closing and not self._close_sent and free >= _HDR:
+            put(head, CLOSE_FRAME)
             head += _HDR
             self._close_sent = True
             moved = True
         if moved:
-            if _WEAK_ORDER:
+            if shm.WEAK_ORDER:
                 self._port.ring(self._port.me)  # a fence: the bytes before the position
             self._head = head
             self._oh[_HEAD] = head
@@ -807,59 +733,37 @@ class ShmLink(Link):
         """Take what arrived in the in ring (the progress thread, receive lock held)."""
         head = int(self._ih[_HEAD])
         tail = self._tail_in
-        if head == tail:
+        if head == tail or self._reader.done:
             if int(self._ih[_WGONE]) and self._down is None:
                 self._fail(PeerFailure(self.peer, f"rank {self.rank}: rank {self.peer} closed its "
                                                   f"shared-memory link to rank {self.rank} before "
                                                   f"sending everything it had queued"))
             return False
-        if _WEAK_ORDER:
+        if shm.WEAK_ORDER:
             self._port.ring(self._port.me)
-        sink = self._sink
-        hbuf, hview = self._hbuf, self._hview
+        sink, reader, get = self._sink, self._reader, self._get
         freed = 0
-        while tail != head:
-            self._get(tail, hview)
-            kind, opcode, channel, length, tag, msgno, total, off, call = unpack_header(hbuf, self._R)
-            body = tail + _HDR
-            if kind == KIND_DATA:
-                token, dest = sink.claim(self, opcode, channel, tag, msgno, total, call, off, length)
-                if dest is not None and length:
-                    if dest.format != "B" or dest.ndim != 1:
-                        dest = dest.cast("B")
-                    self._get(body, dest)
-                dest = None
-                self._bytes_received += length
-                if off + length == total:
-                    self._messages_received += 1
-                if token is not None:
-                    sink.filled(self, token, channel, tag, msgno, length)
-                token = None
-            elif kind == KIND_ERROR:
-                text = bytearray(length)
-                if length:
-                    self._get(body, memoryview(text))
-                sink.control(self, kind, bytes(text), tag)
-            elif kind == KIND_CLOSE:
-                tail += _HDR
+        closed = False
+        while tail != head and not closed:
+            view = reader.need()
+            n = min(len(view), head - tail)
+            get(tail, view[:n] if n < len(view) else view)
+            view = None
+            tail += n
+            freed += n
+            closed = reader.advance(n, self, sink)
+            if freed >= self._chunk:  # the producer may wait for room: tell it now
+                freed = 0
                 self._tail_in = tail
                 self._ih[_TAIL] = tail
                 self._port.ring(self._q)
-                self._peer_closed()
-                return True
-            else:  # QUERY, PROGRESS
-                sink.control(self, kind, b"", tag)
-            rec = _pad(_HDR + length)
-            tail += rec
-            freed += rec
-            self._tail_in = tail
-            self._ih[_TAIL] = tail
-            if freed >= self._chunk:  # the producer may wait for room: tell it now
-                freed = 0
-                self._port.ring(self._q)
             if tail == head:
                 head = int(self._ih[_HEAD])
+        self._tail_in = tail
+        self._ih[_TAIL] = tail
         self._port.ring(self._q)
+        if closed:
+            self._peer_closed()
         return True
 
     def _progress(self) -> bool:

@@ -1,5 +1,8 @@
 """TCP links: ``LINERATE_NSOCKS`` connections per rail to each peer, striped (link.StreamLink),
-optionally inside TLS (LINERATE_TLS, transport/tls.py).
+optionally inside TLS (LINERATE_TLS, transport/tls.py). A sender and a receiver thread per
+connection drive them (``TcpLink``, LINERATE_IO=threads or auto, the default), or with
+``LINERATE_IO=shared`` the process's I/O loops (``SharedTcpLink``, transport/ioloop.py); TLS
+connections, which block, always the former.
 
 Set-up (``TcpMesh``): each rank listens on one socket per rail and publishes the addresses
 through the rendezvous. Each connection is tuned (no Nagle; keepalive and TCP_USER_TIMEOUT
@@ -41,12 +44,11 @@ import selectors
 import socket
 import threading
 import time
-import weakref
 
 from . import handshake, tls
-from .link import StreamLink
+from .ioloop import LoopStreamLink
+from .link import ThreadedStreamLink
 from .ports import listen_on
-from .sharedlink import SharedStreamLink
 from .request import TransportError
 
 log = logging.getLogger("linerate.transport")
@@ -54,24 +56,8 @@ log = logging.getLogger("linerate.transport")
 #: Default of LINERATE_LINK_TIMEOUT (seconds; see tune).
 LINK_TIMEOUT_DEFAULT = 60.0
 
-#: LINERATE_IO=auto: most sender and receiver threads that this process's plain TCP links
-#: may hold (a ring's two neighbours with 2 connections each); links beyond go to the shared
-#: I/O loops, so threads per rank stay bounded however many peers and groups it has.
-AUTO_IO_THREADS = 8
-_threaded: "weakref.WeakSet[TcpLink]" = weakref.WeakSet()  # auto: links given threads
-_threaded_lock = threading.Lock()
-
-
-def _room_for_threads(n: int) -> bool:
-    """(_threaded_lock held) LINERATE_IO=auto: whether a link of ``n`` connections may have
-    its own threads (2 each) within AUTO_IO_THREADS; a link that began closing or went down
-    (its threads end) gives its share back."""
-    held = sum(2 * link.nstreams for link in list(_threaded) if not link.ending)
-    return held + 2 * n <= AUTO_IO_THREADS
-
-
-class TcpLink(StreamLink):
-    """A peer's TCP (or TLS) connections."""
+class _Tcp:
+    """What a peer's TCP (or TLS) connections add to a stream link, whoever drives them."""
 
     kind = "tcp"
 
@@ -80,11 +66,6 @@ class TcpLink(StreamLink):
         self.tls = tls_on
         # Each connection's TLS version ("TLSv1.3"), or None for plain TCP.
         self._tls_versions = [getattr(s, "version", None) if tls_on else None for s in socks]
-
-    @property
-    def ending(self) -> bool:
-        """Whether the link began closing or went down: its threads end."""
-        return self._closing or self._down is not None
 
     def stats(self) -> dict:
         """``Link.stats()``, plus ``tls`` (on or off) and each connection's TLS version."""
@@ -95,23 +76,12 @@ class TcpLink(StreamLink):
         return out
 
 
-class SharedTcpLink(SharedStreamLink):
-    """A peer's plain TCP connections, driven by the process-wide I/O loops
-    (LINERATE_IO=shared, or auto beyond AUTO_IO_THREADS; transport/sharedlink.py)."""
+class TcpLink(_Tcp, ThreadedStreamLink):
+    """A peer's TCP (or TLS) connections, each with a sender and a receiver thread."""
 
-    kind = "tcp"
 
-    def __init__(self, peer: int, socks: list, *, tls_on: bool = False, **kw):
-        super().__init__(peer, socks, **kw)
-        self.tls = False
-
-    def stats(self) -> dict:
-        """``Link.stats()``, plus ``tls`` (off) and each connection's TLS version (None)."""
-        out = super().stats()
-        out["tls"] = False
-        for c in out["connections"]:
-            c["tls"] = None
-        return out
+class SharedTcpLink(_Tcp, LoopStreamLink):
+    """A peer's plain TCP connections, driven by the process-wide I/O loops."""
 
 
 def interface_speed_bps(address: str) -> int | None:
@@ -352,17 +322,9 @@ class TcpMesh:
         speed = interface_speed_bps(self.addresses[min(rails)]) if len(rails) == 1 else None
         kw = dict(tls_on=self.tls is not None, rank=self.rank, chunk_bytes=opts.chunk_bytes,
                   checksum=opts.checksum, credit_bytes=opts.credit_bytes, speed_bps=speed)
-        io = getattr(opts, "io", "threads")
-        if self.tls is not None or io == "threads":  # TLS links always have their threads
-            return TcpLink(p, ss, **kw)
-        if io == "shared":
-            return SharedTcpLink(p, ss, **kw)  # the process's I/O loops drive it
-        with _threaded_lock:  # auto: threads while this process's budget lasts
-            if _room_for_threads(len(ss)):
-                link = TcpLink(p, ss, **kw)
-                _threaded.add(link)
-                return link
-        return SharedTcpLink(p, ss, **kw)
+        if getattr(opts, "io", "auto") == "shared" and self.tls is None:
+            return SharedTcpLink(p, ss, **kw)
+        return TcpLink(p, ss, **kw)  # (a TLS stream blocks: threads)
 
     def abort(self) -> None:
         """Set-up failed: stop accepting, close what was connected."""
@@ -372,10 +334,7 @@ class TcpMesh:
             self._cond.notify_all()
         self._close_listeners()
         for s in socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+            _close(s)
 
     def _accept_on(self) -> None:
         with self._cond:
@@ -393,10 +352,7 @@ class TcpMesh:
         for ls in self.listeners or []:
             if was:
                 _ACCEPTOR.remove(ls)
-            try:
-                ls.close()
-            except OSError:
-                pass
+            _close(ls)
 
     # ------------------------------------------------------------------ lazy links
     def serve(self, rv, on_link, on_fail) -> None:
@@ -694,10 +650,7 @@ class TcpMesh:
             _close(sock)
         except (OSError, handshake.HandshakeError, TransportError) as e:
             log.warning("rank %d: dropped connection from %s: %s", self.rank, addr, e)
-            try:
-                sock.close()
-            except OSError:
-                pass
+            _close(sock)
 
 
 #: Waiting for a peer's dial: how often the connections that already arrived are looked at.

@@ -23,10 +23,10 @@ decryption take a per-connection lock (held only for the OpenSSL call and the BI
 for socket I/O), and the bytes go through the plain socket outside it. Outgoing bytes are
 written to the socket in the order OpenSSL produced them (``_wlock``).
 
-``TlsStream`` offers what the transport calls on a connection's socket (``sendall``,
-``sendmsg``, ``recv_into`` with ``MSG_WAITALL``, the socket options, ``shutdown``, ``close``),
-so the transport's send and receive loops run unchanged over it: the choice between TLS and
-plain TCP is made once per connection, when it is set up.
+``TlsStream`` overrides the two calls that move bytes (``sendmsg``/``sendall``, ``recv_into``
+with ``MSG_WAITALL``) and hands every other to the plain socket, so the stream link's threads
+(link.ThreadedStreamLink; its calls block) drive it as they drive a socket, frames and all:
+the choice between TLS and plain TCP is made once per connection, when it is set up.
 """
 from __future__ import annotations
 
@@ -363,32 +363,10 @@ class TlsStream:
                 self._wlock.release()
 
     # ---------------------------------------------------------------- the socket
-    def getsockname(self):
-        return self.raw.getsockname()
-
-    def getpeername(self):
-        return self.raw.getpeername()
-
-    def settimeout(self, timeout) -> None:
-        self.raw.settimeout(timeout)
-
-    def gettimeout(self):
-        return self.raw.gettimeout()
-
-    def setsockopt(self, *args) -> None:
-        self.raw.setsockopt(*args)
-
-    def getsockopt(self, *args):
-        return self.raw.getsockopt(*args)
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def shutdown(self, how: int) -> None:
-        self.raw.shutdown(how)
-
-    def close(self) -> None:
-        self.raw.close()
+    def __getattr__(self, name):
+        """The socket's other calls (names, options, timeouts, fileno, shutdown, close) are
+        the plain socket's."""
+        return getattr(self.raw, name)
 
 
 def peer_label(addr) -> str:
