@@ -96,7 +96,6 @@ _PAGE = 4096
 #: it. Elsewhere (WEAK_ORDER) a fence goes between a record and its flag, here and in every
 #: protocol on the segment (collectives/shm_algos.py, shmlink.py).
 WEAK_ORDER = platform.machine() not in ("x86_64", "AMD64", "i386", "i686")
-_WEAK_ORDER = WEAK_ORDER
 #: What ``Segment.fence`` runs on x86, where the one reordering left is a load passing an
 #: earlier store (a tick published, then the sleepers' wishes read): any locked instruction
 #: drains the store buffer, and taking and giving back a Python lock runs two (CPython's lock
@@ -624,7 +623,7 @@ class Segment:
             row[CAUSE_WORD + 1] = root + 1
             row[CAUSE_WORD + 2] = time.monotonic_ns()
             row[CAUSE_WORD + 3] = len(data)
-            if _WEAK_ORDER:  # the record before its flag
+            if WEAK_ORDER:  # the record before its flag
                 self.fence()
             row[CAUSE_WORD] = 1
             return True
@@ -640,7 +639,7 @@ class Segment:
             row = ctrl[q]
             if not int(row[CAUSE_WORD]):
                 continue
-            if _WEAK_ORDER:  # the flag before the record
+            if WEAK_ORDER:  # the flag before the record
                 self.fence()
             root = int(row[CAUSE_WORD + 1]) - 1
             n = min(max(int(row[CAUSE_WORD + 3]), 0), _CAUSE_TEXT)

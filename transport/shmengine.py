@@ -74,10 +74,9 @@ LIVE_S = 0.02
 #: Seconds a rank that finds a peer past the current op without it (``_left_unfinished``)
 #: waits for word that the peer failed before it names a sequence mismatch.
 LEFT_WAIT_S = 0.2
-#: x86 keeps stores in order and loads in order (TSO): a tick stored after a phase's data is
-#: seen after it. Elsewhere (transport/shm.py WEAK_ORDER) a full barrier goes before each tick
-#: and after each wait. (Only the x86 path has been exercised.)
-_WEAK_ORDER = WEAK_ORDER
+# Memory order: x86 keeps stores in order and loads in order (TSO): a tick stored after a
+# phase's data is seen after it. Elsewhere (WEAK_ORDER) a full barrier goes before each tick
+# and after each wait. (Only the x86 path has been exercised.)
 
 
 def to_signed(u: int) -> int:
@@ -269,7 +268,7 @@ class Engine:
         if ctrl is None:  # closed (abort) while this op ran
             self._closed()
         seg = self.seg
-        if _WEAK_ORDER:  # the phase's data stores before the tick
+        if WEAK_ORDER:  # the phase's data stores before the tick
             seg.fence()
         prog[self.r] = t
         seg.fence()  # the tick is visible before the sleepers' wishes are read
@@ -300,7 +299,7 @@ class Engine:
             if not self._checked:
                 if self._check(t, who, ctrl):
                     self._settle(t, who, ctrl)
-            if _WEAK_ORDER:  # the ticks seen before the data they announce
+            if WEAK_ORDER:  # the ticks seen before the data they announce
                 self.seg.fence()
             return
         comm = self.comm
@@ -365,7 +364,7 @@ class Engine:
         if not self._checked:
             if self._check(t, who, ctrl):
                 self._settle(t, who, ctrl)
-        if _WEAK_ORDER:
+        if WEAK_ORDER:
             seg.fence()
 
     def _arrived(self, first: list, arr: dict) -> None:
