@@ -26,8 +26,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -812,6 +814,12 @@ def run(args: argparse.Namespace) -> int:
     pool = ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(urls)),
                               thread_name_prefix="linerate-top")
     frame = None
+    # Ctrl-C ends the loop at the next frame boundary (at most one scrape's timeout later): a
+    # KeyboardInterrupt raised anywhere could land inside the pool's submit, holding its locks,
+    # and the interpreter's exit would then wait on them for ever.
+    stop = threading.Event()
+    old = (signal.signal(signal.SIGINT, lambda *_: stop.set())
+           if threading.current_thread() is threading.main_thread() else None)
     try:
         if live:
             sys.stdout.write(f"\x1b[H\x1b[2Jlinerate top: scraping {len(urls)} endpoint(s) "
@@ -820,24 +828,29 @@ def run(args: argparse.Namespace) -> int:
         next_t = time.monotonic()
         prev = scrape_all(pool, urls, args.timeout)
         shown = 0
-        while frames is None or shown < frames:
+        while (frames is None or shown < frames) and not stop.is_set():
             next_t += args.interval
-            time.sleep(max(0.0, next_t - time.monotonic()))
+            if stop.wait(max(0.0, next_t - time.monotonic())):
+                break
             next_t = max(next_t, time.monotonic() - args.interval)  # after a stall: no burst
             cur = scrape_all(pool, urls, args.timeout)
+            if stop.is_set():
+                break
             frame = compute_frame(prev, cur, show_all=args.all)
             prev = cur
             shown += 1
             _emit(frame, args, live)
-    except KeyboardInterrupt:
-        if live:
-            sys.stdout.write("\n")
-        return 0
     except BrokenPipeError:  # `linerate top | head`: the reader left, which is fine
         _silence_stdout()
         return 0
     finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
         pool.shutdown(wait=False, cancel_futures=True)
+    if stop.is_set():
+        if live:
+            sys.stdout.write("\n")
+        return 0
     return 0 if frame is not None and frame["up"] > 0 else 1
 
 
