@@ -124,7 +124,19 @@ def fold_rows_into(o: np.ndarray, rows, op: RedOpType, npdt) -> None:
         o[...] = rows[0]
         return
     f = (NP_BOOL.get(op) if npdt is np.bool_ else None) or NP_BINARY[op]
+    if npdt in _NO_WARNINGS:
+        _fold_loop(f, o, rows)
+        return
     with np.errstate(all="ignore"):  # overflow gives inf, as in torch and Gloo: no warning
-        f(rows[0], rows[1], out=o)
-        for i in range(2, len(rows)):
-            f(o, rows[i], out=o)
+        _fold_loop(f, o, rows)
+
+
+def _fold_loop(f, o: np.ndarray, rows) -> None:
+    f(rows[0], rows[1], out=o)
+    for i in range(2, len(rows)):
+        f(o, rows[i], out=o)
+
+
+#: NumPy dtypes whose folds never warn (integers wrap, bools saturate): folded without
+#: np.errstate, about 1.2 us a call, a sizeable share of a small all_reduce.
+_NO_WARNINGS = frozenset((np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))

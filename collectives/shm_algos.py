@@ -31,8 +31,7 @@ from linerate.transport.shmengine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, 
                                           PIDNS, Engine, to_signed, to_unsigned)
 
 from .comm import Comm
-from .reduce_ops import (NP_BINARY, NP_BOOL, NP_DTYPES, RedOpType, finish_avg, fold_rows,
-                         fold_rows_into)
+from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows, fold_rows_into
 from .views import np_view
 
 #: An all_reduce from this many bytes may read the peers' tensors with cross-memory attach
@@ -884,13 +883,7 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
                 E.lone_outs.clear()
             out = E.lone_outs[okey] = np.frombuffer(
                 (ctypes.c_char * nb).from_address(ptr), dtype=npdt)
-        if npdt in _NO_WARNINGS:  # integers and bool: nothing to warn of
-            f = _LONE_FOLD[npdt is np.bool_].get(op)
-            f(rows[0], rows[1], out=out)
-            for i in range(2, P):
-                f(out, rows[i], out=out)
-        else:
-            fold_rows_into(out, rows, op, npdt)
+        fold_rows_into(out, rows, op, npdt)
         if op == RedOpType.AVG:
             finish_avg(t.detach().view(-1), op, P)
     else:
@@ -899,9 +892,3 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
         finish_avg(flat, op, P)
     E.publish(range(b * P, b * P + P))
 
-
-#: The NumPy dtypes whose folds cannot overflow into a warning (lone_all_reduce folds them
-#: without np.errstate, a sizeable share of a small all_reduce's time).
-_NO_WARNINGS = frozenset(np.dtype(d).type for d in (np.int8, np.uint8, np.int16, np.int32,
-                                                     np.int64, np.bool_))
-_LONE_FOLD = {False: NP_BINARY, True: {**NP_BINARY, **NP_BOOL}}

@@ -296,13 +296,14 @@ class StreamLink(Link):
         self._sink: LinkSink | None = None
 
     # ------------------------------------------------------------------ the I/O model's
+    # What each driver (ThreadedStreamLink below, ioloop.LoopStreamLink) says for itself.
+    @abc.abstractmethod
     def _wake(self) -> None:
         """(under _cond) Something was queued: one stream should look."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _wake_all(self) -> None:
         """(under _cond) Every stream should look (the link closes, or a stream's peer did)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ Link
     @property
