@@ -1162,3 +1162,28 @@ print("ok", got)
 '''
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr
+
+
+def test_a_rank_waits_for_rank_0s_record_past_the_stores_own_timeout():
+    """The group's timeout is the Store's too (torch sets both from init_process_group's
+    ``timeout``), and may be a few seconds; rank 0 may reach set-up later than that (imports, a
+    loaded host). Waiting for its agreement record follows LINERATE_CONNECT_TIMEOUT, as every
+    other set-up wait does, not the Store's timeout."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=0.2))
+    got = {}
+
+    def rank1():
+        rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "late/")
+        try:
+            got[1] = rv.agree({"LINERATE_X": "1"})
+        except Exception as e:  # noqa: BLE001 - the assertion shows it
+            got[1] = e
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    time.sleep(1.0)  # five times the Store's timeout
+    secret = rendezvous.Rendezvous(store, 0, time.monotonic() + 30, 30.0, "late/").agree(
+        {"LINERATE_X": "1"})
+    t.join(30)
+    assert got[1] == secret

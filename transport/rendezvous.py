@@ -221,7 +221,10 @@ class Rendezvous:
             multi_set(self._store, keys, values)  # the secret last, where one set per key
             self.offered = extra
         else:
-            # One request, which waits for all three (a store's timeout is raised).
+            # Rank 0 may start later than the Store's own timeout (the group's timeout, which
+            # may be seconds): wait for its record until LINERATE_CONNECT_TIMEOUT by polling,
+            # as every other set-up wait does, then read all three in one request.
+            self.wait_set(keys)
             raw_settings, self.offered, raw_secret = multi_get(self._store, keys)
             secret = bytes.fromhex(raw_secret.decode())
         self.generation = secret.hex()[:16]
