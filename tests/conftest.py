@@ -1,5 +1,16 @@
 """Fixtures and markers shared by the test files (their plain helpers are in tests/_harness.py).
 
+- ``unit``: the fast tier (``pytest -m unit``), set here on every test that starts no
+  process, never by hand. Whether a test starts processes follows from how it is built
+  (tests/_tiers.py reads it at collection): it does when its code, its fixtures or the helpers
+  of tests/ they call reach subprocess, multiprocessing, os.fork/os.system/os.posix_spawn or
+  the process harness (tests/_harness.py: run_ranks, run_rank_scripts, run_netlab_script,
+  which reach them), or when it is marked ``netlab`` or ``processes``; ranks as threads
+  (tests/_threads.py) start none. The claim is checked: while a ``unit`` test runs, starting a
+  process fails it, naming it as not unit-tier. ``--tiers`` prints every test's tier and, for
+  the others, the chain of calls that starts processes.
+- ``@pytest.mark.processes``: the test starts processes where its code does not show it
+  (product code that launches them, as tools/linkprobe.py starts iperf3): not unit.
 - ``@pytest.mark.netlab``: the test needs netlab (root, iproute2, network namespaces); it is
   skipped with the reason where netlab cannot work.
 - ``transport``: runs a transport test once per transport, ``tcp``; ``rdma-fake`` (the RDMA
@@ -30,6 +41,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _harness, for every file
 
 from _harness import netlab_reason, use_transport  # noqa: E402
+from _tiers import Guard, Reader, item_starts_processes  # noqa: E402
 
 
 def pytest_configure(config):
@@ -39,54 +51,61 @@ def pytest_configure(config):
                                        "reason where it cannot work")
     config.addinivalue_line("markers", "slow: takes a minute or so (tests/test_packaging.py's "
                                        "wheel); -m 'not slow' leaves it out")
-    config.addinivalue_line("markers", "unit: in this process, no rank processes started "
-                                       "(ranks as threads: tests/_threads.py); `-m unit` is the "
-                                       "fast tier")
+    config.addinivalue_line("markers", "unit: starts no process (ranks as threads: "
+                                       "tests/_threads.py); set from how the test is built "
+                                       "(tests/_tiers.py), never by hand; `-m unit` is the fast "
+                                       "tier")
+    config.addinivalue_line("markers", "processes: starts processes where tests/_tiers.py "
+                                       "cannot read it (product code that launches them): not "
+                                       "unit")
 
 
-#: Files whose tests run in this process, ranks (if any) as threads: the ``unit`` tier.
-UNIT_FILES = {"test_unit_backend.py", "test_matching.py", "test_model.py", "test_whatif.py",
-              "test_fuzz.py", "test_dashboard.py", "test_settings.py", "test_slowlink.py",
-              "test_staging.py", "test_resizable.py"}
-#: Single tests of other files that start no rank process.
-UNIT_TESTS = {"test_docs.py": ("test_every_directive_is_understood",
-                               "test_settings_page_is_generated_from_the_registry",
-                               "test_readme_settings_rows_agree_with_the_registry",
-                               "test_readme_is_a_guide",
-                               "test_no_file_speaks_of_numbered_working_periods",
-                               "test_docs_site_builds_strictly",
-                               "test_api_reference_names_every_public_name",
-                               "test_settings_page_capitalises_no_name",
-                               "test_faults_page_lists_every_setting_ranks_must_share"),
-              "test_straggler.py": ("test_a_late_rank_is_named_by_its_waiting_peers",
-                                    "test_only_the_successor_waits_in_a_ring",
-                                    "test_finishing_first_is_not_entering_last",
-                                    "test_balanced_and_sparse_views_name_nobody",
-                                    "test_views_round_trip_and_junk_is_refused",
-                                    "test_the_log_line_names_the_rank_and_link_at_most_once_per_period"),
-              "test_shm.py": ("test_usable_cores_follow_the_cgroup_cpu_quota",),
-              "test_perf_report.py": ("test_bench_rows_memory_and_link_bounds",
-                                      "test_latency_and_fusion_rows",
-                                      "test_a_rerun_replaces_its_section_and_keeps_the_others",
-                                      "test_every_section_of_the_page_names_its_machine_and_command",
-                                      "test_a_plot_is_written_by_its_command_and_shown_under_its_table",
-                                      "test_every_picture_of_the_page_exists_and_comes_from_its_sections_command")}
-
-
-#: Tests of UNIT_FILES that start processes (a measurement, a child interpreter).
-NOT_UNIT = ("test_measure_", "test_pg_options_object_is_used_instead_of_the_environment")
+def pytest_addoption(parser):
+    parser.addoption("--tiers", action="store_true",
+                     help="print each collected test's tier, and for the tests that are not "
+                          "unit what makes them start processes (tests/_tiers.py)")
 
 
 def pytest_collection_modifyitems(config, items):
+    reader = Reader()
     for item in items:
         # Under pytest-xdist (tools/quickstart.sh runs two workers): tests that build netlab
         # labs (the docs' examples among them) run one after another on one worker.
         if item.get_closest_marker("netlab") is not None or item.originalname == "test_examples_run":
             item.add_marker(pytest.mark.xdist_group("netlab"))
-        name, test = item.path.name, item.originalname
-        if ((name in UNIT_FILES and not test.startswith(NOT_UNIT))
-                or test in UNIT_TESTS.get(name, ())) and item.get_closest_marker("netlab") is None:
+        why = item_starts_processes(reader, item)
+        if why is None:
             item.add_marker(pytest.mark.unit)
+        if config.getoption("--tiers"):
+            print(f"{item.nodeid}: " + ("unit" if why is None else f"processes ({why})"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A ``unit`` test that starts a process fails (tests/_tiers.py Guard)."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    _GUARD.nodeid = item.nodeid
+    _GUARD.install()
+    try:
+        yield
+    finally:
+        _GUARD.uninstall()
+        _GUARD.nodeid = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if _GUARD.started and _GUARD.nodeid == item.nodeid:
+        report = outcome.get_result()
+        if not report.failed:  # the test swallowed the refusal: it fails all the same
+            report.outcome, report.longrepr = "failed", "\n".join(_GUARD.started)
+        _GUARD.started.clear()
+
+
+_GUARD = Guard()
 
 
 def pytest_runtest_setup(item):

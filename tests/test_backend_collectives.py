@@ -1,11 +1,15 @@
 """Every collective of the ``linerate`` process group against Gloo's output on the same inputs.
 
-One spawn per (world size, family of collectives); inside the ranks a loop runs the whole
-matrix of dtypes x ops x sizes on both backends (Gloo is the default group, linerate a group
-of the same ranks) and compares. Inputs are small integers (also for floating point dtypes),
-so every sum and product is exact and results must be bit-identical (``torch.equal``); one
-family uses random normal data and compares with ``allclose`` (the order of a reduction may
-differ from Gloo's).
+One test per (world size, family of collectives), ranks as threads of this process
+(tests/_threads.py, the unit tier): each rank runs the whole matrix of dtypes x ops x sizes on
+both backends (Gloo the default group, linerate a group of the same ranks, through
+torch.distributed's functions: ``ThreadDist``) and compares. The Gloo calls, the reference, are
+batched (``ThreadDist`` ``batched``: the same bits as one Gloo call per case, checked here for
+every kind of call). Inputs are small integers (also for floating point dtypes), so every sum
+and product is exact and results must be bit-identical (``torch.equal``); one family uses
+random normal data and compares with ``allclose`` (the order of a reduction may differ from
+Gloo's). The same sweep also runs on rank processes (``_run_processes``) for what only they
+show: the shared segment mapped by separate processes, torch.distributed's own groups.
 
 Sizes: 0, 1, 7 and 1001 elements run the latency-optimal ("direct") paths; BIG (70,001
 elements, > 64 KiB even for 1-byte dtypes) runs the ring/chain paths (LINERATE_SMALL_BYTES is
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceCoalescedOptions, ReduceScatterOptions
 
 from _harness import run_ranks
+from _threads import run_threads
 
 R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
@@ -55,13 +60,38 @@ def _name(x) -> str:
 
 # ----------------------------------------------------------------------------- rank-side helpers
 class Ctx:
-    """What a family needs: rank, size, the linerate group, a case counter, the failures."""
+    """What a family needs: rank, size, the linerate group, ``d`` (torch.distributed in a rank
+    process, its thread-rank counterpart tests/_threads.ThreadDist on threads), a case counter,
+    the failures.
 
-    def __init__(self, rank, P, lr, variant):
-        self.rank, self.P, self.lr, self.variant = rank, P, lr, variant
+    With a ThreadDist that batches the Gloo calls, a check waits for ``settle()`` (which runs
+    them), and so does what ``then(fn)`` is given: a family reads a Gloo result only there.
+    In a rank process both run at once and ``settle()`` does nothing."""
+
+    def __init__(self, rank, P, lr, variant, d=dist):
+        self.rank, self.P, self.lr, self.variant, self.d = rank, P, lr, variant, d
         self.fails: list[str] = []
         self.ncases = 0
         self._case = itertools.count()
+        self._checks: list | None = [] if getattr(d, "settle", None) else None
+        self._then: list = []
+
+    def settle(self) -> None:
+        if self._checks is not None:
+            self.d.settle()
+            then, self._then = self._then, []
+            for fn in then:
+                fn()
+            checks, self._checks = self._checks, []
+            for args in checks:
+                self._check(*args)
+
+    def then(self, fn) -> None:
+        """``fn()`` once the Gloo results are in (at once in a rank process)."""
+        if self._checks is None:
+            fn()
+        else:
+            self._then.append(fn)
 
     def gen(self, salt: int = 0, same_on_all_ranks: bool = False) -> torch.Generator:
         """A generator for the next case; different per rank unless same_on_all_ranks."""
@@ -70,6 +100,12 @@ class Ctx:
 
     def check(self, cid: str, got: torch.Tensor, want: torch.Tensor) -> None:
         self.ncases += 1
+        if self._checks is not None:
+            self._checks.append((cid, got, want))
+        else:
+            self._check(cid, got, want)
+
+    def _check(self, cid: str, got: torch.Tensor, want: torch.Tensor) -> None:
         if got.dtype != want.dtype or got.shape != want.shape:
             self.fails.append(f"rank {self.rank}: {cid}: got {got.dtype} {tuple(got.shape)}, "
                               f"want {want.dtype} {tuple(want.shape)}")
@@ -155,6 +191,7 @@ def _kind(op):
 
 # ----------------------------------------------------------------------------- families
 def fam_all_reduce(c: Ctx):
+    d = c.d
     for dtype in c.dtypes():
         for op in ops_for(dtype):
             for n in c.sizes(dtype):
@@ -163,14 +200,16 @@ def fam_all_reduce(c: Ctx):
                 cid = c.at(f"all_reduce {_name(dtype)} {_name(op)} n={n}")
                 x = rand_int(c.gen(), dtype, _shape(n), _kind(op), c.P)
                 want = x.clone()
-                dist.all_reduce(want, op=_gloo_op(op))
+                d.all_reduce(want, op=_gloo_op(op))
                 _finish_ref(want, op, c.P, real_view=True)
                 got = x.clone()
-                dist.all_reduce(got, op=op, group=c.lr)
+                d.all_reduce(got, op=op, group=c.lr)
                 c.check(cid, got, want)
+        c.settle()
 
 
 def fam_rooted(c: Ctx):
+    d = c.d
     rr = itertools.count()
     for dtype in c.dtypes():
         for n in c.sizes(dtype):
@@ -178,8 +217,8 @@ def fam_rooted(c: Ctx):
             cid = c.at(f"broadcast {_name(dtype)} n={n} root={root}")
             x = rand_int(c.gen(), dtype, _shape(n), "sum", c.P)
             want, got = x.clone(), x.clone()
-            dist.broadcast(want, root)
-            dist.broadcast(got, root, group=c.lr)
+            d.broadcast(want, root)
+            d.broadcast(got, root, group=c.lr)
             c.check(cid, got, want)
         for op in ops_for(dtype):
             for n in c.sizes(dtype):
@@ -189,11 +228,12 @@ def fam_rooted(c: Ctx):
                 cid = c.at(f"reduce {_name(dtype)} {_name(op)} n={n} root={root}")
                 x = rand_int(c.gen(), dtype, _shape(n), _kind(op), c.P)
                 want, got = x.clone(), x.clone()
-                dist.reduce(want, root, op=_gloo_op(op))
-                dist.reduce(got, root, op=op, group=c.lr)
+                d.reduce(want, root, op=_gloo_op(op))
+                d.reduce(got, root, op=op, group=c.lr)
                 if c.rank == root:
                     _finish_ref(want, op, c.P)
                     c.check(cid, got, want)
+        c.settle()
     # Every root, with both the direct (n=7) and the chain (big) algorithm.
     big = c.sizes(torch.float32)[-1]
     for root in range(c.P):
@@ -201,18 +241,20 @@ def fam_rooted(c: Ctx):
             c.at(f"every root {_name(dtype)} n={n} root={root}")
             x = rand_int(c.gen(), dtype, _shape(n), "sum", c.P)
             want, got = x.clone(), x.clone()
-            dist.broadcast(want, root)
-            dist.broadcast(got, root, group=c.lr)
+            d.broadcast(want, root)
+            d.broadcast(got, root, group=c.lr)
             c.check(f"broadcast (every root) {_name(dtype)} n={n} root={root}", got, want)
             for op in (R.SUM, R.MAX):
                 want, got = x.clone(), x.clone()
-                dist.reduce(want, root, op=op)
-                dist.reduce(got, root, op=op, group=c.lr)
+                d.reduce(want, root, op=op)
+                d.reduce(got, root, op=op, group=c.lr)
                 if c.rank == root:
                     c.check(f"reduce (every root) {_name(dtype)} {_name(op)} n={n} root={root}", got, want)
+    c.settle()
 
 
 def fam_gathers(c: Ctx):
+    d = c.d
     P = c.P
     rr = itertools.count()
     for dtype in c.dtypes():
@@ -222,32 +264,33 @@ def fam_gathers(c: Ctx):
             # all_gather (list of outputs)
             want = [torch.full_like(x, 1) for _ in range(P)]
             got = [torch.full_like(x, 1) for _ in range(P)]
-            dist.all_gather(want, x)
-            dist.all_gather(got, x, group=c.lr)
+            d.all_gather(want, x)
+            d.all_gather(got, x, group=c.lr)
             for i in range(P):
                 c.check(f"all_gather {_name(dtype)} n={n} output {i}", got[i], want[i])
             c.at(f"all_gather_into_tensor {_name(dtype)} n={n}")
             want = torch.zeros((P * x.shape[0],) + tuple(x.shape[1:]), dtype=dtype)
             got = torch.zeros_like(want)
-            dist.all_gather_into_tensor(want, x)
-            dist.all_gather_into_tensor(got, x, group=c.lr)
+            d.all_gather_into_tensor(want, x)
+            d.all_gather_into_tensor(got, x, group=c.lr)
             c.check(f"all_gather_into_tensor {_name(dtype)} n={n}", got, want)
             root = next(rr) % P
             c.at(f"gather {_name(dtype)} n={n} root={root}")
             want = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
             got = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
-            dist.gather(_real(x), _real(want), dst=root)
-            dist.gather(x, got, dst=root, group=c.lr)
+            d.gather(_real(x), _real(want), dst=root)
+            d.gather(x, got, dst=root, group=c.lr)
             if c.rank == root:
                 for i in range(P):
                     c.check(f"gather {_name(dtype)} n={n} root={root} output {i}", got[i], want[i])
+        c.settle()
     for root in range(P):  # gather from every root
         c.at(f"gather (every root) root={root}")
         x = rand_int(c.gen(), torch.int32, (33,), "sum", P)
         want = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
         got = [torch.zeros_like(x) for _ in range(P)] if c.rank == root else None
-        dist.gather(x, want, dst=root)
-        dist.gather(x, got, dst=root, group=c.lr)
+        d.gather(x, want, dst=root)
+        d.gather(x, got, dst=root, group=c.lr)
         if c.rank == root:
             for i in range(P):
                 c.check(f"gather (every root) root={root} output {i}", got[i], want[i])
@@ -260,11 +303,13 @@ def fam_gathers(c: Ctx):
             c.lr.all_gather_single_coalesced(got, ins, AllgatherOptions()).wait()
             for i, (x, o) in enumerate(zip(ins, got)):
                 want = torch.zeros_like(o)
-                dist.all_gather_into_tensor(want, x)
+                d.all_gather_into_tensor(want, x)
                 c.check(f"all_gather_single_coalesced {_name(dtype)} sizes={ns} tensor {i}", o, want)
+    c.settle()
 
 
 def fam_scatters(c: Ctx):
+    d = c.d
     P = c.P
     rr = itertools.count()
     for dtype in c.dtypes():
@@ -275,8 +320,8 @@ def fam_scatters(c: Ctx):
             chunks = [rand_int(g, dtype, _shape(n), "sum", P) for _ in range(P)] if c.rank == root else None
             want = torch.full(_shape(n), 1, dtype=dtype)
             got = torch.full(_shape(n), 1, dtype=dtype)
-            dist.scatter(want, chunks, src=root)
-            dist.scatter(got, chunks, src=root, group=c.lr)
+            d.scatter(want, chunks, src=root)
+            d.scatter(got, chunks, src=root, group=c.lr)
             c.check(f"scatter {_name(dtype)} n={n} root={root}", got, want)
         for op in ops_for(dtype):
             for n in c.sizes(dtype):
@@ -288,10 +333,10 @@ def fam_scatters(c: Ctx):
                 c.at(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}")
                 want = torch.full((seg,), 1, dtype=dtype)
                 got = torch.full((seg,), 1, dtype=dtype)
-                dist.reduce_scatter(want, [t.clone() for t in ins], op=_gloo_op(op))
+                d.reduce_scatter(want, [t.clone() for t in ins], op=_gloo_op(op))
                 _finish_ref(want, op, P)
                 mine = [t.clone() for t in ins]
-                dist.reduce_scatter(got, mine, op=op, group=c.lr)
+                d.reduce_scatter(got, mine, op=op, group=c.lr)
                 c.check(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}", got, want)
                 for i, (t, u) in enumerate(zip(mine, ins)):
                     c.check(f"reduce_scatter {_name(dtype)} {_name(op)} seg={seg}: input {i} unchanged", t, u)
@@ -299,25 +344,26 @@ def fam_scatters(c: Ctx):
                 flat = torch.cat(ins)
                 want = torch.full((seg,), 1, dtype=dtype)
                 got = torch.full((seg,), 1, dtype=dtype)
-                dist.reduce_scatter_tensor(want, flat.clone(), op=_gloo_op(op))
+                d.reduce_scatter_tensor(want, flat.clone(), op=_gloo_op(op))
                 _finish_ref(want, op, P)
                 inp = flat.clone()
-                dist.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
+                d.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
                 c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}", got, want)
                 c.check(f"reduce_scatter_tensor {_name(dtype)} {_name(op)} seg={seg}: input unchanged", inp, flat)
                 # in place, as FSDP may call it: the output is this rank's chunk of the input
                 c.at(f"reduce_scatter_tensor in place {_name(dtype)} {_name(op)} seg={seg}")
                 inp = flat.clone()
                 got = inp[c.rank * seg:(c.rank + 1) * seg]
-                dist.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
+                d.reduce_scatter_tensor(got, inp, op=op, group=c.lr)
                 c.check(f"reduce_scatter_tensor in place {_name(dtype)} {_name(op)} seg={seg}", got, want)
+        c.settle()
     for root in range(P):  # scatter from every root
         c.at(f"scatter (every root) root={root}")
         g = c.gen()
         chunks = [rand_int(g, torch.float64, (5, 3), "sum", P) for _ in range(P)] if c.rank == root else None
         want, got = torch.zeros(5, 3, dtype=torch.float64), torch.zeros(5, 3, dtype=torch.float64)
-        dist.scatter(want, chunks, src=root)
-        dist.scatter(got, chunks, src=root, group=c.lr)
+        d.scatter(want, chunks, src=root)
+        d.scatter(got, chunks, src=root, group=c.lr)
         c.check(f"scatter (every root) root={root}", got, want)
     # reduce_scatter_tensor coalesced: the group's reduce_scatter_single_coalesced (2.13 name)
     for dtype, op in ((torch.float32, R.SUM), (torch.float64, R.AVG), (torch.int32, R.MAX), (torch.bool, R.BOR)):
@@ -330,9 +376,10 @@ def fam_scatters(c: Ctx):
             c.lr.reduce_scatter_single_coalesced(got, [x.clone() for x in ins], opts).wait()
             for i, (x, o) in enumerate(zip(ins, got)):
                 want = torch.zeros_like(o)
-                dist.reduce_scatter_tensor(want, x.clone(), op=_gloo_op(op))
+                d.reduce_scatter_tensor(want, x.clone(), op=_gloo_op(op))
                 _finish_ref(want, op, P)
                 c.check(f"reduce_scatter_single_coalesced {_name(dtype)} {_name(op)} segs={segs} tensor {i}", o, want)
+    c.settle()
 
 
 def _split_matrix(c: Ctx, kind: str):
@@ -351,6 +398,7 @@ def _split_matrix(c: Ctx, kind: str):
 
 
 def fam_alltoall(c: Ctx):
+    d = c.d
     P, r = c.P, c.rank
     for dtype in c.dtypes():
         # all_to_all (lists): equal shapes, then uneven shapes incl. zero-size ones
@@ -361,8 +409,8 @@ def fam_alltoall(c: Ctx):
             ins = [rand_int(c.gen(), dtype, _shape(n), "sum", P) for _ in range(P)]
             want = [torch.full(_shape(n), 1, dtype=dtype) for _ in range(P)]
             got = [torch.full(_shape(n), 1, dtype=dtype) for _ in range(P)]
-            dist.all_to_all(want, ins)
-            dist.all_to_all(got, ins, group=c.lr)
+            d.all_to_all(want, ins)
+            d.all_to_all(got, ins, group=c.lr)
             for i in range(P):
                 c.check(f"all_to_all {_name(dtype)} n={n} output {i}", got[i], want[i])
         S = _split_matrix(c, "uneven")
@@ -370,10 +418,10 @@ def fam_alltoall(c: Ctx):
         ins = [rand_int(c.gen(), dtype, (S[r][j], 2), "sum", P) for j in range(P)]
         # Gloo's all_to_all needs equal sizes: the reference is its all_to_all_single
         flat_want = torch.zeros((sum(S[j][r] for j in range(P)), 2), dtype=dtype)
-        dist.all_to_all_single(flat_want, torch.cat(ins), [S[j][r] for j in range(P)], S[r])
+        d.all_to_all_single(flat_want, torch.cat(ins), [S[j][r] for j in range(P)], S[r])
         want = list(flat_want.split([S[j][r] for j in range(P)]))
         got = [torch.zeros((S[j][r], 2), dtype=dtype) for j in range(P)]
-        dist.all_to_all(got, ins, group=c.lr)
+        d.all_to_all(got, ins, group=c.lr)
         for i in range(P):
             c.check(f"all_to_all uneven {_name(dtype)} splits={S} output {i}", got[i], want[i])
         # all_to_all_single: no splits given (equal), equal splits given, uneven splits
@@ -382,8 +430,8 @@ def fam_alltoall(c: Ctx):
             c.at(f"all_to_all_single {_name(dtype)} rows={rows}/rank no splits")
             x = rand_int(c.gen(), dtype, (P * rows, 3), "sum", P)
             want, got = torch.full_like(x, 1), torch.full_like(x, 1)
-            dist.all_to_all_single(want, x)
-            dist.all_to_all_single(got, x, group=c.lr)
+            d.all_to_all_single(want, x)
+            d.all_to_all_single(got, x, group=c.lr)
             c.check(f"all_to_all_single {_name(dtype)} rows={rows}/rank no splits", got, want)
         for kind in ("equal", "uneven"):
             S = _split_matrix(c, kind)
@@ -393,9 +441,10 @@ def fam_alltoall(c: Ctx):
             x = rand_int(c.gen(), dtype, (sum(in_splits), 4), "sum", P)
             want = torch.full((sum(out_splits), 4), 1, dtype=dtype)
             got = torch.full_like(want, 1)
-            dist.all_to_all_single(want, x, out_splits, in_splits)
-            dist.all_to_all_single(got, x, out_splits, in_splits, group=c.lr)
+            d.all_to_all_single(want, x, out_splits, in_splits)
+            d.all_to_all_single(got, x, out_splits, in_splits, group=c.lr)
             c.check(f"all_to_all_single {_name(dtype)} {kind} splits={S}", got, want)
+        c.settle()
     # a large uneven all_to_all_single (over 64 KiB per rank)
     if P > 1:
         c.at("all_to_all_single big uneven")
@@ -406,18 +455,20 @@ def fam_alltoall(c: Ctx):
         out_splits = [S[j][r] for j in range(P)]
         want = torch.zeros((sum(out_splits), 8))
         got = torch.zeros_like(want)
-        dist.all_to_all_single(want, x, out_splits, S[r])
-        dist.all_to_all_single(got, x, out_splits, S[r], group=c.lr)
+        d.all_to_all_single(want, x, out_splits, S[r])
+        d.all_to_all_single(got, x, out_splits, S[r], group=c.lr)
         c.check("all_to_all_single big uneven float32", got, want)
+    c.settle()
 
 
 def fam_misc(c: Ctx):
     """barrier, the coalesced all-reduces, non-contiguous tensors, async_op, random floats."""
+    d = c.d
     P, r = c.P, c.rank
     c.at("barrier")
     for _ in range(3):
-        dist.barrier(group=c.lr)
-    w = dist.barrier(group=c.lr, async_op=True)
+        d.barrier(group=c.lr)
+    w = d.barrier(group=c.lr, async_op=True)
     w.wait()
     assert w.is_completed()
     # dist.all_reduce_coalesced (one dtype per call, as torch requires)
@@ -429,23 +480,24 @@ def fam_misc(c: Ctx):
             xs = [rand_int(g, dtype, s, _kind(op), P) for s in shapes]
             want = [x.clone() for x in xs]
             for t in want:
-                dist.all_reduce(t, op=_gloo_op(op))
+                d.all_reduce(t, op=_gloo_op(op))
                 _finish_ref(t, op, P, real_view=True)
             got = [x.clone() for x in xs]
-            dist.all_reduce_coalesced(got, op=op, group=c.lr)
+            d.all_reduce_coalesced(got, op=op, group=c.lr)
             for i in range(len(xs)):
                 c.check(f"all_reduce_coalesced {_name(dtype)} {_name(op)} tensor {i} {shapes[i]}", got[i], want[i])
+        c.settle()
     # the group's allreduce_coalesced with mixed dtypes (linerate groups them by dtype)
     for op in (R.SUM, R.MAX):
         c.at(f"allreduce_coalesced (method) mixed dtypes {_name(op)}")
         g = c.gen()
         big_part = (BIG // 2,)  # the float32 group is > 64 KiB: ring
-        xs = [rand_int(g, d, s, "sum", P) for d, s in
+        xs = [rand_int(g, dt, s, "sum", P) for dt, s in
               ((torch.float32, (4, 3)), (torch.int64, (7,)), (torch.float32, big_part),
                (torch.bfloat16, (0,)), (torch.int64, (1,)), (torch.float16, (11,)))]
         want = [x.clone() for x in xs]
         for t in want:
-            dist.all_reduce(t, op=op)
+            d.all_reduce(t, op=op)
         got = [x.clone() for x in xs]
         opts = AllreduceCoalescedOptions()
         opts.reduceOp = op
@@ -453,6 +505,7 @@ def fam_misc(c: Ctx):
         for i in range(len(xs)):
             c.check(f"allreduce_coalesced (method) mixed dtypes {_name(op)} tensor {i} {xs[i].dtype}",
                     got[i], want[i])
+    c.settle()
     # non-contiguous inputs: all_reduce and broadcast on transposed and strided views.
     # Gloo mishandles strided views in broadcast, so the reference is computed on a
     # contiguous copy and written into the same view of a copy of the base tensor.
@@ -468,19 +521,20 @@ def fam_misc(c: Ctx):
                     ref_base = base.clone()
                     ref = view(ref_base).contiguous()
                     if coll == "all_reduce":
-                        dist.all_reduce(ref)
+                        d.all_reduce(ref)
                     else:
-                        dist.broadcast(ref, root)
-                    view(ref_base).copy_(ref)
+                        d.broadcast(ref, root)
+                    c.then(lambda view=view, ref_base=ref_base, ref=ref: view(ref_base).copy_(ref))
                     got_base = base.clone()
                     v = view(got_base)
                     assert not v.is_contiguous()
                     if coll == "all_reduce":
-                        dist.all_reduce(v, group=c.lr)
+                        d.all_reduce(v, group=c.lr)
                     else:
-                        dist.broadcast(v, root, group=c.lr)
+                        d.broadcast(v, root, group=c.lr)
                     c.check(f"{coll} non-contiguous {vname} {_name(dtype)} base {tuple(base.shape)}",
                             got_base, ref_base)
+        c.settle()
     # non-contiguous inputs and outputs of the other collectives. Gloo refuses or mishandles
     # several of these, so its reference always runs on contiguous copies.
     for dtype, n in ((torch.float32, 5), (torch.int64, 3001), (torch.complex64, 7)):
@@ -489,63 +543,68 @@ def fam_misc(c: Ctx):
         c.at(f"all_gather non-contiguous outputs {_name(dtype)} n={n}")
         x = rand_int(g, dtype, (n,), "sum", P)
         want = [torch.zeros(n, dtype=dtype) for _ in range(P)]
-        dist.all_gather(want, x)
+        d.all_gather(want, x)
         base = torch.zeros(n, P + 1, dtype=dtype)
-        dist.all_gather([col(base, i + 1) for i in range(P)], x, group=c.lr)
-        c.check(c.current, base, torch.cat([torch.zeros(n, 1, dtype=dtype), torch.stack(want, 1)], 1))
+        d.all_gather([col(base, i + 1) for i in range(P)], x, group=c.lr)
+        c.then(lambda cid=c.current, base=base, want=want, n=n, dtype=dtype: c.check(
+            cid, base, torch.cat([torch.zeros(n, 1, dtype=dtype), torch.stack(want, 1)], 1)))
         c.at(f"all_gather non-contiguous input {_name(dtype)} n={n}")
         xb = rand_int(g, dtype, (n, 3), "sum", P)
         want = [torch.zeros(n, dtype=dtype) for _ in range(P)]
-        dist.all_gather(want, xb[:, 1].contiguous())
+        d.all_gather(want, xb[:, 1].contiguous())
         got = [torch.zeros(n, dtype=dtype) for _ in range(P)]
-        dist.all_gather(got, xb[:, 1], group=c.lr)
+        d.all_gather(got, xb[:, 1], group=c.lr)
         for i in range(P):
             c.check(f"{c.current} output {i}", got[i], want[i])
         if not dtype.is_complex:
             c.at(f"reduce_scatter non-contiguous input and output {_name(dtype)} n={n}")
             ins = [rand_int(g, dtype, (n, 2), "sum", P) for _ in range(P)]
             want = torch.zeros(n, dtype=dtype)
-            dist.reduce_scatter(want, [t[:, 1].contiguous() for t in ins])
+            d.reduce_scatter(want, [t[:, 1].contiguous() for t in ins])
             base = torch.zeros(n, 2, dtype=dtype)
-            dist.reduce_scatter(col(base, 1), [t[:, 1] for t in ins], group=c.lr)
-            c.check(c.current, base, torch.stack([torch.zeros(n, dtype=dtype), want], 1))
+            d.reduce_scatter(col(base, 1), [t[:, 1] for t in ins], group=c.lr)
+            c.then(lambda cid=c.current, base=base, want=want, n=n, dtype=dtype: c.check(
+                cid, base, torch.stack([torch.zeros(n, dtype=dtype), want], 1)))
         for root in {0, P - 1}:
             c.at(f"scatter / gather non-contiguous {_name(dtype)} n={n} root={root}")
             chunks = [rand_int(g, dtype, (n,), "sum", P) for _ in range(P)]
             want = torch.zeros(n, dtype=dtype)
-            dist.scatter(_real(want), _real(chunks) if c.rank == root else None, src=root)
+            d.scatter(_real(want), _real(chunks) if c.rank == root else None, src=root)
             base = torch.zeros(n, 2, dtype=dtype)
-            dist.scatter(col(base, 0), chunks if c.rank == root else None, src=root, group=c.lr)
-            c.check(c.current + " (scatter)", base, torch.stack([want, torch.zeros(n, dtype=dtype)], 1))
+            d.scatter(col(base, 0), chunks if c.rank == root else None, src=root, group=c.lr)
+            c.then(lambda cid=c.current, base=base, want=want, n=n, dtype=dtype: c.check(
+                cid + " (scatter)", base, torch.stack([want, torch.zeros(n, dtype=dtype)], 1)))
             x = rand_int(g, dtype, (n, 2), "sum", P)
             want = [torch.zeros(n, dtype=dtype) for _ in range(P)] if c.rank == root else None
-            dist.gather(_real(x[:, 0].contiguous()), _real(want), dst=root)
+            d.gather(_real(x[:, 0].contiguous()), _real(want), dst=root)
             base = torch.zeros(n, P, dtype=dtype)
-            dist.gather(x[:, 0], [col(base, i) for i in range(P)] if c.rank == root else None,
+            d.gather(x[:, 0], [col(base, i) for i in range(P)] if c.rank == root else None,
                         dst=root, group=c.lr)
             if c.rank == root:
-                c.check(c.current + " (gather)", base, torch.stack(want, 1))
+                c.then(lambda cid=c.current, base=base, want=want: c.check(
+                    cid + " (gather)", base, torch.stack(want, 1)))
         c.at(f"all_to_all non-contiguous {_name(dtype)} n={n}")
         ins = [rand_int(g, dtype, (n, 2), "sum", P)[:, 1] for _ in range(P)]
         want = [torch.zeros(n, dtype=dtype) for _ in range(P)]
-        dist.all_to_all(want, [t.contiguous() for t in ins])
+        d.all_to_all(want, [t.contiguous() for t in ins])
         base = torch.zeros(n, P, dtype=dtype)
-        dist.all_to_all([col(base, i) for i in range(P)], ins, group=c.lr)
-        c.check(c.current, base, torch.stack(want, 1))
+        d.all_to_all([col(base, i) for i in range(P)], ins, group=c.lr)
+        c.then(lambda cid=c.current, base=base, want=want: c.check(cid, base, torch.stack(want, 1)))
         c.at(f"all_to_all_single non-contiguous input {_name(dtype)} n={n}")
         x = rand_int(g, dtype, (3, P * 2), "sum", P).t()  # (P*2, 3), transposed
         want = torch.zeros(P * 2, 3, dtype=dtype)
-        dist.all_to_all_single(want, x.contiguous())
+        d.all_to_all_single(want, x.contiguous())
         got = torch.zeros(P * 2, 3, dtype=dtype)
-        dist.all_to_all_single(got, x, group=c.lr)
+        d.all_to_all_single(got, x, group=c.lr)
         c.check(c.current, got, want)
+    c.settle()
     # async_op=True on collectives: wait(), then the same result
     c.at("all_reduce async_op")
     x = rand_int(c.gen(), torch.float32, (BIG,), "sum", P)
     want = x.clone()
-    dist.all_reduce(want)
+    d.all_reduce(want)
     got = x.clone()
-    work = dist.all_reduce(got, group=c.lr, async_op=True)
+    work = d.all_reduce(got, group=c.lr, async_op=True)
     assert work.wait()
     assert work.is_completed() and work.exception() is None
     fut_val = work.get_future().wait()
@@ -558,32 +617,35 @@ def fam_misc(c: Ctx):
             c.at(f"all_reduce randn {_name(op)} n={n}")
             x = torch.randn(n, generator=c.gen())
             want = x.clone()
-            dist.all_reduce(want, op=_gloo_op(op))
+            d.all_reduce(want, op=_gloo_op(op))
             _finish_ref(want, op, P, real_view=True)
             got = x.clone()
-            dist.all_reduce(got, op=op, group=c.lr)
+            d.all_reduce(got, op=op, group=c.lr)
+            c.settle()
             c.ncases += 1
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                 c.fails.append(f"rank {r}: all_reduce randn {_name(op)} n={n}: max abs diff "
                                f"{(got - want).abs().max().item()}")
             everyone = [torch.zeros_like(got) for _ in range(P)]
-            dist.all_gather(everyone, got)
+            d.all_gather(everyone, got)
             for i in range(P):
                 c.check(f"all_reduce randn {_name(op)} n={n}: rank {i} result bits equal rank {r}'s",
                         everyone[i], got)
         c.at(f"reduce_scatter_tensor / reduce randn n={n}")
         x = torch.randn(P * n, generator=c.gen())
         want, got = torch.zeros(n), torch.zeros(n)
-        dist.reduce_scatter_tensor(want, x.clone())
-        dist.reduce_scatter_tensor(got, x.clone(), group=c.lr)
+        d.reduce_scatter_tensor(want, x.clone())
+        d.reduce_scatter_tensor(got, x.clone(), group=c.lr)
+        c.settle()
         c.ncases += 1
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             c.fails.append(f"rank {r}: reduce_scatter_tensor randn n={n}: max abs diff "
                            f"{(got - want).abs().max().item()}")
         x = torch.randn(n, generator=c.gen())
         want, got = x.clone(), x.clone()
-        dist.reduce(want, 0)
-        dist.reduce(got, 0, group=c.lr)
+        d.reduce(want, 0)
+        d.reduce(got, 0, group=c.lr)
+        c.settle()
         if r == 0:
             c.ncases += 1
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
@@ -594,41 +656,53 @@ FAMILIES = {"all_reduce": fam_all_reduce, "rooted": fam_rooted, "gathers": fam_g
             "scatters": fam_scatters, "alltoall": fam_alltoall, "misc": fam_misc}
 
 
-def _rank_fn(rank, P, lr, families, variant):
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    c = Ctx(rank, P, lr, variant)
+def _sweep(c: Ctx, families) -> tuple[list[str], int]:
     c.current = "(none)"
     try:
         for fam in families:
             FAMILIES[fam](c)
     except BaseException as e:
-        e.add_note(f"rank {rank}: the last case started was: {c.current}")
+        e.add_note(f"rank {c.rank}: the last case started was: {c.current}")
         raise
+    c.settle()
     # Both backends must still be in step: one last collective on each.
-    dist.barrier()
-    dist.barrier(group=lr)
+    c.d.barrier()
+    c.d.barrier(group=c.lr)
     return c.fails, c.ncases
 
 
-def _run(P, families, variant="default", timeout=120, env=None):
-    results = run_ranks(_rank_fn, P, families, variant, timeout=timeout, env=env)
+def _check(results) -> None:
     fails = [f for fs, _ in results for f in fs]
     ncases = sum(n for _, n in results)
     assert ncases > 0
     assert not fails, f"{len(fails)} mismatches against Gloo:\n" + "\n".join(fails[:40])
 
 
+def _rank_fn(rank, P, lr, families, variant):
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    return _sweep(Ctx(rank, P, lr, variant), families)
+
+
+def _run_processes(P, families, variant="default", timeout=120, env=None):
+    """The sweep on P rank processes (Gloo their default group)."""
+    _check(run_ranks(_rank_fn, P, families, variant, timeout=timeout, env=env))
+
+
+def _run(P, families, variant="default", timeout=120, env=None):
+    """The sweep on P thread ranks (tests/_threads.py), ``env``'s LINERATE_* settings (over this
+    process's environment, as a rank process would read them) the groups' options."""
+    import os
+
+    import linerate
+    options = linerate.Options.from_env({**os.environ, **(env or {})})
+    _check(run_threads(lambda d, r: _sweep(Ctx(r, P, d.lr, variant, d), families), P,
+                       as_dist="batched", options=options, timeout=timeout))
+
+
 # ----------------------------------------------------------------------------- tests
 WORLD_SIZES = [1, 2, 3, 4, 8]
-# Families grouped per spawn: a spawn costs seconds per rank where ranks outnumber cores.
-GROUPS = {
-    1: [("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc")],
-    2: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
-    3: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
-    4: [("all_reduce", "rooted"), ("gathers", "scatters"), ("alltoall", "misc")],
-    8: [("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc")],
-}
-CASES = [pytest.param(P, fams, id=f"P{P}-{'+'.join(fams)}") for P in WORLD_SIZES for fams in GROUPS[P]]
+FAMILY_NAMES = tuple(FAMILIES)
+CASES = [pytest.param(P, (fam,), id=f"P{P}-{fam}") for P in WORLD_SIZES for fam in FAMILY_NAMES]
 
 TIMEOUT = 150
 
@@ -640,11 +714,11 @@ def test_collectives_match_gloo(P, families):
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
-def test_collectives_match_gloo_16_ranks():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_collectives_match_gloo_16_ranks(family):
     """Every family on 16 ranks with small tensors (0, 1 and 1001 elements; one 20,001-element
-    float32 case for the ring paths), five dtypes, every op: one spawn."""
-    _run(16, ("all_reduce", "rooted", "gathers", "scatters", "alltoall", "misc"), variant="wide",
-         timeout=TIMEOUT)
+    float32 case for the ring paths), five dtypes, every op."""
+    _run(16, (family,), variant="wide", timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -691,50 +765,140 @@ def test_doubling_and_tree(P):
     _run(P, ("all_reduce", "rooted"), variant="pipelined", timeout=TIMEOUT, env=DOUBLING_ENV)
 
 
+def _batched_and_direct(d, r):
+    """Every kind of Gloo call the families make, on every dtype, op and small size, through
+    the batched reference (``group=None``) and one call at a time (``group=d.gloo``): the pairs
+    of results, to be the same bits."""
+    P, pairs = d.world, []
+
+    def run(grp, case, dtype, n, root):
+        out = {}
+
+        def data(salt, kind="sum", shape=None):
+            g = torch.Generator().manual_seed(1000 * case + 10 * salt + r)
+            return rand_int(g, dtype, _shape(n) if shape is None else shape, kind, P)
+
+        for k, op in enumerate(ops_for(dtype)):
+            t = data(k, _kind(op))
+            d.all_reduce(t, op=op, group=grp)
+            out[f"all_reduce {_name(op)}"] = t
+            t = data(k, _kind(op))
+            d.reduce(t, root, op=op, group=grp)
+            if r == root:
+                out[f"reduce {_name(op)}"] = t
+            xs = [data(10 * k + q, _kind(op)) for q in range(P)]
+            out[f"reduce_scatter {_name(op)}"] = torch.zeros_like(xs[0])
+            d.reduce_scatter(out[f"reduce_scatter {_name(op)}"], xs, op=op, group=grp)
+            out[f"reduce_scatter_tensor {_name(op)}"] = torch.zeros_like(xs[0])
+            d.reduce_scatter_tensor(out[f"reduce_scatter_tensor {_name(op)}"], torch.cat(xs),
+                                    op=op, group=grp)
+        x, xs = data(99), [data(100 + q) for q in range(P)]
+        out["broadcast"] = x.clone()
+        d.broadcast(out["broadcast"], root, group=grp)
+        out["all_gather"] = [torch.zeros_like(x) for _ in range(P)]
+        d.all_gather(out["all_gather"], x, group=grp)
+        out["all_gather_into_tensor"] = torch.zeros((P * x.shape[0],) + x.shape[1:], dtype=dtype)
+        d.all_gather_into_tensor(out["all_gather_into_tensor"], x, group=grp)
+        ts = [torch.zeros_like(x) for _ in range(P)] if r == root else None
+        d.gather(_real(x), _real(ts), dst=root, group=grp)
+        if r == root:
+            out["gather"] = ts
+        out["scatter"] = torch.zeros_like(x)
+        d.scatter(out["scatter"], xs if r == root else None, src=root, group=grp)
+        out["all_to_all"] = [torch.zeros_like(x) for _ in range(P)]
+        d.all_to_all(out["all_to_all"], xs, group=grp)
+        send = [(r + q + n) % 3 for q in range(P)]  # rows rank r sends rank q
+        recv = [(q + r + n) % 3 for q in range(P)]
+        out["all_to_all_single"] = torch.zeros((sum(recv), 2), dtype=dtype)
+        d.all_to_all_single(out["all_to_all_single"], data(200, shape=(sum(send), 2)), recv, send,
+                            group=grp)
+        return out
+
+    for i, dtype in enumerate(DTYPES):
+        for n in SMALL_SIZES:
+            root = (i + n) % P
+            case = f"{_name(dtype)} n={n}"
+            pairs.append((case, run(None, i * 10 + n, dtype, n, root),
+                          run(d.gloo, i * 10 + n, dtype, n, root)))
+        d.settle()
+    bad = []
+    for case, batched, direct in pairs:
+        assert batched.keys() == direct.keys()
+        for kind, a in batched.items():
+            b = direct[kind]
+            for j, (u, v) in enumerate(zip(*(z if isinstance(z, list) else [z] for z in (a, b)))):
+                if u.dtype != v.dtype or u.shape != v.shape or not torch.equal(u, v):
+                    bad.append(f"rank {r}: {kind} {case} [{j}]")
+    return bad, len(pairs)
+
+
+@pytest.mark.timeout(210)
+def test_the_batched_reference_is_gloos_result_call_by_call():
+    """The threads' matrix batches its Gloo calls (tests/_threads.ThreadDist): for every kind
+    of call, dtype and size, what it gives is what Gloo gives the call alone."""
+    res = run_threads(_batched_and_direct, 3, as_dist="batched", timeout=180)
+    assert [b for bad, _ in res for b in bad] == []
+    assert all(n == len(DTYPES) * len(SMALL_SIZES) for _, n in res)
+
+
+# ----------------------------------------------------------------------------- rank processes
+# What only separate processes show: the shared-memory segments mapped by other processes
+# (their creation, mapping and unlinking across address spaces), torch.distributed's own
+# functions and groups (the module's default group, new_group) and a rank per interpreter.
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("P", [4, 8])
+def test_collectives_match_gloo_between_processes(P):
+    """Every family on P rank processes, the wide sweep (five dtypes, every op, 0, 1 and 1001
+    elements and one 20,001-element float32 case for the ring paths)."""
+    _run_processes(P, FAMILY_NAMES, variant="wide", timeout=TIMEOUT)
+
+
 # ----------------------------------------------------------------------------- regressions
-def _ring_all_reduce_fn(rank, P, lr, sizes):
+def _ring_all_reduce_fn(d, rank, sizes):
     """Ring all_reduce (> 64 KiB) on P ranks, with segment lengths equal and unequal; a
     Work.wait timeout turns a hang into an error. (On 4+ ranks the early all-gather receives
     must not match reduce-scatter messages: that would be size mismatch errors or a deadlock.)"""
     for n in sizes:
         x = torch.arange(n, dtype=torch.float32) % 5 + rank
         want = x.clone()
-        dist.all_reduce(want)
+        d.all_reduce(want)
         got = x.clone()
-        dist.all_reduce(got, group=lr, async_op=True).wait(timeout=timedelta(seconds=20))
+        d.all_reduce(got, group=d.lr, async_op=True).wait(timeout=timedelta(seconds=20))
         assert torch.equal(got, want), f"n={n}: wrong result"
     return True
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(210)
 @pytest.mark.parametrize("P", [4, 5, 8])
 def test_ring_all_reduce_many_ranks(P):
-    run_ranks(_ring_all_reduce_fn, P, [20_001, 20_008, 40_000 + P - 1, 17_000 * P], timeout=60)
+    sizes = [20_001, 20_008, 40_000 + P - 1, 17_000 * P]
+    assert run_threads(lambda d, r: _ring_all_reduce_fn(d, r, sizes), P, as_dist=True,
+                       timeout=180) == [True] * P
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(210)
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_all_gather_coalesced(P):
     """torch's layout output_tensor_lists[rank][input], not [input][rank] (which would be
     refused, or silently transposed when #inputs == P with equal shapes)."""
-    fails = [f for fs in run_ranks(_ag_coalesced_fn, P, timeout=60) for f in fs]
+    fails = [f for fs in run_threads(_ag_coalesced_fn, P, as_dist=True, timeout=180) for f in fs]
     assert not fails, "\n".join(fails[:20])
 
 
-def _ag_coalesced_fn(rank, P, lr):
-    """dist.all_gather_coalesced: output_tensor_lists[i][j] is rank i's input j (torch docs).
+def _ag_coalesced_fn(d, rank):
+    """all_gather_coalesced: output_tensor_lists[i][j] is rank i's input j (torch docs).
     Inputs of different shapes, then P inputs of one shape (where the layouts cannot be told
     apart by shape)."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    P = d.world
     fails = []
     cases = [[(j + 2,) for j in range(k)] for k in (1, 2, 3)] + [[(4,)] * P]
     for shapes in cases:
         ins = [torch.full(s, 100 * rank + j, dtype=torch.int64) for j, s in enumerate(shapes)]
         want = [[torch.zeros(s, dtype=torch.int64) for s in shapes] for _ in range(P)]
-        dist.all_gather_coalesced(want, ins)
+        d.all_gather_coalesced(want, ins)
         got = [[torch.zeros(s, dtype=torch.int64) for s in shapes] for _ in range(P)]
         try:
-            dist.all_gather_coalesced(got, ins, group=lr)
+            d.all_gather_coalesced(got, ins, group=d.lr)
         except Exception as e:  # noqa: BLE001 - a refusal is a failure of this case
             fails.append(f"shapes={shapes}: {type(e).__name__}: {e}")
             continue
@@ -746,38 +910,41 @@ def _ag_coalesced_fn(rank, P, lr):
     return fails
 
 
-def _worker_comes_and_goes(rank, P, lr):
+def _worker_comes_and_goes(d, rank):
     """A group's worker starts with its first async call and ends once idle for
-    WORKER_IDLE_S; the next async call starts another, and results stay right."""
-    import linerate.collectives.scheduler as scheduler
-    scheduler.WORKER_IDLE_S = 0.3
+    WORKER_IDLE_S (0.3 s here); the next async call starts another, and results stay right."""
+    P, lr = d.world, d.lr
     pg = lr._get_backend(torch.device("cpu"))
     x = torch.full((1000,), float(rank))
-    dist.all_reduce(x, group=lr, async_op=True).wait()
+    d.all_reduce(x, group=lr, async_op=True).wait()
     assert torch.equal(x, torch.full((1000,), float(sum(range(P)))))
     first = pg._worker
     assert first is not None
     time.sleep(1.5)
     gone = pg._worker is None and not first.is_alive()
     y = torch.full((100_000,), float(rank))
-    dist.broadcast(y, 1, group=lr, async_op=True).wait()
+    d.broadcast(y, 1, group=lr, async_op=True).wait()
     assert torch.equal(y, torch.full((100_000,), 1.0))
     again = pg._worker is not None and pg._worker is not first and pg._worker.is_alive()
     return gone, again
 
 
-@pytest.mark.timeout(120)
-def test_idle_worker_thread_ends_and_comes_back():
-    for r in run_ranks(_worker_comes_and_goes, 3, backend="gloo", timeout=90):
+@pytest.mark.timeout(210)
+def test_idle_worker_thread_ends_and_comes_back(monkeypatch):
+    import linerate.collectives.scheduler as scheduler
+    monkeypatch.setattr(scheduler, "WORKER_IDLE_S", 0.3)
+    for r in run_threads(_worker_comes_and_goes, 3, as_dist=True, timeout=180):
         assert r == (True, True), r
 
 
-def _where_ops_run(rank, P, lr):
+def _where_ops_run(d, rank):
     """Which thread ran each op: a synchronous call with the worker idle (a small all_reduce,
-    a fusion entry, too; on one host the lone way, runner._run_lone) runs in the caller's thread; an async one, and a synchronous one queued behind it, on the worker, in order.
+    a fusion entry, too; on one host the lone way, runner._run_lone) runs in the caller's thread; an
+    async one, and a synchronous one queued behind it, on the worker, in order.
     (The barrier may go either way: the worker clears its turn just after it completes the
     broadcast's Work.)"""
     import threading
+    P, lr = d.world, d.lr
     pg = lr._get_backend(torch.device("cpu"))
     ran = []
     execute = pg._run._execute
@@ -802,29 +969,34 @@ def _where_ops_run(rank, P, lr):
 
     pg._run._execute, pg._run._run_fused, pg._run._run_lone = spy, spy_fused, spy_lone
     s = torch.full((3,), float(rank))
-    dist.all_reduce(s, group=lr)  # a small one (a fusion entry): synchronous, here too
+    d.all_reduce(s, group=lr)  # a small one (a fusion entry): synchronous, here too
     assert torch.equal(s, torch.full((3,), float(sum(range(P)))))
     x = torch.full((1000,), float(rank))
-    dist.broadcast(x, 1, group=lr)  # synchronous, nothing queued: here
+    d.broadcast(x, 1, group=lr)  # synchronous, nothing queued: here
     assert torch.equal(x, torch.full((1000,), 1.0))
     outs = [torch.empty(1000) for _ in range(P)]
     if rank == 0:
         time.sleep(0.5)  # the others' all_gather is still running when they call broadcast
-    w = dist.all_gather(outs, torch.full((1000,), float(rank)), group=lr, async_op=True)
+    w = d.all_gather(outs, torch.full((1000,), float(rank)), group=lr, async_op=True)
     y = torch.full((5,), float(rank))
-    dist.broadcast(y, 0, group=lr)  # synchronous but behind a queued op: the worker, after it
+    d.broadcast(y, 0, group=lr)  # synchronous but behind a queued op: the worker, after it
     w.wait()
     assert [o[0].item() for o in outs] == [float(q) for q in range(P)]
     assert torch.equal(y, torch.zeros(5))
-    dist.barrier(group=lr)
+    d.barrier(group=lr)
     pg._run._execute, pg._run._run_fused, pg._run._run_lone = execute, run_fused, run_lone
     return ran
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("env", [{}, {"LINERATE_SHM": "0"}], ids=["shm", "tcp"])
-def test_synchronous_calls_run_in_the_callers_thread_in_order(env):
-    for rank, ran in enumerate(run_ranks(_where_ops_run, 3, backend="gloo", env=env, timeout=90)):
+@pytest.mark.timeout(210)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_synchronous_calls_run_in_the_callers_thread_in_order(shm):
+    import os
+
+    import linerate
+    options = linerate.Options.from_env({**os.environ, **({} if shm else {"LINERATE_SHM": "0"})})
+    for rank, ran in enumerate(run_threads(_where_ops_run, 3, as_dist=True, options=options,
+                                           timeout=180)):
         ops = [op for op, _ in ran]
         assert ops == ["all_reduce", "broadcast", "all_gather", "broadcast", "barrier"], ran
         assert not ran[0][1].startswith("linerate-coll"), ran

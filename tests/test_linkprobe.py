@@ -106,6 +106,7 @@ def _iperf3_children() -> list[int]:
     return found
 
 
+@pytest.mark.processes  # the probe starts iperf3 servers and clients (tools/linkprobe.py)
 @pytest.mark.timeout(90)  # a hang: each phase is bounded by 1 s + DEFAULT_GRACE_S
 def test_probe_loopback_with_iperf3(monkeypatch):
     """tool="iperf3": a real iperf3 server and client per link, on 127.0.0.1; the figures are

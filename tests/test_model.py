@@ -640,6 +640,7 @@ def test_model_cli_cpu(capsys, tmp_path):
     assert "--cores" in capsys.readouterr().err
 
 
+@pytest.mark.processes  # model.measure_cpu_costs starts its rank processes
 @pytest.mark.timeout(180)
 def test_measure_cpu_costs_loopback():
     """Two linerate ranks over loopback: the exchange alone, the compute alone, both."""

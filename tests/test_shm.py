@@ -3,7 +3,9 @@
 - Every collective on the shared segment against Gloo on the same inputs: dtypes (float16,
   bfloat16, complex, integers, bool), reduce ops, sizes 0, 1, 7, 1001, 70,001 and one larger
   than a pipeline chunk, world sizes 1-8 on one host. Inputs are small integers: results must
-  be bit-identical to Gloo's; random floats must be bit-identical across ranks.
+  be bit-identical to Gloo's; random floats must be bit-identical across ranks. Ranks as
+  threads (tests/_threads.py, the unit tier; 2, 3 and 5-8 ranks), and the whole matrix once on
+  4 rank processes.
 - /dev/shm keeps nothing: the name is gone while the group runs (unlinked once every rank
   mapped it), after a normal exit, after destroy_process_group (the mapping goes too), after
   1,000 groups created and destroyed, after a rank is SIGKILLed.
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import RankError, run_rank_scripts, run_ranks
+from _threads import run_threads
 
 R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
@@ -65,10 +68,21 @@ def _real(t):
 
 
 class _Cases:
-    def __init__(self, rank, P):
-        self.rank, self.P, self.k = rank, P, 0
+    """The cases of a rank; with a ThreadDist that batches its Gloo calls (``d``), checks wait
+    for ``settle()``."""
+
+    def __init__(self, rank, P, d=dist):
+        self.rank, self.P, self.k, self.d = rank, P, 0, d
         self.fails = []
         self.n = 0
+        self._later = [] if getattr(d, "settle", None) else None
+
+    def settle(self):
+        if self._later is not None:
+            self.d.settle()
+            later, self._later = self._later, []
+            for args in later:
+                self._check(*args)
 
     def gen(self, same=False):
         self.k += 1
@@ -76,14 +90,22 @@ class _Cases:
 
     def check(self, what, got, want):
         self.n += 1
+        if self._later is not None:
+            self._later.append((what, got, want))
+        else:
+            self._check(what, got, want)
+
+    def _check(self, what, got, want):
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
             self.fails.append(f"rank {self.rank}: {what}: got {got.flatten()[:6].tolist()}, "
                               f"want {want.flatten()[:6].tolist()}")
 
 
-def _matrix(rank, P, lr, quick):
+def _matrix(rank, P, lr, quick, d=dist):
+    """Every collective against Gloo (``d``: torch.distributed in a rank process, its
+    thread-rank counterpart tests/_threads.ThreadDist on threads)."""
     assert lr._shm is not None, "the group did not get a shared segment"
-    c = _Cases(rank, P)
+    c = _Cases(rank, P, d)
     sizes = SIZES if not quick else [0, 1, 7, 1001]
     for dtype in DTYPES:
         big = [BIG] if dtype in (torch.float32, torch.int64) and not quick else []
@@ -91,13 +113,13 @@ def _matrix(rank, P, lr, quick):
             for op in _ops(dtype) if n < 70_000 else [R.SUM, R.MAX if not dtype.is_complex else R.AVG]:
                 x = _data(c.gen(), dtype, n, op == R.PRODUCT)
                 want, got = x.clone(), x.clone()
-                dist.all_reduce(_real(want) if op != R.AVG else want, op=op)
-                dist.all_reduce(got, op=op, group=lr)
+                d.all_reduce(_real(want) if op != R.AVG else want, op=op)
+                d.all_reduce(got, op=op, group=lr)
                 c.check(f"all_reduce {dtype} {op} n={n}", got, want)
                 root = c.k % P
                 want, got = x.clone(), x.clone()
-                dist.reduce(want, root, op=op)
-                dist.reduce(got, root, op=op, group=lr)
+                d.reduce(want, root, op=op)
+                d.reduce(got, root, op=op, group=lr)
                 if rank == root:
                     c.check(f"reduce {dtype} {op} n={n} root={root}", got, want)
                 if dtype.is_complex:
@@ -105,88 +127,96 @@ def _matrix(rank, P, lr, quick):
                 xs = _data(c.gen(), dtype, n * P, op == R.PRODUCT)
                 want, got = torch.empty(n, dtype=dtype), torch.full((n,), 9).to(dtype)
                 if dtype != torch.bool:  # Gloo has no bool reduce_scatter
-                    dist.reduce_scatter_tensor(want, xs, op=op)
-                    dist.reduce_scatter_tensor(got, xs, op=op, group=lr)
+                    d.reduce_scatter_tensor(want, xs, op=op)
+                    d.reduce_scatter_tensor(got, xs, op=op, group=lr)
                     c.check(f"reduce_scatter_tensor {dtype} {op} n={n}", got, want)
                     gl, ll = list(xs.chunk(P)) if n else [xs] * P, None
                     ll = [t.clone() for t in gl]
                     want2, got2 = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-                    dist.reduce_scatter(want2, gl, op=op)
-                    dist.reduce_scatter(got2, ll, op=op, group=lr)
+                    d.reduce_scatter(want2, gl, op=op)
+                    d.reduce_scatter(got2, ll, op=op, group=lr)
                     c.check(f"reduce_scatter {dtype} {op} n={n}", got2, want2)
             x = _data(c.gen(), dtype, n)
             root = c.k % P
             want, got = x.clone(), x.clone()
-            dist.broadcast(_real(want), root)
-            dist.broadcast(got, root, group=lr)
+            d.broadcast(_real(want), root)
+            d.broadcast(got, root, group=lr)
             c.check(f"broadcast {dtype} n={n} root={root}", got, want)
             want, got = torch.empty(n * P, dtype=dtype), torch.empty(n * P, dtype=dtype)
-            dist.all_gather_into_tensor(_real(want), _real(x))
-            dist.all_gather_into_tensor(got, x, group=lr)
+            d.all_gather_into_tensor(_real(want), _real(x))
+            d.all_gather_into_tensor(got, x, group=lr)
             c.check(f"all_gather_into_tensor {dtype} n={n}", got, want)
             wl = [torch.empty(n, dtype=dtype) for _ in range(P)]
             gl = [torch.empty(n, dtype=dtype) for _ in range(P)]
-            dist.all_gather(_real(wl), _real(x))
-            dist.all_gather(gl, x, group=lr)
+            d.all_gather(_real(wl), _real(x))
+            d.all_gather(gl, x, group=lr)
             for i in range(P):
                 c.check(f"all_gather {dtype} n={n} [{i}]", gl[i], wl[i])
             wl = [torch.empty(n, dtype=dtype) for _ in range(P)] if rank == root else None
             gl = [torch.empty(n, dtype=dtype) for _ in range(P)] if rank == root else None
-            dist.gather(_real(x), _real(wl), root)
-            dist.gather(x, gl, root, group=lr)
+            d.gather(_real(x), _real(wl), root)
+            d.gather(x, gl, root, group=lr)
             if rank == root:
                 for i in range(P):
                     c.check(f"gather {dtype} n={n} root={root} [{i}]", gl[i], wl[i])
             ins = [_data(c.gen(same=True), dtype, n) for _ in range(P)] if rank == root else None
             want, got = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-            dist.scatter(_real(want), _real(ins), root)
-            dist.scatter(got, ins, root, group=lr)
+            d.scatter(_real(want), _real(ins), root)
+            d.scatter(got, ins, root, group=lr)
             c.check(f"scatter {dtype} n={n} root={root}", got, want)
             inp = _data(c.gen(), dtype, n * P)
             want, got = torch.empty_like(inp), torch.empty_like(inp)
-            dist.all_to_all_single(_real(want), _real(inp))
-            dist.all_to_all_single(got, inp, group=lr)
+            d.all_to_all_single(_real(want), _real(inp))
+            d.all_to_all_single(got, inp, group=lr)
             c.check(f"all_to_all_single {dtype} n={n}", got, want)
             il = list(inp.chunk(P)) if n else [inp] * P
             wl = [torch.empty(n, dtype=dtype) for _ in range(P)]
             gl = [torch.empty(n, dtype=dtype) for _ in range(P)]
-            dist.all_to_all(_real(wl), _real(il))
-            dist.all_to_all(gl, [t.clone() for t in il], group=lr)
+            d.all_to_all(_real(wl), _real(il))
+            d.all_to_all(gl, [t.clone() for t in il], group=lr)
             for i in range(P):
                 c.check(f"all_to_all {dtype} n={n} [{i}]", gl[i], wl[i])
+        c.settle()
     # uneven all_to_all_single: rank r sends (r + q) % 3 * 1000 + q rows to rank q
     send = [((rank + q) % 3) * 1000 + q for q in range(P)]
     recv = [((q + rank) % 3) * 1000 + rank for q in range(P)]
     inp = _data(c.gen(), torch.float32, sum(send))
     want, got = torch.empty(sum(recv)), torch.empty(sum(recv))
-    dist.all_to_all_single(want, inp, recv, send)
-    dist.all_to_all_single(got, inp, recv, send, group=lr)
+    d.all_to_all_single(want, inp, recv, send)
+    d.all_to_all_single(got, inp, recv, send, group=lr)
     c.check("all_to_all_single uneven", got, want)
     # coalesced, and random floats: every rank gets the same bits
     xs = [_data(c.gen(), torch.float32, n) for n in (3, 70_001)]
     want, got = [x.clone() for x in xs], [x.clone() for x in xs]
     for w in want:
-        dist.all_reduce(w)
-    dist.all_reduce_coalesced(got, group=lr)
+        d.all_reduce(w)
+    d.all_reduce_coalesced(got, group=lr)
     for i in range(2):
         c.check(f"all_reduce_coalesced [{i}]", got[i], want[i])
     for n in (1001, BIG if not quick else 70_001):
         x = torch.randn(n, generator=c.gen())
-        dist.all_reduce(x, group=lr)
+        d.all_reduce(x, group=lr)
         allx = [torch.empty(n) for _ in range(P)]
-        dist.all_gather(allx, x)
+        d.all_gather(allx, x)
         for i in range(P):
             c.check(f"random floats n={n}: rank {i} == rank {rank}", allx[i], x)
         ref = x.clone()
-        dist.all_reduce(ref)  # not compared bit for bit with Gloo (another order)
-    dist.barrier(group=lr)
+        d.all_reduce(ref)  # not compared bit for bit with Gloo (another order)
+    c.settle()
+    d.barrier(group=lr)
     return c.fails, c.n
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("P", [2, 3, 4])
+def _thread_matrix(P, quick):
+    return run_threads(lambda d, r: _matrix(r, P, d.lr, quick, d), P, as_dist="batched",
+                       timeout=500)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("P", [2, 3])
 def test_every_collective_matches_gloo(P):
-    for fails, n in run_ranks(_matrix, P, False, timeout=800):
+    """Thread ranks (tests/_threads.py): the ranks share the segment as processes do."""
+    for fails, n in _thread_matrix(P, False):
         assert not fails, "\n".join(fails[:20])
         assert n > 500
 
@@ -194,8 +224,17 @@ def test_every_collective_matches_gloo(P):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("P", [5, 6, 7, 8])
 def test_more_ranks_small_sizes(P):
-    for fails, n in run_ranks(_matrix, P, True, timeout=500):
+    for fails, n in _thread_matrix(P, True):
         assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.timeout(900)
+def test_every_collective_matches_gloo_between_processes():
+    """The whole matrix, its largest tensors (several pipeline chunks) too, on 4 rank
+    processes: the segment mapped by separate processes."""
+    for fails, n in run_ranks(_matrix, 4, False, timeout=800):
+        assert not fails, "\n".join(fails[:20])
+        assert n > 500
 
 
 def _cma(rank, P, lr, how):

@@ -20,7 +20,7 @@ from _threads import fold as _fold, ones_like_rank, outcomes, run_threads
 import linerate
 from linerate.collectives import pipeline
 
-pytestmark = pytest.mark.timeout(120)  # the unit tier: tests/conftest.py UNIT_FILES
+pytestmark = pytest.mark.timeout(120)  # ranks as threads: the unit tier (tests/_tiers.py)
 
 R = dist.ReduceOp
 CHUNK = 4096

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from _threads import ThreadRankError, fold as _fold, ones_like_rank, outcomes, run_threads, sync
 
-pytestmark = pytest.mark.timeout(120)  # the unit tier: tests/conftest.py UNIT_FILES
+pytestmark = pytest.mark.timeout(120)  # ranks as threads: the unit tier (tests/_tiers.py)
 
 R = dist.ReduceOp
 SIZES = (0, 1, 7, 1001, 70001)       # 70001 float32: above LINERATE_SMALL_BYTES (pipelined)
