@@ -114,9 +114,9 @@ def _hostile_rank(rank, world_size, lr, workdir):
     def build_and_publish(ctx, store):
         if ctx.size == 3:
             def publish():
-                while getattr(getattr(ctx, "_tcp", None), "listeners", None) is None:
+                while getattr(getattr(ctx, "_maker", None), "listeners", None) is None:
                     time.sleep(0.01)
-                info = {"addrs": [list(ls.getsockname()[:2]) for ls in ctx._tcp.listeners]}
+                info = {"addrs": [list(ls.getsockname()[:2]) for ls in ctx._maker.listeners]}
                 if ctx.rank == 0:  # the job id travels in clear in every HELLO: sniffable
                     info["job_id"] = handshake.job_id_from_secret(ctx._secret).hex()
                 _write_json(os.path.join(workdir, f"addr-{ctx.rank}.json"), info)

@@ -124,7 +124,7 @@ def test_simultaneous_first_use_makes_one_link():
             assert len(stats) == 2 * 2, stats  # 2 peers x 2 connections, no duplicate
             assert c.broken is None
         # every peer's link made: the listeners closed
-        assert all(ls.fileno() == -1 for c in ctxs for ls in c._tcp.listeners)
+        assert all(ls.fileno() == -1 for c in ctxs for ls in c._maker.listeners)
     finally:
         _close(ctxs)
 
@@ -139,7 +139,7 @@ def test_losing_dial_refused_after_the_winner_closed_its_listener(nsocks):
     connections it accepted and the link works."""
     c0, c1 = _contexts(2, nsocks=nsocks)
     try:
-        m0, m1 = c0._tcp, c1._tcp
+        m0, m1 = c0._maker, c1._maker
         real_connect, real_add = m1._connect, m1._lazy_add
         listener_closed = threading.Event()
 
@@ -224,7 +224,7 @@ def test_dial_cut_partway_fails_the_peer_at_once():
     from linerate.transport.request import PeerFailure
     c0, c1 = _contexts(2, nsocks=2)
     try:
-        mesh0, mesh1 = c0._tcp, c1._tcp
+        mesh0, mesh1 = c0._maker, c1._maker
         rail = mesh0._rails[1][0]
         sock = mesh0._connect(1, mesh0._remote[1][rail], mesh0.addresses[rail], 0,
                               time.monotonic() + 10, lazy=True)
@@ -246,7 +246,7 @@ def test_dial_cut_partway_fails_the_peer_at_once():
 def test_stranger_at_open_listener_is_refused():
     ctxs = _contexts(2, nsocks=1)
     try:
-        (host, port), = ctxs[0]._tcp._remote[0]
+        (host, port), = ctxs[0]._maker._remote[0]
         # random bytes, then a wrong secret, at rank 0's listener, open while no link exists
         s = socket.create_connection((host, port), timeout=5)
         s.sendall(os.urandom(handshake.HELLO.size))

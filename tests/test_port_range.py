@@ -33,7 +33,7 @@ def test_every_rank_listens_within_the_range_and_the_group_works():
     try:
         def fn(pg, r):
             # lazy links (the default): the listeners stay open for the peers' dials
-            ports = [ls.getsockname()[1] for ls in pg._ctx._tcp.listeners]
+            ports = [ls.getsockname()[1] for ls in pg._ctx._maker.listeners]
             t = torch.full((1000,), float(r + 1))
             pg.allreduce([t], sync()).wait()
             return t[0].item(), ports

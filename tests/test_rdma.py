@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from linerate.transport import Context, TransportError, TransportOptions, metrics, rdma, rendezvous, verbs
+from linerate.transport import Context, TransportError, TransportOptions, metrics, rdma, rendezvous, shm, verbs
 from linerate.transport.framing import CHANNEL_P2P
 
 from _harness import run_ranks
@@ -317,6 +317,57 @@ def test_agreement_auto_picks_rdma_and_settings_must_match(fake, caplog):
         assert isinstance(res[1], ValueError) and "LINERATE_TRANSPORT is rdma here but tcp on rank 0" in str(res[1])
         assert isinstance(res[0], TransportError) and "another rank failed" in str(res[0]) \
             and "rank 1: LINERATE_TRANSPORT is rdma here" in str(res[0]), res[0]
+    finally:
+        _close(res)
+
+
+def test_ranks_linked_over_shared_memory_get_no_queue_pairs(fake, monkeypatch):
+    """The link kinds are asked in order (transport/kinds.py): co-located ranks that share a
+    segment link over shared memory, and RDMA builds queue pairs only to the peers of other
+    hosts, instead of building them to every peer and dropping the co-located ones. Four
+    thread ranks play two hosts of two (``shm.host_id`` answers per thread)."""
+    made = []
+    init = rdma.RdmaStream.__init__
+
+    def counted(self, *a, **kw):
+        made.append(1)
+        init(self, *a, **kw)
+
+    where = threading.local()
+    host_id = shm.host_id
+    monkeypatch.setattr(rdma.RdmaStream, "__init__", counted)
+    monkeypatch.setattr(shm, "host_id", lambda: f"{host_id()}/h{where.host}")
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    res: list = [None] * 4
+
+    def build(r):
+        where.host = r // 2
+        try:
+            res[r] = Context(store, r, 4, _opts(transport="rdma", shm="1"))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            res[r] = e
+
+    threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    try:
+        assert all(isinstance(c, Context) for c in res), res
+        assert [c.transport for c in res] == ["rdma"] * 4
+        for r, c in enumerate(res):
+            kinds = {p["peer"]: {link["kind"] for link in p["links"]}
+                     for p in c.stats()["peers"]}
+            assert kinds == {p: {"shm" if p // 2 == r // 2 else "rdma"}
+                             for p in range(4) if p != r}, (r, kinds)
+        assert len(made) == 4 * 2  # each rank: one queue pair to each rank of the other host
+        for src, dst in ((0, 1), (0, 3), (2, 1)):
+            out = bytearray(2)
+            r = res[dst].irecv(src, memoryview(out), CHANNEL_P2P, 1)
+            res[src].isend(dst, memoryview(b"ok"), CHANNEL_P2P, 1).wait(10)
+            r.wait(10)
+            assert out == b"ok", (src, dst)
     finally:
         _close(res)
 

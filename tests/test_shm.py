@@ -797,7 +797,7 @@ def _offer(rank, P, lr, local_world):
     ctx = g._ctx
     offered = json.loads(ctx._rv.offered)
     name = ctx.shm.name if ctx.shm is not None else None
-    out = {"offered": offered.get("name"), "segment": name, "tcp": ctx._tcp is not None,
+    out = {"offered": offered.get("name"), "segment": name, "tcp": ctx._maker is not None,
            "engine": g._shm is not None, "left": name is not None and os.path.exists(f"/dev/shm/{name}"),
            "sum": x[0].item()}
     dist.destroy_process_group(g)

@@ -122,7 +122,7 @@ def _p2p(rank, P, lr):
     st = lr._ctx.stats()
     sent = sum(link["bytes_sent"] for p in st["peers"] for link in p["links"])
     return {"bad": bad, "kinds": _kinds(lr), "new_sockets": len(_sockets() - before),
-            "tcp_mesh": lr._ctx._tcp is not None, "sent": sent,
+            "tcp_mesh": lr._ctx._maker is not None, "sent": sent,
             "conns": lr._ctx.connection_stats()}
 
 
@@ -161,7 +161,7 @@ def _flat_ring(rank, P, lr):
         ok = ok and torch.allclose(x, y, rtol=1e-12, atol=1e-12)
         mine = [gr for gr in flight.snapshot()["groups"] if gr["backend"] == "linerate"]
         algos.append(mine[-1]["ops"][-1]["algorithm"])
-    return ok, _kinds(lr), lr._ctx._tcp is not None, algos
+    return ok, _kinds(lr), lr._ctx._maker is not None, algos
 
 
 @pytest.mark.timeout(240)

@@ -723,8 +723,8 @@ def test_lazy_dial_to_a_closing_rank_fails_at_once():
         c0, c1 = ctxs
         # Rank 0 is closing: its set-up is given up, but its listener still takes connections
         # (the window between the two in a real close).
-        with c0._tcp._cond:
-            c0._tcp._stop = True
+        with c0._maker._cond:
+            c0._maker._stop = True
         t0 = time.monotonic()
         r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_P2P, 1)
         with pytest.raises(PeerFailure) as ei:

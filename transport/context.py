@@ -11,12 +11,12 @@ side (a per-key message number travels with every message), whatever stream carr
 (transport/matching.py). The Context is built in three parts:
 
 - rendezvous (transport/rendezvous.py): the Store, the agreement record, the group's secret,
-  the link kind for each peer;
-- links (transport/link.py, the interface; transport/tcp.py, transport/rdma.py, and
-  transport/shmlink.py for co-located peers that share memory): one per
-  peer, driven only through that interface; the Context is every link's sink: a link asks it
-  where an arriving chunk goes (the matcher answers) and tells it of control frames,
-  failures and closes. With LINERATE_CONNECT=lazy (the default; TCP only, RDMA links are
+  the network kind (TCP or RDMA);
+- links (transport/link.py, the interface), one per peer, of the kind that claims the peer
+  (transport/kinds.py: shared memory for co-located peers that share a segment, else RDMA or
+  TCP as the group agreed), driven only through that interface; the Context is every link's
+  sink: a link asks it where an arriving chunk goes (the matcher answers) and tells it of
+  control frames, failures and closes. With LINERATE_CONNECT=lazy (the default; TCP only, RDMA links are
   made at creation) a peer's link is made when this rank first sends to it, receives from
   it or sends it a control frame (ERROR, QUERY); until the link is up, sends and control
   frames for that peer wait in order in ``_Peer.pending`` and go first once it is (who dials:
@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 
-from . import framing, ioloop, metrics, rdma, rendezvous, shm, shmlink, tcp, tls
+from . import framing, ioloop, kinds, metrics, rendezvous, shm, tls
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_PROGRESS, KIND_QUERY
 from .interfaces import listen_addresses
 from .link import LinkSink
@@ -164,9 +164,10 @@ class Context(LinkSink):
         self.layout = shm.Layout((tuple(range(size)),), False)
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
-        self._tcp: tcp.TcpMesh | None = None  # TCP set-up (its listeners), while it runs
-        #: LINERATE_CONNECT=lazy: links are made on first use (self._tcp makes them).
-        self._lazy = False
+        #: What the link kinds built from (transport/kinds.py), once set-up reached them; its
+        #: ``maker`` makes links on first use (LINERATE_CONNECT=lazy: the TCP mesh; eager:
+        #: the mesh that made them, whose callbacks are dropped at close).
+        self._setup: kinds.Setup | None = None
         if size > 1:
             self._build_mesh(store)
         metrics.track(self)
@@ -212,59 +213,28 @@ class Context(LinkSink):
                 shared["LINERATE_NSOCKS"] = f"auto ({self.options.nsocks})"
             self._secret = rv.agree({**shared, **self._agreed_extra},
                                     make_offer if self.rank == 0 else None)
-            mesh, later, agreed, opts = self._meet(rv, opts, offer)
+            setup = self._meet(rv, opts, deadline, offer)
         finally:  # the offered segment's name goes once every rank has read the records
             if offer is not None:
                 offer.close()
-        local = () if self.shm is None else tuple(r for r in self.shm.ranks if r != self.rank)
-        kinds = rendezvous.choose_links(rv, self.rank, self.size, opts, local, agreed)
-        remote = sorted({k for k in kinds.values() if k != "shm"})
-        if len(remote) > 1:
-            raise TransportError(f"rank {self.rank}: links of several network kinds in one group "
-                                 f"({remote}) are not supported (shared memory beside TCP or "
-                                 f"RDMA is)")
-        self.transport = remote[0] if remote else agreed  # the network kind agreed on
-        links = shmlink.build_links(self.shm, self.rank, local) if local else {}
-        for p, link in links.items():  # at once: they cost no thread nor connection
-            self.peers[p].link = link
-        shmlink.start_links(links, self)
-        if not remote:  # every peer is on this host: no TCP at all
-            if mesh is not None:
-                self._lazy = False
-                self._tcp = None
-                mesh.stop()
-            return
-        if later and self.transport == "tcp":
-            mesh = self._listen(rv, opts)
-        if mesh is not None:  # which rails each link uses (a host's rails over its ranks)
-            layout = self.layout
-            mesh.plan_rails(layout.hosts if layout.shared else None)
-        if self.transport == "rdma":  # RC queue pairs as the streams (transport/rdma.py)
-            ports = rdma.open_ports(self.rank, opts)
-            self._use_rails(len(ports))
-            net = rdma.build_links(rv, self.rank, self.size, self._secret, opts, ports,
-                                   self.link_timeout, deadline, self._prefix)
-            for p in local:  # made by the collective set-up, never started: dropped
-                extra = net.pop(p, None)
-                if extra is not None:
-                    extra.begin_close()
-                    extra.close(time.monotonic())
-        else:
-            mesh.skip(local)  # linked over shared memory: no TCP link to them
-            if self._lazy:
-                mesh.set_addresses(rv.gather_addresses(self.size, self.nrails))
-                return
-            net = mesh.links(mesh.connect(rv, deadline))
-        for p, link in net.items():
-            self.peers[p].link = link
-        for link in net.values():
-            link.start(self)
+        # Each kind takes the peers it links, in order (transport/kinds.py).
+        left = set(self.peers)
+        for kind in kinds.KINDS:
+            mine = kind.claim(setup, left)
+            left -= mine
+            links = kind.build(setup, sorted(mine))
+            for p, link in links.items():
+                self.peers[p].link = link
+            kind.start(links, self)
+        self.transport = setup.network
+        if setup.nrails != self.nrails:
+            self.nrails = setup.nrails
+            self.nconns = self.options.nsocks * setup.nrails
 
-    def _meet(self, rv: rendezvous.Rendezvous, opts, offer):
-        """After the settings: the network kind, the listeners (unless they wait for the host
-        records), shared memory. Returns the TCP mesh if listening already, whether TCP
-        listens only once the records show other hosts, the network kind agreed on, and the
-        options as they apply (TLS makes ``auto`` mean TCP)."""
+    def _meet(self, rv: rendezvous.Rendezvous, opts, deadline: float, offer) -> kinds.Setup:
+        """After the settings: the network kind, what the kinds prepare (TCP's listeners,
+        unless they wait for the host records), shared memory. Returns the set-up the kinds
+        build from, with the options as they apply (TLS makes ``auto`` mean TCP)."""
         if opts.tls:  # agreed above: every rank has it on
             if opts.transport == "rdma":
                 raise ValueError(f"rank {self.rank}: LINERATE_TLS=1 with LINERATE_TRANSPORT=rdma: "
@@ -276,16 +246,33 @@ class Context(LinkSink):
         # The network kind first. A TCP rank listens and publishes its address before it waits
         # for the others' host records, unless rank 0 offered a segment for the whole group:
         # then the group is probably on one host, needs no TCP, and listens only if it spans hosts.
-        agreed = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix,
-                                            same=True)  # LINERATE_TRANSPORT: in rv.agree
-        later = agreed == "tcp" and shm.was_offered(rv.offered)
-        mesh = self._listen(rv, opts) if agreed == "tcp" and not later else None
+        network = rendezvous.agree_transport(rv, self.rank, self.size, opts, rv.prefix,
+                                             same=True)  # LINERATE_TRANSPORT: in rv.agree
+        setup = kinds.Setup(rv, self.rank, self.size, self._secret, opts, network, deadline,
+                            self.link_timeout, lambda: self.addresses, self._tls,
+                            self._nsocks_auto, self._link_made, self._link_failed_to_connect,
+                            listen_later=shm.was_offered(rv.offered), nrails=self.nrails)
+        self._setup = setup  # a failure from here on closes what the kinds made
+        for kind in kinds.KINDS:
+            kind.prepare(setup)
         # Ranks of one host that can map one segment share memory (transport/shm.py): the
         # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
         # co-located peer (transport/shmlink.py), so it is proved before links are chosen.
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                               self._prefix, rv.generation, rv.offered, offer)
-        return mesh, later, agreed, opts
+        setup.seg, setup.layout = self.shm, self.layout
+        return setup
+
+    @property
+    def _maker(self) -> kinds.Maker | None:
+        setup = self._setup
+        return None if setup is None else setup.maker
+
+    @property
+    def _lazy(self) -> bool:
+        """Links to other hosts are made on first use (``_maker.want``)."""
+        setup = self._setup
+        return setup is not None and setup.lazy
 
     @property
     def addresses(self) -> list[str]:
@@ -295,19 +282,6 @@ class Context(LinkSink):
         if self._addresses is None:
             self._addresses = listen_addresses(self.options.ifnames, self.options.prefer_ipv6)
         return self._addresses
-
-    def _listen(self, rv: rendezvous.Rendezvous, opts) -> "tcp.TcpMesh":
-        """Open this rank's TCP listeners and publish their addresses (lazy links: accept from
-        that moment on, connect to nobody yet)."""
-        mesh = self._tcp = tcp.TcpMesh(self.rank, self.size, self._secret, opts,
-                                       self.addresses, self._tls, self.link_timeout,
-                                       nsocks_auto=self._nsocks_auto)
-        listening = mesh.listen()
-        if opts.connect == "lazy":
-            self._lazy = True
-            mesh.serve(rv, self._link_made, self._link_failed_to_connect)
-        rv.publish_addresses(listening)
-        return mesh
 
     def _link_made(self, peer: int, link) -> None:
         """Lazy links: ``peer``'s link is up (from the mesh's thread): start it, hand it what
@@ -351,22 +325,17 @@ class Context(LinkSink):
                     return False
                 p.pending.append((kind, payload, value))
         if link is None:
-            self._tcp.want(p.rank)
+            self._maker.want(p.rank)
             p.told = p.told or kind == KIND_ERROR
             return True
         sent = link.send_control(kind, payload, value)
         p.told = p.told or (sent and kind == KIND_ERROR)
         return sent
 
-    def _use_rails(self, nrails: int) -> None:
-        """Another transport's number of rails (RDMA: ports), before any link exists."""
-        self.nrails = nrails
-        self.nconns = self.options.nsocks * nrails
-
     def _discard_links(self) -> None:
         """Set-up failed: close what was built (peers learn the cause from the report)."""
-        if self._tcp is not None:
-            self._tcp.abort()
+        if self._maker is not None:
+            self._maker.abort()
         for p in self.peers.values():
             if p.link is not None:
                 p.link.begin_close()
@@ -404,7 +373,7 @@ class Context(LinkSink):
                             f"rank {self.rank}: no link to rank {peer}")
         if link is None:
             if err is None:
-                self._tcp.want(peer)
+                self._maker.want(peer)
             else:
                 req.finish(_wrap(err))
             return req
@@ -453,7 +422,7 @@ class Context(LinkSink):
         elif staged is not None:
             self._deliver_staged(staged, req)
         elif self._lazy and peer is not None and self.peers[peer].link is None:
-            self._tcp.want(peer)  # a peer that is gone fails this receive at once
+            self._maker.want(peer)  # a peer that is gone fails this receive at once
         return req
 
     def begin_call(self, tag: int, call: int, desc: str) -> None:
@@ -948,7 +917,7 @@ class Context(LinkSink):
             for p in self.peers.values():
                 p.pending = []
         if self._lazy:
-            self._tcp.stop()  # listeners close; no more links
+            self._maker.stop()  # listeners close; no more links
         for link in links:
             link.begin_close()
         # Senders of drained peers send CLOSE and end; a stalled peer's senders are stuck in
@@ -974,8 +943,8 @@ class Context(LinkSink):
         # would stay until the next collection.
         for link in links:
             link.detach()
-        if self._tcp is not None:
-            self._tcp.release()
+        if self._maker is not None:
+            self._maker.release()
 
     def _drain(self, deadline: float) -> set:
         """Wait until the sends queued for every peer have left; return the ranks given up

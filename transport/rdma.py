@@ -31,7 +31,8 @@ through the torch Store (``linerate/rdma/qp/<rank>/<peer>``), the QPs are brough
 each stream then runs the same handshake as a TCP connection (the higher rank connects).
 
 The choice between TCP and RDMA (LINERATE_TRANSPORT) is made at rendezvous
-(``rendezvous.choose_links``), from what ``local_status`` says on every rank.
+(``rendezvous.agree_transport``), from what ``local_status`` says on every rank; RDMA then
+links every peer that shared memory does not (transport/kinds.py).
 
 The tests run it against tests/fake_pyverbs, and against a real RDMA device only where the
 machine has one.
@@ -878,11 +879,14 @@ def open_ports(rank: int, opts) -> list:
 
 
 def build_links(store, rank: int, size: int, secret: bytes, opts, ports: list,
-                link_timeout: float, deadline: float, prefix: str) -> dict[int, RdmaLink]:
-    """Connect to every peer over RDMA streams (``opts.nsocks`` per port): QPs, Store
-    exchange, RTS, the handshake on each stream; returns each peer's link (not started)."""
+                link_timeout: float, deadline: float, prefix: str,
+                peers=None) -> dict[int, RdmaLink]:
+    """Connect to ``peers`` (default: every other rank) over RDMA streams (``opts.nsocks`` per
+    port): QPs, Store exchange, RTS, the handshake on each stream; returns each peer's link
+    (not started). Both ends of every pair must list each other (transport/kinds.py: the
+    ranks linked over shared memory are nobody's RDMA peers)."""
     nconns = opts.nsocks * len(ports)
-    peers = [p for p in range(size) if p != rank]
+    peers = [p for p in range(size) if p != rank] if peers is None else sorted(peers)
     streams: dict[tuple, RdmaStream] = {}
     done = False
     try:

@@ -22,9 +22,10 @@ another rank reported a set-up failure (the key it would have set never comes) o
 deadline, naming the key. Nothing read from the Store is evaluated: values are JSON or text,
 checked before use, and a malformed one is an error naming the rank that published it.
 
-``choose_links`` decides the link kind for each peer: ``shm`` for the co-located peers that
-proved their host's shared segment (set up first, by ``transport/shm.py`` through the same
-Rendezvous), the group's agreed kind (``tcp`` or ``rdma``) for the others.
+``agree_transport`` settles the group's network kind (``tcp`` or ``rdma``); which kind links
+each peer is then the link kinds' choice (transport/kinds.py): shared memory for the
+co-located peers that proved their host's segment (``transport/shm.py``, through the same
+Rendezvous), the network kind for the others.
 """
 from __future__ import annotations
 
@@ -531,20 +532,7 @@ def agree_transport(store, rank: int, size: int, opts, prefix: str, same: bool =
     return "rdma"
 
 
-def choose_links(rv: Rendezvous, rank: int, size: int, opts, local=(),
-                 agreed: str | None = None) -> dict[int, str]:
-    """The link kind for each peer ("shm", "tcp" or "rdma"), the same answer on both ends of
-    every pair. ``local``: the co-located peers that proved their host's shared segment
-    (transport/shm.py; every rank of a host gets the same list, so the choice is symmetric):
-    they get "shm". The others get the kind the group agrees on (``agree_transport``, which
-    every rank runs, whether or not it has remote peers; ``agreed``: its answer, when the
-    caller already ran it)."""
-    kind = agreed or agree_transport(rv, rank, size, opts, rv.prefix)
-    local = set(local)
-    return {p: "shm" if p in local else kind for p in range(size) if p != rank}
-
-
 __all__ = ["Rendezvous", "PeerSetupFailed", "STORE_PREFIX", "hosts_store", "store_lost",
            "agreed_settings", "check_agreement", "version_text", "version_mismatch", "VERSION_KEY",
-           "parse_addresses", "agree_transport", "choose_links", "store_get", "multi_get",
+           "parse_addresses", "agree_transport", "store_get", "multi_get",
            "multi_set"]
