@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import types
 import warnings
 
@@ -233,9 +234,14 @@ class Guard:
         self.nodeid: str | None = None
         self.started: list[str] = []
         self._saved: list = []
+        #: Threads alive when the test began, but the main thread: a process one of them
+        #: starts is an earlier test's leftover (a process-tier test's helper still winding
+        #: down), not this test's doing: let through.
+        self._before: set = set()
 
     def _refuse(self, what: str):
-        msg = (f"{self.nodeid} started a process ({what}) but is in the unit tier, which starts "
+        msg = (f"{self.nodeid} started a process ({what}, in thread "
+               f"{threading.current_thread().name}) but is in the unit tier, which starts "
                f"none: it is not unit-tier. Give it @pytest.mark.processes (tests/_tiers.py), "
                f"or make it start no process (ranks as threads: tests/_threads.py).")
         self.started.append(msg)
@@ -250,7 +256,7 @@ class Guard:
 
         @functools.wraps(real)
         def refused(*a, **k):
-            if guard.nodeid is None:
+            if guard.nodeid is None or threading.current_thread() in guard._before:
                 return real(*a, **k)
             guard._refuse(what)
         self._saved.append((owner, name, real))
@@ -259,6 +265,8 @@ class Guard:
     def install(self) -> None:
         import multiprocessing.process
         import subprocess
+        main = threading.main_thread()
+        self._before = {t for t in threading.enumerate() if t is not main}
         for name in PROCESS_FUNCTIONS:
             self._patch(os, name, f"os.{name}")
         self._patch(subprocess.Popen, "_execute_child", "subprocess.Popen")
@@ -268,3 +276,4 @@ class Guard:
         for owner, name, real in reversed(self._saved):
             setattr(owner, name, real)
         self._saved.clear()
+        self._before = set()

@@ -96,6 +96,20 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The last test of a worker also ends the session's fixtures in its teardown (a netlab
+    lab: ``ip netns del``): the processes they start are not that test's doing."""
+    if nextitem is None and _GUARD.nodeid is not None:
+        saved, _GUARD.nodeid = _GUARD.nodeid, None
+        try:
+            yield
+        finally:
+            _GUARD.nodeid = saved
+    else:
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if _GUARD.started and _GUARD.nodeid == item.nodeid:

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -89,3 +90,68 @@ def test_a_unit_test_that_starts_a_process_fails_naming_itself():
         guard.nodeid = None
     assert subprocess.Popen._execute_child is real
     assert os.system("true") == 0
+
+
+def test_a_process_started_by_an_earlier_tests_thread_is_not_blamed_on_this_one():
+    """A thread alive before the test began (a process-tier test's helper winding down) may
+    start a process meanwhile: the unit test running then did not; a thread the test starts
+    is the test's own."""
+    go, done, out = threading.Event(), threading.Event(), []
+
+    def leftover():
+        go.wait(10)
+        out.append(subprocess.run(["true"]).returncode)
+        done.set()
+
+    t = threading.Thread(target=leftover, daemon=True)
+    t.start()
+    guard = Guard()
+    guard.install()
+    guard.nodeid = "tests/test_x.py::test_y"
+    try:
+        go.set()
+        assert done.wait(10) and out == [0]
+
+        def own():
+            try:
+                subprocess.run(["true"])
+            except pytest.fail.Exception as e:
+                out.append(str(e))
+
+        mine = threading.Thread(target=own, name="own-thread")
+        mine.start()
+        mine.join(10)
+        assert "started a process (subprocess.Popen, in thread own-thread)" in out[1], out
+    finally:
+        guard.uninstall()
+        guard.nodeid = None
+    t.join(10)
+
+
+_LAST = '''
+import subprocess, pytest
+
+@pytest.fixture(scope="session")
+def lab():
+    yield 1
+    subprocess.run(["true"])  # as netlab.down: ip netns del
+
+def test_with_the_lab(lab):
+    assert lab == 1
+
+def test_unit_and_last():
+    assert True
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_last_tests_teardown_may_end_session_fixtures_that_start_processes(tmp_path):
+    """A worker's last test tears the session's fixtures down in its own teardown (a netlab
+    lab used by other tests): the unit test that happens to run last is not blamed for
+    them (it was, with an error at teardown, in a fresh-clone run)."""
+    (tmp_path / "test_last.py").write_text(_LAST)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "conftest", "--rootdir", str(tmp_path), "test_last.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
