@@ -253,7 +253,8 @@ def _check_survivors(out: Path, codes: list, victim: int, op_pattern: str, limit
     within ``limit`` seconds of the kill, then destroyed its group and exited 0."""
     logs = _logs(out)
     killed = _results(out, "killed")
-    assert victim in killed, f"rank {victim} never killed itself\n{logs}"
+    assert victim in killed, (f"rank {victim} never killed itself (exit codes {codes}; files "
+                              f"{sorted(f.name for f in out.iterdir())})\n{logs}")
     assert codes[victim] == -signal.SIGKILL, codes
     ops, destroyed = _results(out, "op"), _results(out, "destroyed")
     t_kill = killed[victim]["at"]

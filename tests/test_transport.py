@@ -609,7 +609,7 @@ def test_peer_close_after_a_failure_says_why(transport):
             c.isend(1, memoryview(b"up"), CHANNEL_P2P, 9).wait(10)
             r.wait(10)
         coll = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 0)
-        c0._set_broken(TransportError("rank 2 reported an error: rank 5 died"),
+        c0.failures.set_broken(TransportError("rank 2 reported an error: rank 5 died"),
                        only_collective=True)
         c0.close()
         with pytest.raises(TransportError) as ei:

@@ -21,8 +21,9 @@ side (a per-key message number travels with every message), whatever stream carr
   it or sends it a control frame (ERROR, QUERY); until the link is up, sends and control
   frames for that peer wait in order in ``_Peer.pending`` and go first once it is (who dials:
   transport/tcp.py). A link that cannot be made fails the peer like a crash would;
-- failure propagation: a peer that dies fails every transfer with it and (fail fast) every
-  pending collective of the group, and the others learn why (ERROR frames).
+- failure propagation (transport/failure.py): a peer that dies fails every transfer with it
+  and (fail fast) every pending collective of the group, and the others learn why (ERROR
+  frames).
 
 The Context speaks no collective vocabulary of its own: a mismatch is a set of facts
 (matching.Mismatch) that ``describe``, given by the user of the Context, words (the
@@ -36,13 +37,14 @@ import logging
 import threading
 import time
 
-from . import framing, ioloop, kinds, metrics, rendezvous, shm, tls
+from . import kinds, metrics, rendezvous, shm, tls
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_PROGRESS, KIND_QUERY
 from .interfaces import listen_addresses
 from .link import LinkSink
 from .matching import Matcher, Mismatch, Staged as _Staged
 from .options import TransportOptions, sockets_per_rail
-from .request import MismatchError, PeerFailure, ProtocolError, Request, TransportError
+from .failure import Failures, error_payload, wrap
+from .request import MismatchError, PeerFailure, Request, TransportError
 from .tcp import LINK_TIMEOUT_DEFAULT, tune as _tune  # noqa: F401 - re-exported
 
 log = logging.getLogger("linerate.transport")
@@ -50,35 +52,6 @@ log = logging.getLogger("linerate.transport")
 _STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
-#: Lazy links: how long report_error waits for the links its reports wait for.
-REPORT_LINK_WAIT_S = 2.0
-#: Seconds a rank waits, when a peer's connection ends, for that peer's ERROR frame naming the
-#: rank it failed because of (it may come on another connection of the link).
-ROOT_WAIT_S = 0.2
-#: Seconds a rank that failed waits, before its user hears of it, for its ERROR frames to
-#: reach the peers (``Link.flush_control``): a rank that then exits at once must not take them
-#: with it.
-REPORT_FLUSH_S = 0.5
-
-
-def _error_payload(message: str) -> bytes:
-    """An ERROR frame's payload: the message in UTF-8, cut to what a frame carries."""
-    return message.encode("utf-8", "replace")[: framing.MAX_ERROR_BYTES]
-
-
-#: How a message names the group's root cause (``Context.lost``); a text that already says it
-#: is not wrapped again.
-_BECAUSE = "the group failed because of rank {}: "
-
-
-def _root_text(root: int, text: str) -> str:
-    """What is known of root ``root``'s failure, without the wrappers that ranks on the way put
-    around it (each says "the group failed because of rank <root>")."""
-    marker = _BECAUSE.format(root)
-    i = text.rfind(marker)
-    return text[i + len(marker):] if i >= 0 else text
-
-
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
@@ -127,14 +100,12 @@ class Context(LinkSink):
         #: number of the last operation entered); peers can ask for it (peer_progress).
         self.progress = 0
         self._answers: dict[int, int] = {}   # peer -> progress it answered (peer_progress)
+        #: Why transfers can no longer start, the group's root cause, the failure callbacks
+        #: (transport/failure.py).
+        self.failures = Failures(self)
         #: Called with each failure the group learns of (a dead peer, a peer's error report,
         #: this rank's own report), from the thread that learnt it; must not block or raise.
-        self.on_failure: list = []
-        self._broken: BaseException | None = None        # nothing can run any more
-        self._coll_broken: BaseException | None = None   # collectives cannot run any more
-        #: The group's first failure as this rank knows it: (root rank, text) (note_root).
-        self._root: tuple[int, str] | None = None
-        self._root_lock = threading.Lock()
+        self.on_failure: list = self.failures.on_failure
         rails = self.options.ifnames
         self._addresses: list[str] | None = None  # found when first needed (a TCP listener)
         self.nrails = len(rails) or 1  # listen_addresses: one per named interface, else one
@@ -149,8 +120,9 @@ class Context(LinkSink):
         #: Posted and staged messages of every peer (transport/matching.py); its lock guards
         #: the matching state and the mesh's progress (_mesh_cond).
         self.matcher = Matcher(self.peers, self.options.max_unexpected_bytes, self.options.keep_bytes)
-        self._lock = self.matcher.lock
-        self._mesh_cond = threading.Condition(self._lock)
+        self.lock = self.matcher.lock
+        #: Notified when a peer's link is made or it fails, and when a peer answers a query.
+        self.mesh_cond = threading.Condition(self.lock)
         #: Global rank of each group rank (for metrics labels); None: the same numbers.
         self.global_ranks: list[int] | None = None
         #: "tcp" or "rdma": what the links to other hosts are (LINERATE_TRANSPORT, agreed at
@@ -289,7 +261,7 @@ class Context(LinkSink):
         p = self.peers[peer]
         link.start(self)
         down = []
-        with self._lock:
+        with self.lock:
             ok = p.failure is None and not self._closing
             if ok:
                 for item in p.pending:
@@ -300,23 +272,23 @@ class Context(LinkSink):
                         link.send_control(*item)
                 p.pending = []
                 p.link = link
-            self._mesh_cond.notify_all()  # report_error may wait for this link
+            self.mesh_cond.notify_all()  # report_error may wait for this link
         if not ok:
             link.begin_close()
             link.close(time.monotonic() + 1.0)
             return
         for r in down:
-            r.finish(_wrap(p.failure or TransportError(
+            r.finish(wrap(p.failure or TransportError(
                 f"rank {self.rank}: the link to rank {peer} went down as it was made")))
 
     def _link_failed_to_connect(self, peer: int, err: BaseException) -> None:
         """Lazy links: ``peer``'s link cannot be made (``err`` names it): fail it as if it
         had crashed."""
-        self._fail_peer(self.peers[peer], err)
+        self.failures.fail_peer(self.peers[peer], err)
 
-    def _control_to(self, p: _Peer, kind: int, payload: bytes = b"", value: int = 0) -> bool:
+    def control_to(self, p: _Peer, kind: int, payload: bytes = b"", value: int = 0) -> bool:
         """A control frame to ``p``: on its link, or (lazy) queued while the link is made."""
-        with self._lock:
+        with self.lock:
             if p.failure is not None:
                 return False
             link = p.link
@@ -360,7 +332,7 @@ class Context(LinkSink):
         req.priority = priority
         p = self._peer(peer)
         link = None
-        with self._lock:
+        with self.lock:
             err = self._refusal(channel) or p.failure
             if err is None:
                 req.msgno = slot if slot is not None else self.matcher.next_send(peer, channel, tag)
@@ -375,13 +347,13 @@ class Context(LinkSink):
             if err is None:
                 self._maker.want(peer)
             else:
-                req.finish(_wrap(err))
+                req.finish(wrap(err))
             return req
         if err is None and not link.isend(req):  # the link went down or closes
             err = p.failure or (self._close_error if self._closing else TransportError(
                 f"rank {self.rank}: the link to rank {peer} is down"))
         if err is not None:
-            req.finish(_wrap(err))
+            req.finish(wrap(err))
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
@@ -396,7 +368,7 @@ class Context(LinkSink):
             self._peer(peer)
         staged = None
         m = self.matcher
-        with self._lock:
+        with self.lock:
             err = self._refusal(channel)
             if err is None:
                 try:
@@ -416,9 +388,9 @@ class Context(LinkSink):
                     err = self.peers[req.peer].failure
         if err is not None:
             if staged is not None:
-                with self._lock:
+                with self.lock:
                     m.forget(staged)
-            req.finish(_wrap(err))
+            req.finish(wrap(err))
         elif staged is not None:
             self._deliver_staged(staged, req)
         elif self._lazy and peer is not None and self.peers[peer].link is None:
@@ -430,7 +402,7 @@ class Context(LinkSink):
         ``call`` (already here, or arriving while it runs, whoever they are for) are a
         mismatch, reported to every rank (``desc`` is handed to ``describe``). It catches
         ranks that receive nothing the others send (e.g. a different root)."""
-        with self._lock:
+        with self.lock:
             bad = self.matcher.begin_call(tag, call, desc)
         if bad is not None:
             self.report_error(str(self._mismatch(bad)))
@@ -438,13 +410,13 @@ class Context(LinkSink):
     def end_call(self, tag: int) -> dict | None:
         """The call ``tag`` ended: when each peer's first message of it began to arrive
         (peer -> ``time.perf_counter()``) while arrivals are recorded, else None."""
-        with self._lock:
+        with self.lock:
             return self.matcher.end_call(tag)
 
     def record_arrivals(self, on: bool = True) -> None:
         """Note when each peer's first message of a call (CHANNEL_COLLECTIVE) begins to arrive,
         for ``end_call`` to return (collectives/straggler.py: who makes the others wait)."""
-        with self._lock:
+        with self.lock:
             self.matcher.arrivals = {} if on else None
 
     def _mismatch(self, m: Mismatch) -> MismatchError:
@@ -461,21 +433,22 @@ class Context(LinkSink):
 
     def _refusal(self, channel: int):
         """Why a new transfer on ``channel`` cannot start (None if it can)."""
-        if self._broken is not None:
-            return self._broken
+        f = self.failures
+        if f.broken is not None:
+            return f.broken
         if channel == CHANNEL_COLLECTIVE:
-            return self._coll_broken
+            return f.coll_broken
         return None
 
     def _deliver_staged(self, staged: _Staged, req: Request) -> None:
         if req.error is not None:
             err, req.error = req.error, None
-            with self._lock:
+            with self.lock:
                 self.matcher.forget(staged)
             if isinstance(err, Mismatch):
                 self._on_mismatch(req, self._mismatch(err))
             else:
-                req.finish(_wrap(self.peers[req.peer].failure or err))
+                req.finish(wrap(self.peers[req.peer].failure or err))
             return
         self.matcher.deliver(staged, req)  # numpy copies without holding the GIL
         req.finish()
@@ -484,7 +457,7 @@ class Context(LinkSink):
         """(channel, tag, opcode) of each message from ``peer`` that arrived (or is arriving)
         and waits for its receive: after a timeout they show where the peer is."""
         self._peer(peer)
-        with self._lock:
+        with self.lock:
             return sorted(self.matcher.staged_for(peer))
 
     def where(self) -> str:
@@ -512,7 +485,7 @@ class Context(LinkSink):
 
     # ------------------------------------------------------------------ the links' sink
     def claim(self, link, opcode, channel, tag, msgno, total, digest, off, length):
-        with self._lock:
+        with self.lock:
             m = self.matcher
             target, bad = m.incoming(link.peer, opcode, channel, tag, msgno, total, digest)
             buf = None if target is None else target.buf
@@ -528,7 +501,7 @@ class Context(LinkSink):
         return target, dest
 
     def filled(self, link, target, channel, tag, msgno, length) -> None:
-        with self._lock:
+        with self.lock:
             done = self.matcher.arrived(link.peer, target, channel, tag, msgno, length)
         if done is None:
             return
@@ -546,24 +519,25 @@ class Context(LinkSink):
             root = value - 1 if 0 < value <= self.size else p.rank
             p.root = p.root or (root, msg)
             self.note_root(root, msg)
-            self._set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
-                             only_collective=True)
+            self.failures.set_broken(TransportError(f"rank {p.rank} reported an error: {msg}"),
+                                     only_collective=True)
         elif kind == KIND_QUERY:  # answered at once, whatever this rank is doing
             if p.failure is None:
                 link.send_control(KIND_PROGRESS, b"", self.progress)
         elif kind == KIND_PROGRESS:
-            with self._mesh_cond:
+            with self.mesh_cond:
                 self._answers[p.rank] = value
-                self._mesh_cond.notify_all()
+                self.mesh_cond.notify_all()
 
     def link_failed(self, link, error: BaseException) -> None:
-        self._fail_peer(self.peers[link.peer], error)
+        self.failures.fail_peer(self.peers[link.peer], error)
 
     def link_closed(self, link) -> None:
         p = self.peers[link.peer]
-        self._fail_peer(p, PeerFailure(p.rank, f"rank {p.rank} closed its process group while "
-                                               f"rank {self.rank} still expects data from it"),
-                        break_group=False)
+        self.failures.fail_peer(p, PeerFailure(p.rank, f"rank {p.rank} closed its process group "
+                                                       f"while rank {self.rank} still expects "
+                                                       f"data from it"),
+                                break_group=False)
 
     def _on_mismatch(self, req: Request | None, err: BaseException) -> None:
         if req is not None:
@@ -572,115 +546,11 @@ class Context(LinkSink):
             self.report_error(str(err))
 
     # ------------------------------------------------------------------ failures
-    def _fail_peer(self, p: _Peer, err: BaseException, break_group: bool = True) -> None:
-        """Fail every transfer with peer p. ``break_group``: p crashed, so no collective of the
-        group can complete: fail the others' pending collective transfers too (fail fast).
-        A peer that closed in order may simply have finished before us: only transfers that
-        involve it fail. While this rank closes (close(), abort()), what was pending fails
-        with the close's own reason: a peer answering our CLOSE frames is not the cause."""
-        closing = self._closing
-        if closing:
-            err = coll_err = self._close_error
-        else:
-            # A peer that failed because of another rank (its ERROR frame, or its cause record
-            # in the shared segment, says so) and then exited or closed is not the cause of
-            # the group's failure: the collectives name that rank (``coll_err``); transfers
-            # of its own (point-to-point) fail with what happened to it (``err``).
-            coll_err = self._lost_error(p.rank, err, crashed=break_group)
-        with self._lock:
-            first = p.failure is None
-            if first:
-                p.failure = err
-                self._mesh_cond.notify_all()  # report_error may wait for this peer
-            failed = self.matcher.take_peer(
-                p.rank, all(q.failure is not None for q in self.peers.values()))
-            failed += [r for r in p.pending if isinstance(r, Request)]
-            p.pending = []
-        if p.link is not None:
-            # Mid-send when the stream died: its sender may be gone. A peer that closed in
-            # order still reads what is under way: those sends end by themselves.
-            failed += p.link.cancel(None, underway=break_group or closing)
-        if break_group and not closing and first:
-            # Tell the others why (an ERROR frame goes before this rank's CLOSE frames): a rank
-            # that has not yet seen p die must not take our closing, once we give up, for the
-            # cause ("rank 1 closed its process group ..."). Queued before any waiter hears of
-            # the failure: a rank that exits at once after its own failure must not take the
-            # report with it (its peer would name it instead of p).
-            payload = _error_payload(str(coll_err))
-            value = self._root_value()
-            told = [q for q in self.peers.values()
-                    if q is not p and q.failure is None
-                    and self._control_to(q, KIND_ERROR, payload, value)]
-        else:
-            told = []
-        if told and ioloop.on_a_loop():
-            # Those frames must be out before anyone here hears of the failure, and this
-            # thread (an I/O loop) may be the one that writes them: the rest elsewhere.
-            threading.Thread(target=self._fail_rest, daemon=True, name="linerate-fail",
-                             args=(told, failed, err, coll_err, break_group, closing)).start()
-        else:
-            self._fail_rest(told, failed, err, coll_err, break_group, closing)
-
-    def _fail_rest(self, told: list, failed: list, err: BaseException, coll_err: BaseException,
-                   break_group: bool, closing: bool) -> None:
-        """The end of _fail_peer: once the ERROR frames to the peers ``told`` have reached them
-        (a rank that exits at once after its own failure must not take its reports with it:
-        its peers would name it instead of the root), finish the requests ``failed`` and, for
-        a crashed peer, every collective transfer."""
-        if told:
-            self._flush_reports(told)
-        # Requests taken out above must be finished whatever happens: a waiter of one that
-        # is dropped here waits forever (abort() left collectives hanging so).
-        if failed and not closing:
-            log.error("%s", coll_err)
-        for r in failed:
-            r.finish(_wrap(coll_err if r.channel == CHANNEL_COLLECTIVE else err))
-        if break_group and not closing:
-            self._set_broken(coll_err, only_collective=True)
-
-    def _flush_reports(self, peers) -> None:
-        """Wait (REPORT_FLUSH_S at most, in all) until the ERROR frames queued for ``peers``
-        have reached them (``Link.flush_control``)."""
-        until = time.monotonic() + REPORT_FLUSH_S
-        for q in peers:
-            link = q.link
-            if link is not None and not link.flush_control(until):
-                log.debug("rank %d: the report to rank %d may not have reached it",
-                          self.rank, q.rank)
-
-    def _set_broken(self, err: BaseException, only_collective: bool = False) -> None:
-        """Fail pending transfers (collective ones, or all) and refuse new ones of that kind."""
-        with self._lock:
-            if only_collective:
-                self._coll_broken = self._coll_broken or err
-            else:
-                self._broken = self._broken or err
-            failed = self.matcher.take_channel(CHANNEL_COLLECTIVE if only_collective else None)
-            for p in self.peers.values():
-                if p.pending:
-                    keep = []
-                    for r in p.pending:
-                        (failed if isinstance(r, Request) and (not only_collective or
-                                  r.channel == CHANNEL_COLLECTIVE) else keep).append(r)
-                    p.pending = keep
-        # Sends too: an algorithm waiting on a send must see this reason, not whatever ends
-        # that send later (e.g. the peer closing once it failed for the same reason).
-        match = _is_collective if only_collective else _any
-        for p in self.peers.values():
-            if p.link is not None:
-                failed += p.link.cancel(match, underway=True)
-        for r in failed:
-            r.finish(_wrap(err))
-        for fn in list(self.on_failure):
-            try:
-                fn(err)
-            except Exception:  # noqa: BLE001 - never into the transport's threads
-                log.exception("rank %d: a failure callback raised", self.rank)
-
     @property
     def broken(self) -> BaseException | None:
         """Why collectives on this context can no longer run (None while healthy)."""
-        return self._broken or self._coll_broken
+        f = self.failures
+        return f.broken or f.coll_broken
 
     @property
     def closing(self) -> bool:
@@ -694,124 +564,30 @@ class Context(LinkSink):
         return self._close_error
 
     def report_error(self, message: str, root: int | None = None) -> None:
-        """Tell every peer that this rank failed the current collective (an ERROR frame).
-        ``root``: the rank whose failure caused it (default: the group's first failure as this
-        rank knows it, else this rank's own); the frame carries it, and the shared segment's
-        cause record of this rank says it (``note_root``)."""
-        if root is None:
-            known = self.root_cause()
-            root = known[0] if known is not None else self.rank
-        self.note_root(root, message)
-        payload = _error_payload(message)
-        value = self._root_value()
-        told = [p for p in self.peers.values()  # before anyone here hears of it (_fail_peer)
-                if p.failure is None and self._control_to(p, KIND_ERROR, payload, value)]
-        self._set_broken(TransportError(message), only_collective=True)
-        self._await_links(REPORT_LINK_WAIT_S)
-        if not ioloop.on_a_loop():
-            self._flush_reports(told)
+        """Tell every peer that this rank failed the current collective (an ERROR frame naming
+        ``root``, default: the group's root cause as this rank knows it, else this rank)
+        (``Failures.report``)."""
+        self.failures.report(message, root)
 
-    # ------------------------------------------------------------------ the root cause
     def note_root(self, root: int, text: str) -> tuple[int, str]:
-        """Remember the group's first failure as this rank learnt it (the first call wins):
-        ``root`` failed, ``text`` says how. Written into this rank's cause record in the
-        shared segment too (transport/shm.py), before the failure reaches this rank's user:
-        a co-located rank that later finds this rank gone reads there why it went. Returns
-        the root now remembered."""
-        with self._root_lock:
-            if self._root is None:
-                self._root = (root, _root_text(root, text))
-                seg = self.shm
-                if seg is not None:
-                    try:
-                        seg.record_cause(*self._root)
-                    except (AttributeError, TypeError, ValueError):  # closed meanwhile
-                        pass
-            return self._root
+        """Remember the group's first failure as this rank learnt it (``Failures.note_root``)."""
+        return self.failures.note_root(root, text)
 
     def root_cause(self) -> tuple[int, str] | None:
-        """The group's first failure as this rank can tell: (the rank that failed first, what
-        is known of it), or None while nothing is. What this rank noted comes first (its own
-        report, a dead peer, a peer's ERROR frame, which names the root); else the co-located
-        ranks' cause records (a rank whose record names itself, else the rank the others
-        blame that recorded nothing: transport/shm.py ``pick_root``)."""
-        if self._root is not None:
-            return self._root
-        seg = self.shm
-        if seg is not None and not seg.closed:
-            found = seg.root_cause()
-            if found is not None:
-                return found[0], _root_text(found[0], found[2])
-        return None
+        """The group's first failure as this rank can tell: (rank, what is known of it), or
+        None (``Failures.root_cause``)."""
+        return self.failures.root_cause()
 
     def cause_of(self, peer: int) -> tuple[int, str] | None:
-        """Why ``peer`` failed, where it said so: (root, text) from its ERROR frame or its cause
-        record in the shared segment; None where it said nothing (it may be the cause)."""
-        p = self.peers.get(peer)
-        if p is not None and p.root is not None:
-            return p.root
-        seg = self.shm
-        if seg is not None and not seg.closed and peer in seg.ranks:
-            return seg.cause_of(peer)
-        return None
+        """Why ``peer`` failed, where it said so (``Failures.cause_of``)."""
+        return self.failures.cause_of(peer)
 
     def lost(self, peer: int, symptom: str, prefix: str) -> TransportError:
-        """The error to raise when ``peer`` is found gone (exited, closed, unreadable), as
-        ``symptom`` says: where ``peer`` itself failed because of another rank (its ERROR frame
-        or cause record says so) or the group's first failure is known to be another rank's,
-        an error naming that root (after ``prefix``: this rank and the op) instead of ``peer``:
-        a rank that merely exited after its own failure is never the cause. The error's
-        ``root`` attribute is the rank it blames."""
-        cause = self.cause_of(peer) or self.root_cause()
-        if cause is not None and cause[0] != peer:
-            root, text = cause
-            log.info("%s (the group had failed because of rank %d)", symptom, root)
-            text = _root_text(root, text)
-            where = self.where()
-            err = TransportError(f"{prefix}: {_BECAUSE.format(root)}{text}"
-                                 f"{'' if where in text else where}")
-        else:
-            root = peer
-            err = TransportError(symptom)
-        err.root = root
-        return err
+        """The error to raise when ``peer`` is found gone, naming the group's root cause where
+        that is another rank (``Failures.lost``)."""
+        return self.failures.lost(peer, symptom, prefix)
 
-    def _lost_error(self, peer: int, err: BaseException, crashed: bool) -> BaseException:
-        """``_fail_peer``'s error for ``peer``: where the peer failed because of another rank
-        before it went (it said so), a PeerFailure naming that root; else ``err``, and a
-        crashed peer is noted as the root (if none is known yet). A peer that broke the
-        protocol (ProtocolError) is the cause: no frame of it is awaited."""
-        cause = self.cause_of(peer)
-        if cause is None and crashed and not isinstance(err, ProtocolError):
-            # A peer that failed because of another rank sends an ERROR frame naming that
-            # rank before it goes; with several connections per peer this rank may see one of
-            # them end before the frame, on another, is read. Wait a moment for it (or for the
-            # group's root, learnt elsewhere), then take the peer for the cause. Not while this
-            # rank closes the group itself: close() joins the thread that waits here.
-            deadline = time.monotonic() + ROOT_WAIT_S
-            while cause is None and time.monotonic() < deadline and not self._closing:
-                known = self._root
-                if known is not None and known[0] != peer:
-                    cause = known
-                    break
-                time.sleep(0.005)
-                cause = self.cause_of(peer)
-        if cause is not None and cause[0] != peer:
-            root, text = cause
-            log.info("%s (rank %d had failed because of rank %d)", err, peer, root)
-            self.note_root(root, text)
-            return PeerFailure(peer, f"rank {self.rank}: {_BECAUSE.format(root)}"
-                                     f"{_root_text(root, text)}")
-        if crashed:
-            self.note_root(peer, str(err))
-        return err
-
-    def _root_value(self) -> int:
-        """An ERROR frame's value: the root rank + 1 (0: none known)."""
-        root = self._root
-        return root[0] + 1 if root is not None else 0
-
-    def _await_links(self, seconds: float) -> None:
+    def await_links(self, seconds: float) -> None:
         """Lazy links: wait (at most ``seconds``) until every peer that a report is queued
         for has its link (the report then goes out on it) or has failed. The caller's error is
         handed to its user only after that: a rank that reports and then exits must not take
@@ -820,7 +596,7 @@ class Context(LinkSink):
         if not self._lazy:
             return
         deadline = time.monotonic() + seconds
-        with self._mesh_cond:
+        with self.mesh_cond:
             while not self._closing:
                 if all(p.link is not None or p.failure is not None or not p.pending
                        for p in self.peers.values()):
@@ -828,26 +604,26 @@ class Context(LinkSink):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                self._mesh_cond.wait(left)
+                self.mesh_cond.wait(left)
 
     def peer_progress(self, timeout: float = 1.0) -> dict[int, int | None]:
         """Ask every peer for its ``progress`` and wait up to ``timeout`` seconds for the
         answers (they come from the peers' receive threads, whatever their users are doing).
         Returns peer -> its progress, or None for a peer that failed or did not answer."""
         asked = []
-        with self._mesh_cond:
+        with self.mesh_cond:
             for r in self.peers:
                 self._answers.pop(r, None)
         for p in self.peers.values():
-            if p.failure is None and self._control_to(p, KIND_QUERY):
+            if p.failure is None and self.control_to(p, KIND_QUERY):
                 asked.append(p.rank)
         deadline = time.monotonic() + timeout
-        with self._mesh_cond:
+        with self.mesh_cond:
             while not all(r in self._answers for r in asked):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._mesh_cond.wait(left)
+                self.mesh_cond.wait(left)
             return {r: self._answers.get(r) for r in self.peers}
 
     # ------------------------------------------------------------------ statistics, teardown
@@ -903,14 +679,14 @@ class Context(LinkSink):
             # linked peer that has not heard why yet must not take our CLOSE, which it may see
             # before the report of whoever saw the failure first, for the cause ("rank 1
             # closed its process group while ..."). The ERROR frame goes ahead of the CLOSE.
-            payload = _error_payload(str(why))
-            value = self._root_value()
+            payload = error_payload(str(why))
+            value = self.failures.root_value()
             for p in self.peers.values():
                 if p.link is not None and not p.told and p.failure is None:
-                    self._control_to(p, KIND_ERROR, payload, value)
+                    self.control_to(p, KIND_ERROR, payload, value)
         stalled = self._drain(deadline)
         self._close_error = TransportError(f"rank {self.rank}: the process group was {reason}")
-        with self._lock:  # a lazy link made from now on is closed at once (_link_made)
+        with self.lock:  # a lazy link made from now on is closed at once (_link_made)
             self._closing = True
             links = [p.link for p in self.peers.values() if p.link is not None]
             unsent = [r for p in self.peers.values() for r in p.pending if isinstance(r, Request)]
@@ -931,12 +707,12 @@ class Context(LinkSink):
             self.shm.close()
         for link in links:
             link.close(deadline)
-        self._set_broken(self._close_error)
+        self.failures.set_broken(self._close_error)
         for link in links:  # sends still queued or under way will not end: fail them
             for r in link.cancel(None, underway=True):
-                r.finish(_wrap(self._close_error))
+                r.finish(wrap(self._close_error))
         for r in unsent:  # lazy: their link was never made
-            r.finish(_wrap(self._close_error))
+            r.finish(wrap(self._close_error))
         # Nothing of a closed group is left for the garbage collector: its links and its
         # TCP mesh point back at this Context (their sink, the lazy links' callbacks), which
         # holds them; with the cycles, a destroyed TCP group (its matcher's kept buffers too)
@@ -959,7 +735,7 @@ class Context(LinkSink):
                 if p.rank in given_up or p.failure is not None:
                     continue
                 if p.link is None:  # lazy: sends wait for a link being made
-                    with self._lock:
+                    with self.lock:
                         mark = (len(p.pending), "pending") if p.pending else None
                 else:
                     mark = p.link.send_mark()
@@ -1010,20 +786,6 @@ def _add_segment(links: list, peer: int, sent: int, received: int) -> None:
     conn = link["connections"][0]
     conn["sent_bytes"] += sent
     conn["received_bytes"] += received
-
-
-def _is_collective(req: Request) -> bool:
-    return req.channel == CHANNEL_COLLECTIVE
-
-
-def _any(req: Request) -> bool:
-    return True
-
-
-def _wrap(err: BaseException) -> BaseException:
-    if isinstance(err, TransportError):
-        return type(err)(*err.args) if not isinstance(err, PeerFailure) else PeerFailure(err.peer, str(err))
-    return TransportError(str(err))
 
 
 def link_timeout_from_env(env=None) -> float:
