@@ -27,8 +27,8 @@ import torch
 
 from linerate.transport import MismatchError
 from linerate.transport.shm import cma_read
-from linerate.transport.shmengine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, CMA_TIMES, PID,
-                                          PIDNS, Engine, to_signed, to_unsigned)
+from linerate.transport.shmengine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, CMA_TIMES,
+                                          Engine, to_signed, to_unsigned)
 
 from .comm import Comm
 from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows, fold_rows_into
@@ -244,13 +244,13 @@ def _cma_probe(E: Engine) -> str:
         addr = int(ctrl[q, CMA_ADDR])
         if addr == 0:
             ok, why = False, f"rank {E.gr[q]} has LINERATE_CMA=0"
-        elif int(ctrl[q, PIDNS]) != E.pidns or not E.pidns:
+        elif not E.seg.watchable_pid(q):
             ok, why = False, f"rank {E.gr[q]} runs in another pid namespace"
         else:
             try:
-                cma_read(int(ctrl[q, PID]), got.ctypes.data, addr, 8)
+                cma_read(E.seg.pid(q), got.ctypes.data, addr, 8)
                 if int(got[0]) != int(ctrl[q, CMA_NONCE]):
-                    ok, why = False, f"process {int(ctrl[q, PID])} is not rank {E.gr[q]}"
+                    ok, why = False, f"process {E.seg.pid(q)} is not rank {E.gr[q]}"
             except OSError as e:
                 ok, why = False, str(e)
     ctrl[r, CMA_OK] = (3 if E.cma_setting == "1" else 1) if ok else 2
@@ -314,7 +314,7 @@ def _all_reduce_cma(E: Engine, flat: torch.Tensor, op) -> None:
     ctrl[r, CMA_PTR] = base
     E.publish()
     E.wait(E.tick)  # every rank is in this op, its tensor in place and its address known
-    pids = [int(ctrl[q, PID]) for q in range(P)]
+    pids = [E.seg.pid(q) for q in range(P)]
     ptrs = [int(ctrl[q, CMA_PTR]) for q in range(P)]
 
     def read(q: int, local: int, off: int, nbytes: int) -> None:

@@ -176,7 +176,7 @@ def _crash(link):
         import subprocess
         gone = subprocess.Popen(["true"])
         gone.wait()
-        link._port.pids[link._port.me][0] = gone.pid
+        link._port.seg.pids[link._port.me, 0] = gone.pid
         return
     for st in link._streams:
         try:

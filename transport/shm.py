@@ -79,8 +79,9 @@ BYTES_PER_RANK = 4 << 20
 #: with any change to it. The segment's magic carries it, and the ranks compare it at rendezvous
 #: with the linerate and wire versions (transport/rendezvous.py ``version_text``), so that ranks
 #: of different layouts never share a segment. 3: the header records the host's copy rate and
-#: the segment's creator (``_OWNER_OFF``).
-LAYOUT_VERSION = 3
+#: the segment's creator (``_OWNER_OFF``). 4: each rank's pid is recorded once, beside its
+#: bell (``_PID_IN_LINE``), for the collectives and the rings alike.
+LAYOUT_VERSION = 4
 _MAGIC = b"LRSHM\x00" + struct.pack("<H", LAYOUT_VERSION)
 _HEADER = 4096            # magic, sizes, copy rate, token; then one bell per rank
 #: The host's copy rate (a float64, bytes per second: the capacity of interface ``shm``),
@@ -91,6 +92,11 @@ _OWNER_OFF = 32
 _TOKEN_OFF, _TOKEN_LEN = 64, 32
 _SETUP_BELL_OFF = 128     # an int32 rung during set-up (SetupBoard)
 _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache line each)
+#: Rank q's process id and pid namespace: two int64 in the rest of its bell's cache line, at
+#: _BELL_OFF + 64 q + _PID_IN_LINE (bytes 8-11 hold its SetupBoard slot). Written once, when
+#: the rank maps the segment; read where a rank waits for another and asks whether it still
+#: runs, and for cross-memory attach: the segment's one record of its ranks' processes.
+_PID_IN_LINE = 16
 _PAGE = 4096
 #: x86 keeps stores in order and loads in order (TSO): data stored before a flag is seen before
 #: it. Elsewhere (WEAK_ORDER) a fence goes between a record and its flag, here and in every
@@ -363,7 +369,7 @@ def segment_layout(size: int) -> tuple[int, int, int]:
 
 
 #: Point-to-point area (transport/shmlink.py): a block of ``P2P_RANK_BYTES`` per rank (its
-#: progress bell, pid), then one ring per ordered pair of ranks: a header page (producer's and
+#: progress bell), then one ring per ordered pair of ranks: a header page (producer's and
 #: consumer's positions) and ``p2p_ring_bytes(size)`` data bytes. Pages of /dev/shm are only
 #: allocated when touched, so rings of pairs that never talk cost nothing.
 P2P_RANK_BYTES = 256
@@ -584,6 +590,12 @@ class Segment:
                             for q in range(size)]
         self._lib = futex_lib() if SYS_FUTEX is not None else None
         self.closed = False
+        #: This process's pid namespace, and pids[q] = (pid, pid namespace) of segment rank q,
+        #: (0, 0) until it mapped the segment (``_PID_IN_LINE``).
+        self.pidns = pidns()
+        self.pids = np.ndarray((size, 2), dtype=np.int64, buffer=raw,
+                               offset=_BELL_OFF + _PID_IN_LINE, strides=(64, 8))
+        self.pids[rank] = (os.getpid(), self.pidns)
         #: Whether the processes of the segment's other ranks still run (Engine, links).
         self.watch = PidWatch()
         #: Called by close(): users of the segment drop their views of it there, so that the
@@ -697,8 +709,18 @@ class Segment:
             fn()
         self.on_close = []
         self.ctrl = self.data = self.bells = self.raw = None
+        self.pids = self.pids.copy()  # for messages after the close; no view of the mapping
         self._buf = None
         self.watch.close()
+
+    def pid(self, q: int) -> int:
+        """Segment rank q's process id as it recorded it (0: not yet)."""
+        return int(self.pids[q, 0])
+
+    def watchable_pid(self, q: int) -> int:
+        """Segment rank q's pid where this process can watch it (``PidWatch``), else 0: none
+        recorded yet, or another pid namespace."""
+        return watchable_pid(int(self.pids[q, 0]), int(self.pids[q, 1]), self.pidns)
 
 
 # ----------------------------------------------------------------------------- set-up

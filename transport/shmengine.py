@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 
 from .request import MismatchError, TransportError
-from .shm import BYTES_PER_RANK, WEAK_ORDER, pidns, usable_cores, watchable_pid
+from .shm import BYTES_PER_RANK, WEAK_ORDER, usable_cores
 
 
 class OpTimeout(TransportError):
@@ -44,7 +44,6 @@ class OpTimeout(TransportError):
 # control row words (int64); transport.shm.ctrl_row_bytes leaves 64 words + one per rank
 PROG, SEQ, DIGEST, AUX = 0, 1, 2, 3
 WANT, WHO = 4, 5   # the tick a sleeping rank waits for (0: awake); whose (-1: every rank's)
-PID, PIDNS = 6, 7  # the rank's process id and pid namespace (a waiter checks it is alive)
 DESC_WORD, DESC_BYTES = 8, 256          # words 8..39: the call's text
 # words 40..55: the (seq, digest) of this rank's last HIST_N ops, so that a rank that checks a
 # peer which already moved on to a later op can still compare this op's call with its own
@@ -145,10 +144,9 @@ class Engine:
         self._checked = True
         self._desc_key = None  # (op, call text) written in this rank's row
         # Liveness without TCP: with lazy connections co-located ranks may never open one
-        # (whose reset would tell a waiter that a peer died); a waiter checks the pids.
-        self.pidns = pidns()
-        self.ctrl[self.r, PIDNS] = self.pidns
-        self.ctrl[self.r, PID] = os.getpid()
+        # (whose reset would tell a waiter that a peer died); a waiter checks the pids that
+        # the segment records (Segment.pids).
+        self.pidns = self.seg.pidns
         #: Cross-memory attach between these ranks, agreed by all: None until the first large
         #: all_reduce asks every rank; then "off", "on" (every rank has LINERATE_CMA=1: always)
         #: or "tuned" (auto: the path that measured faster, _cma_choice).
@@ -409,21 +407,16 @@ class Engine:
                 # (a peer that failed because of another rank and then closed or exited
                 # names that rank: Context.lost)
                 raise ctx.lost(self.gr[q], str(failure), f"rank {self.me}: {comm.desc}")
-        pids = {q: self._pid(q, ctrl) for q in late}
+        pids = {q: self.seg.watchable_pid(q) for q in late}
         gone = self.seg.watch.exited([p for p in pids.values() if p])  # one syscall
         for q in late:
             if pids[q] in gone:
                 err = ctx.lost(self.gr[q], f"rank {self.me}: {comm.desc}: rank {self.gr[q]} "
-                                           f"(process {int(ctrl[q, PID])} on this host) has "
+                                           f"(process {self.seg.pid(q)} on this host) has "
                                            f"exited{ctx.where()}",
                                f"rank {self.me}: {comm.desc}")
                 ctx.report_error(str(err), err.root)  # the other ranks hear of it at once
                 raise err
-
-    def _pid(self, q: int, ctrl) -> int:
-        """Segment rank q's pid where this rank can tell whether it runs, else 0 (no pid
-        published yet, or another pid namespace)."""
-        return watchable_pid(int(ctrl[q, PID]), int(ctrl[q, PIDNS]), self.pidns)
 
     def _closed(self) -> None:
         comm = self.comm

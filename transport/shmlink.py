@@ -80,8 +80,7 @@ _CHUNK_MAX = 512 << 10
 _MIN_PART = 4096            # a chunk cut short to fit the ring's free space: at least this
 # ring header (int64 words): head, tail, the producer gave up, the consumer gave up
 _HEAD, _TAIL, _WGONE, _RGONE = 0, 8, 16, 24
-# per-rank block: bell (int32 at byte 0), pid and pid namespace (int64 at 64, 72)
-_PID_OFF = 64
+# per-rank block: bell (int32 at byte 0); the rank's pid is the segment's (Segment.pids)
 _SYS_FUTEX_WAITV = 449      # the same number on every architecture (added in Linux 5.16)
 _FUTEX_32 = 2
 _CLOCK_MONOTONIC = 1
@@ -111,13 +110,6 @@ class _Port:
         self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
         self.bell_addr = ptr + base + blk * self.me
         self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
-        # Every rank's (pid, pid namespace) as the rows of one strided view (not a view per
-        # rank, a cost paid per peer at every group's creation).
-        self.pids = np.ndarray((n, 2), dtype=np.int64, buffer=self.raw,
-                               offset=base + _PID_OFF, strides=(blk, 8))
-        self._pidns = shm.pidns()
-        self.pids[self.me][1] = self._pidns
-        self.pids[self.me][0] = os.getpid()
         self._lib = shm.futex_lib() if shm.SYS_FUTEX is not None else None
         self.links: dict[int, ShmLink] = {}
         self.lock = threading.Lock()
@@ -136,9 +128,9 @@ class _Port:
             shm.futex_add_wake(self._lib, addrs[q])
 
     def _pid(self, q: int) -> int:
-        """Segment rank q's pid where this rank can watch it, else 0 (none published yet,
-        or another pid namespace)."""
-        return shm.watchable_pid(int(self.pids[q][0]), int(self.pids[q][1]), self._pidns)
+        """Segment rank q's pid where this rank can watch it, else 0 (none recorded yet,
+        or another pid namespace): the segment's record (Segment.pids)."""
+        return self.seg.watchable_pid(q)
 
     def alive(self, q: int) -> bool:
         pid = self._pid(q)
@@ -174,7 +166,6 @@ class _Port:
         self.raw = None
         self.bell = np.zeros(1, dtype=np.int32)
         self.bell_addr = self.bell.ctypes.data
-        self.pids = np.zeros((len(self.pids), 2), dtype=np.int64)
         self._bell_addr = []
 
     def check_peers(self) -> None:
@@ -811,7 +802,7 @@ class ShmLink(Link):
                     pass
         if self._down is not None:
             return
-        pid = int(self._port.pids[self._q][0])
+        pid = self._port.seg.pid(self._q)
         self._fail(PeerFailure(self.peer, f"rank {self.rank}: rank {self.peer} (pid {pid}, on this "
                                           f"host) exited or crashed: its process is gone "
                                           f"(shared-memory link)"))
