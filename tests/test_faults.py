@@ -71,37 +71,45 @@ def note(name, **kw):
 
 
 def kill_self_after(nbytes, key):
-    """SIGKILL this rank once nbytes more have been sent/received: surely inside the op.
-    Received: in the receive thread that delivers the bytes (a watching thread that a loaded
-    host leaves unscheduled could fire only after the op completed). Every connection has its
-    receive thread: the count is taken under a lock, and only the thread that crosses the
-    threshold first notes and kills; the others wait on the lock until the kill lands."""
-    if key == "received_bytes":
-        from linerate.transport.context import Context
-        orig, got, fired, lock = Context.filled, [0], [False], threading.Lock()
+    """SIGKILL this rank once nbytes more have been sent ("sent_bytes") or received
+    ("received_bytes"): surely inside the op. In the thread that moves the bytes (a watching
+    thread that a loaded host leaves unscheduled fired only after a whole 256 MB op completed):
+    received, where a receive thread delivers a chunk (``Context.filled``); sent, where a
+    connection's sender counts a frame written (``SendQueue.written``). Every connection has
+    such a thread: each takes the lock before it counts, and the thread that crosses the
+    threshold notes and kills while it holds it, so nothing more is delivered or counted
+    after the threshold. Every rank then enters a barrier before the op: a sender that
+    started first could otherwise push the whole message into the victim's staging before
+    it was armed (LINERATE_MAX_UNEXPECTED_BYTES is 16 GB), and the receive would complete
+    from there."""
+    got, lock = [0], threading.Lock()
 
-        def filled(self, link, target, channel, tag, msgno, length):
-            orig(self, link, target, channel, tag, msgno, length)
-            with lock:
-                got[0] += length
-                if fired[0] or got[0] < nbytes:
-                    return
-                fired[0] = True
+    def count(n):
+        with lock:  # held by the killing thread until the kill lands
+            got[0] += n
+            if got[0] >= nbytes:
                 note("killed", at=time.time(), moved=got[0])
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    if key == "received_bytes":
+        from linerate.transport.context import Context
+        orig_filled = Context.filled
+
+        def filled(self, link, target, channel, tag, msgno, length):
+            count(length)
+            orig_filled(self, link, target, channel, tag, msgno, length)
+
         Context.filled = filled
-        return
-    pg = dist.distributed_c10d._get_default_group()
-    base = sum(c[key] for c in pg.connection_stats())
+    else:
+        from linerate.transport.framing import SendQueue
+        orig_written = SendQueue.written
 
-    def run():
-        while sum(c[key] for c in pg.connection_stats()) - base < nbytes:
-            time.sleep(0.0005)
-        note("killed", at=time.time(), moved=sum(c[key] for c in pg.connection_stats()) - base)
-        os.kill(os.getpid(), signal.SIGKILL)
+        def written(self, req, n):
+            if req is not None:
+                count(n)
+            return orig_written(self, req, n)
 
-    threading.Thread(target=run, daemon=True).start()
+        SendQueue.written = written
 
 
 def attempt(fn, check=None):
@@ -133,16 +141,19 @@ if scenario == "kill_all_reduce":
     x = torch.full((N,), float(rank + 1))
     if rank == VICTIM:
         kill_self_after(32 << 20, "received_bytes")
+    dist.barrier()  # the victim is armed before any rank starts the op
     attempt(lambda: dist.all_reduce(x), lambda: bool((x == want).all()))
 elif scenario == "kill_broadcast":
     x = torch.full((N,), 7.0 if rank == 0 else -1.0)
     if rank == VICTIM:
         kill_self_after(32 << 20, "received_bytes")
+    dist.barrier()  # the victim is armed before any rank starts the op
     attempt(lambda: dist.broadcast(x, 0), lambda: bool((x == 7).all()))
 elif scenario == "kill_send_recv":
     x = torch.full((N,), 5.0) if rank == 0 else torch.zeros(N)
     if rank == VICTIM:
         kill_self_after(32 << 20, "sent_bytes" if rank == 0 else "received_bytes")
+    dist.barrier()  # the victim is armed before any rank starts the op
     attempt(lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0),
             lambda: bool((x == 5).all()))
 elif scenario == "link_all_reduce":  # the test cuts a link while this runs
@@ -291,7 +302,7 @@ HANG_S = 240
 def test_kill_during_all_reduce(tmp_path):
     codes = _run_loopback("kill_all_reduce", 3, tmp_path,
                           {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 2}, timeout=HANG_S)
-    _check_survivors(tmp_path, codes, 2, r"all_reduce #2\b", T_KILL)
+    _check_survivors(tmp_path, codes, 2, r"all_reduce #3\b", T_KILL)
 
 
 @pytest.mark.timeout(HANG_S + 60)
@@ -302,7 +313,7 @@ def test_kill_during_all_reduce_8_ranks(tmp_path):
     codes = _run_loopback("kill_all_reduce", 8, tmp_path,
                           {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 5,
                            "FAULT_ELEMS": 16 << 20}, timeout=HANG_S)
-    _check_survivors(tmp_path, codes, 5, r"all_reduce #2\b", T_KILL)
+    _check_survivors(tmp_path, codes, 5, r"all_reduce #3\b", T_KILL)
 
 
 @pytest.mark.timeout(HANG_S + 60)
@@ -311,7 +322,7 @@ def test_kill_during_broadcast(tmp_path):
     codes = _run_loopback("kill_broadcast", 3, tmp_path,
                           {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 1,
                            "LINERATE_ROOTED_ALGO": "chain"}, timeout=HANG_S)
-    _check_survivors(tmp_path, codes, 1, r"broadcast #2\b", T_KILL)
+    _check_survivors(tmp_path, codes, 1, r"broadcast #3\b", T_KILL)
 
 
 @pytest.mark.timeout(HANG_S + 60)
