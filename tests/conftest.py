@@ -131,8 +131,8 @@ def pytest_runtest_setup(item):
 
 # ----------------------------------------------------------------------------- skips
 #: (what is absent, pattern of the skip reasons it causes): the skips a run may show, for what
-#: the machine cannot have, and for the optional extra and container engine that the test
-#: command (tools/quickstart.sh) does not install. A tool it installs is not one of them.
+#: the machine cannot have. A tool or package that the test command (tools/quickstart.sh)
+#: installs is not one of them: the frameworks extra, docker-compose, Prometheus, tcpdump...
 ALLOWED_SKIPS = (
     ("RDMA hardware", r"^no RDMA device: |^this machine has an RDMA device"),
     ("GPU", r"\b(CUDA|GPU)\b"),  # none here, or one here where a check needs none
@@ -143,9 +143,6 @@ ALLOWED_SKIPS = (
      r"^this platform's packages have no python3-pyverbs|"
      r"^the system's pyverbs cannot load in this Python: .*built for"),
     ("Python >= 3.11", r"needs Python >= 3\.11$"),
-    ("container engine", r"^no compose CLI "),
-    ("optional extra 'frameworks'",
-     r"^optional extra 'frameworks' not installed: |is not installed \(pip install '\.\[frameworks\]'"),
 )
 
 

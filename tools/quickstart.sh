@@ -16,10 +16,17 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
   # Pinned: a looser requirement would download the CUDA build (gigabytes).
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+if [ "$job" = test ]; then
+  # The frameworks whose recipes the tests run (Lightning, Accelerate, Transformers), with the
+  # torch pin in the same command so that pip cannot swap the CPU wheel (pyproject.toml).
+  "$VPY" -m pip install -q -e ".[test,frameworks]" "torch==2.13.0"
+else
+  "$VPY" -m pip install -q -e ".[test]"
+fi
 # The packages of what the suite's real checks use, where this machine lacks it: Prometheus
 # (scrapes a real run), tcpdump (TLS on the wire), iperf3 (the link probe), ping and iproute2
-# (netlab), rdma-core's pyverbs (the fake pyverbs is held against it; no RDMA device needed).
+# (netlab), rdma-core's pyverbs (the fake pyverbs is held against it; no RDMA device needed),
+# docker-compose (validates docker/compose.yaml; no container engine needed).
 # A test whose tool is missing is skipped, and tests/conftest.py fails the run on such a skip
 # (not on python3-pyverbs where the platform has no such package).
 absent() {
@@ -29,6 +36,8 @@ absent() {
   command -v ping >/dev/null 2>&1 || echo iputils-ping
   { command -v ip && command -v tc; } >/dev/null 2>&1 || echo iproute2
   [ -d /usr/lib/python3/dist-packages/pyverbs ] || echo python3-pyverbs
+  { command -v docker-compose || { command -v docker && docker compose version; }; } \
+    >/dev/null 2>&1 || echo docker-compose
 }
 if [ "$job" = test ] && [ -n "$(absent)" ]; then
   how="installing needs root and apt-get"
