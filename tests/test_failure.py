@@ -9,15 +9,20 @@ from linerate.transport.framing import MAX_ERROR_BYTES
 from linerate.transport.request import PeerFailure, TransportError
 
 
+class _Ctx(types.SimpleNamespace):
+    """A stand-in for the Context (Failures holds it weakly)."""
+
+
 def _ctx(rank=0, peers=(1, 2, 3)):
     peer = lambda r: types.SimpleNamespace(rank=r, root=None, link=None, failure=None,  # noqa: E731
                                           pending=[], told=False)
-    return types.SimpleNamespace(rank=rank, peers={r: peer(r) for r in peers}, shm=None,
-                                 closing=False, where=lambda: " [in all_reduce #3]")
+    return _Ctx(rank=rank, peers={r: peer(r) for r in peers}, shm=None, closing=False,
+                where=lambda: " [in all_reduce #3]")
 
 
 def test_the_first_failure_noted_is_the_root_and_wrappers_are_dropped():
-    f = Failures(_ctx())
+    ctx = _ctx()
+    f = Failures(ctx)
     assert f.root_cause() is None and f.root_value() == 0
     text = f"rank 1: {BECAUSE.format(2)}rank 2: out of memory"
     assert f.note_root(2, text) == (2, "rank 2: out of memory")

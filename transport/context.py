@@ -191,13 +191,17 @@ class Context(LinkSink):
                 offer.close()
         # Each kind takes the peers it links, in order (transport/kinds.py).
         left = set(self.peers)
-        for kind in kinds.KINDS:
-            mine = kind.claim(setup, left)
-            left -= mine
-            links = kind.build(setup, sorted(mine))
-            for p, link in links.items():
-                self.peers[p].link = link
-            kind.start(links, self)
+        try:
+            for kind in kinds.KINDS:
+                mine = kind.claim(setup, left)
+                left -= mine
+                links = kind.build(setup, sorted(mine))
+                for p, link in links.items():
+                    self.peers[p].link = link
+                kind.start(links, self)
+        finally:  # set-up is over: the set-up keeps no reference back to this Context (a
+            # maker that makes links later holds its own callbacks, dropped at close)
+            setup.on_link = setup.on_fail = setup.addresses = None
         self.transport = setup.network
         if setup.nrails != self.nrails:
             self.nrails = setup.nrails

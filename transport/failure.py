@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 from . import framing, ioloop
 from .framing import CHANNEL_COLLECTIVE, KIND_ERROR
@@ -75,7 +76,9 @@ class Failures:
     and the callbacks told of each failure (``on_failure``)."""
 
     def __init__(self, ctx):
-        self.ctx = ctx
+        #: The Context, weakly: it holds this object, and a destroyed group must leave no
+        #: cycle for the garbage collector (tests/test_io_threads.py checks).
+        self.ctx = weakref.proxy(ctx)
         self.broken: BaseException | None = None        # nothing can run any more
         self.coll_broken: BaseException | None = None   # collectives cannot run any more
         #: The group's first failure as this rank knows it: (root rank, text) (note_root).
