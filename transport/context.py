@@ -637,7 +637,7 @@ class Context(LinkSink):
         messages sent and received, queued bytes, retransmits, per-stream counts); plus the
         matcher's staged messages. A co-located peer's ``shm`` link also counts the bytes the
         collectives moved with it through the shared segment (``segment_bytes_sent`` /
-        ``_received`` say how many of them: collectives/shm_algos.py Engine.traffic)."""
+        ``_received`` say how many of them: transport/shmengine.py Engine.traffic)."""
         peers = []
         seg = self.shm
         traffic = seg.traffic if seg is not None else None

@@ -178,7 +178,7 @@ def _interface_counts(ctx, snap: dict | None = None) -> dict[tuple, int]:
     into shared memory for its peers once, however many of them read it (a broadcast's root
     writes its tensor once for all), and ``rx`` the bytes it read of theirs: the shared-memory
     links' own bytes (a ring has one reader: the same as per peer) plus the segment's
-    ``copied()`` (collectives/shm_algos.py Engine.copied), where the per-peer counts of the
+    ``copied()`` (transport/shmengine.py Engine.copied), where the per-peer counts of the
     ``shm`` connections hold the segment's bytes once per reader."""
     snap = ctx.stats() if snap is None else snap
     out: dict[tuple, int] = {}

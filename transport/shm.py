@@ -603,7 +603,7 @@ class Segment:
         self.on_close: list = []
         #: What the collectives moved through the segment: a callable returning
         #: {peer's group rank: (bytes sent to it, bytes received from it)}, set by whoever moves
-        #: them (collectives/shm_algos.py Engine), read by Context.stats; None: nothing counted.
+        #: them (transport/shmengine.py Engine), read by Context.stats; None: nothing counted.
         self.traffic = None
         #: The same bytes as the memory moved them: a callable returning (bytes written for
         #: the peers, each once however many read it; bytes read of theirs), set by the same
