@@ -243,12 +243,15 @@ def test_stream_wrong_peer_is_not_connected(fake):
 
 
 # ----------------------------------------------------------------------------- rendezvous
-def _contexts(size: int, opts_of, store=None):
+def _contexts(size: int, opts_of, store=None, before=None):
+    """``size`` Contexts built by thread ranks (``before(r)``: run first in rank r's thread)."""
     store = store or dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=30))
     out: list = [None] * size
 
     def build(r):
+        if before is not None:
+            before(r)
         try:
             out[r] = Context(store, r, size, opts_of(r))
         except BaseException as e:  # noqa: BLE001 - checked by the test
@@ -337,22 +340,8 @@ def test_ranks_linked_over_shared_memory_get_no_queue_pairs(fake, monkeypatch):
     host_id = shm.host_id
     monkeypatch.setattr(rdma.RdmaStream, "__init__", counted)
     monkeypatch.setattr(shm, "host_id", lambda: f"{host_id()}/h{where.host}")
-    store = dist.HashStore()
-    store.set_timeout(datetime.timedelta(seconds=30))
-    res: list = [None] * 4
-
-    def build(r):
-        where.host = r // 2
-        try:
-            res[r] = Context(store, r, 4, _opts(transport="rdma", shm="1"))
-        except BaseException as e:  # noqa: BLE001 - checked below
-            res[r] = e
-
-    threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
+    res = _contexts(4, lambda r: _opts(transport="rdma", shm="1"),
+                    before=lambda r: setattr(where, "host", r // 2))
     try:
         assert all(isinstance(c, Context) for c in res), res
         assert [c.transport for c in res] == ["rdma"] * 4

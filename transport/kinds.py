@@ -20,6 +20,7 @@ on a kind: it attaches what the kinds give it.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -65,18 +66,21 @@ class Setup:
     lazy: bool = False                # links to other hosts are made on first use
 
 
-class LinkKind:
-    """One kind of link. The defaults prepare nothing and start each link by itself."""
+class LinkKind(abc.ABC):
+    """One kind of link: ``claim`` and ``build`` are each kind's own; by default a kind
+    prepares nothing and starts each link by itself."""
     name = ""
 
     def prepare(self, setup: Setup) -> None:
         pass
 
+    @abc.abstractmethod
     def claim(self, setup: Setup, left: set) -> set:
-        raise NotImplementedError
+        """The peers of ``left`` this kind links (both ends of a pair must agree)."""
 
+    @abc.abstractmethod
     def build(self, setup: Setup, peers: list) -> dict[int, Link]:
-        raise NotImplementedError
+        """``peers``' links, not started (called with none too)."""
 
     def start(self, links: dict, sink: LinkSink) -> None:
         for link in links.values():

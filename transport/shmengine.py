@@ -336,7 +336,7 @@ class Engine:
                 now = time.monotonic()
                 if now >= live_at:
                     live_at = now + LIVE_S
-                    self._peers_alive(t, who, prog, ctrl)
+                    self._peers_alive(t, who, prog)
                 left = comm.deadline - now
                 if left <= 0:
                     late = [q for q in (who or range(self.P)) if prog[q] < t]
@@ -395,7 +395,7 @@ class Engine:
             if not self._check(t, who, ctrl):
                 return
 
-    def _peers_alive(self, t: int, who, prog, ctrl) -> None:
+    def _peers_alive(self, t: int, who, prog) -> None:
         """Raise if a rank this one waits for (not at tick ``t`` yet) closed its group or
         failed (a link's failure) or its process has exited."""
         comm = self.comm
