@@ -48,11 +48,12 @@ def _opts(cls, **fields):
 
 def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 60.0,
                 options=None, gloo_groups: bool = False, as_dist: bool = False,
-                env: dict | None = None, monkeypatch=None) -> list:
+                env: dict | None = None, monkeypatch=None, before=None) -> list:
     """``fn(pg, rank)`` (or ``fn(pg, gloo, rank)``, or ``fn(ThreadDist, rank)`` with
     ``as_dist``; ``as_dist="batched"``: its Gloo calls batched, ThreadDist.settle) on ``world``
     thread ranks; their results. ``options``: a ``linerate.Options`` for every group (else the environment's, with ``env``
-    set through ``monkeypatch``).
+    set through ``monkeypatch``). ``before(rank)`` runs first in each rank's thread (a test
+    that places its thread ranks on hosts sets a thread-local there).
 
     ``timeout`` (the whole run) and ``op_timeout`` (the groups' timeout) only turn a hang into
     a failure: the ranks share one interpreter's lock, and on a loaded 2-core machine one rank
@@ -68,9 +69,12 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
     results: list = [None] * world
     errors: dict = {}
     pgs: list = [None] * world
+    subs: list = []  # the groups ThreadDist.new_group makes
 
     def rank_main(r: int) -> None:
         try:
+            if before is not None:
+                before(r)
             pg = ProcessGroupLinerate(dist.PrefixStore(name, store), r, world,
                                       timedelta(seconds=op_timeout),
                                       None if options is None else options.copy(),
@@ -78,7 +82,9 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
             pgs[r] = pg
             if as_dist:
                 gloo = gloo_group(dist.PrefixStore(name + "g", store), r, world, op_timeout)
-                results[r] = fn(ThreadDist(pg, gloo, r, world, batched=as_dist == "batched"), r)
+                d = ThreadDist(pg, gloo, r, world, batched=as_dist == "batched",
+                               store=store, name=name, timeout=op_timeout, subs=subs)
+                results[r] = fn(d, r)
             elif gloo_groups:
                 gloo = dist.ProcessGroupGloo(dist.PrefixStore(name + "g", store), r, world,
                                              timedelta(seconds=op_timeout))
@@ -96,7 +102,7 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     late = [r for r, t in enumerate(threads) if t.is_alive()]
-    for pg in pgs:
+    for pg in subs + pgs:
         if pg is not None:
             try:
                 pg.abort() if late or errors else pg.shutdown()
@@ -161,9 +167,14 @@ class ThreadDist:
 
     ReduceOp = dist.ReduceOp
 
-    def __init__(self, lr, gloo, rank: int, world: int, batched: bool = False):
+    def __init__(self, lr, gloo, rank: int, world: int, batched: bool = False, store=None,
+                 name: str = "", timeout: float = 60.0, subs: list | None = None):
         self.lr, self.gloo, self.rank, self.world = lr, gloo, rank, world
         self._kept: list | None = [] if batched else None
+        # for new_group: the run's Store, its name, the groups' timeout, and where the groups
+        # it makes are kept (run_threads shuts them down)
+        self._store, self._name, self._timeout = store, name, timeout
+        self._subs = subs if subs is not None else []
 
     def _run(self, group, method: str, *args, async_op: bool = False, future: bool = False):
         if group is None and self._kept is not None and not _at_once(method, args):
@@ -185,6 +196,20 @@ class ThreadDist:
 
     def get_rank(self, group=None) -> int:
         return self.rank
+
+    def new_group(self, ranks: list) -> tuple:
+        """A linerate and a Gloo group of ``ranks`` (their group ranks in that order), as
+        ``new_group`` makes them: ``(lr, gloo)`` on a member, ``(None, None)`` elsewhere."""
+        if self.rank not in ranks:
+            return None, None
+        from linerate.collectives.backend import ProcessGroupLinerate
+        key = f"{self._name}s{'.'.join(map(str, ranks))}"
+        me = ranks.index(self.rank)
+        lr = ProcessGroupLinerate(dist.PrefixStore(key, self._store), me, len(ranks),
+                                  timedelta(seconds=self._timeout), None, group_name=key)
+        self._subs.append(lr)
+        return lr, gloo_group(dist.PrefixStore(key + "g", self._store), me, len(ranks),
+                              self._timeout)
 
     def get_world_size(self, group=None) -> int:
         return self.world

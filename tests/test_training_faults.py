@@ -11,7 +11,8 @@
 - A stride-0 (expand()ed) output is refused before anything is sent; the group stays usable.
 - Memory kept after a large operation is bounded by LINERATE_KEEP_BYTES.
 
-Ranks are separate processes (scripts below): a rank must be able to die or hang.
+Ranks are separate processes (scripts below): a rank must be able to die or hang; the set-up
+disagreements also run on thread ranks, one for each setting.
 """
 from __future__ import annotations
 
@@ -149,18 +150,26 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("setting, mine, rank0", [
+_DISAGREE = [
     ("LINERATE_NSOCKS", "1", "2"),
     ("LINERATE_NSOCKS", "2", "auto"),       # auto may narrow links to other hosts
     ("LINERATE_PIPELINE", "0", "auto"),     # a collectives setting, agreed the same way
     ("LINERATE_ALLREDUCE_ALGO", "direct", "ring"),  # else: ranks wait in different algorithms
     ("LINERATE_SMALL_BYTES", "4096", "65536"),
-])
-def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(setting, mine, rank0,
-                                                                      tmp_path):
+]
+
+
+def _named(setting, mine, rank0):
+    shown = "auto (2)" if setting == "LINERATE_NSOCKS" and rank0 == "auto" else rank0
+    return f"{setting} is {mine} here but {shown} on rank 0"
+
+
+def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(tmp_path):
+    """Rank processes, the setting from the environment as a job sets it (the thread test
+    below takes every setting of _DISAGREE through the group's options)."""
+    setting, mine, rank0 = _DISAGREE[0]
     res = run_ranks_script(tmp_path, _SETUP, 4, timeout=HANG_S,
                            per_rank_env={3: {setting: mine}}, env={setting: rank0})
-    shown = "auto (2)" if setting == "LINERATE_NSOCKS" and rank0 == "auto" else rank0
     # from the moment the last rank started its set-up (a loaded machine starts the four
     # interpreters seconds apart), not from each rank's own start
     started = max(float(re.search(r"STARTED (\S+)", text).group(1)) for _, text in res)
@@ -170,7 +179,47 @@ def test_setup_disagreement_fails_every_rank_fast_naming_the_setting(setting, mi
         took = float(m.group(1)) - started
         assert took < 10, f"rank {r} failed {took:.1f}s after the last rank started (the " \
                           f"set-up timeout is 30 s)"
-        assert f"{setting} is {mine} here but {shown} on rank 0" in m.group(2), (r, m.group(2))
+        assert _named(setting, mine, rank0) in m.group(2), (r, m.group(2))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting, mine, rank0", _DISAGREE)
+def test_setup_disagreement_on_threads_fails_every_rank_naming_the_setting(setting, mine,
+                                                                            rank0):
+    """Four thread ranks (one interpreter), rank 3's group built with another value: every
+    rank's set-up fails, naming the setting, well within the set-up timeout (30 s)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from linerate.collectives.backend import ProcessGroupLinerate
+    from linerate.collectives.options import Options
+    store, errors, made = dist.HashStore(), {}, []
+
+    def rank_main(r):
+        try:
+            pg = ProcessGroupLinerate(dist.PrefixStore("g", store), r, 4, timedelta(seconds=30),
+                                      Options.from_env({setting: mine if r == 3 else rank0}),
+                                      group_name="g")
+            made.append(pg)
+            pg.barrier().wait()
+        except Exception as e:  # noqa: BLE001 - each rank's error is the subject
+            errors[r] = (time.monotonic(), str(e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for pg in made:
+        pg.abort()
+    assert not any(t.is_alive() for t in threads), "a rank is still in its set-up after 60 s"
+    assert sorted(errors) == [0, 1, 2, 3], errors
+    for r, (when, text) in errors.items():
+        assert when - t0 < 10, f"rank {r} failed after {when - t0:.1f}s"
+        assert _named(setting, mine, rank0) in text, (r, text)
 
 
 # ----------------------------------------------------------------------------- 4: stride 0

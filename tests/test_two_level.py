@@ -5,12 +5,15 @@
   two "hosts" on loopback (patched host ids) run two-level, and a size mismatch is named on
   every rank (small and large all_reduce).
 - The algorithm table (no processes): auto choices, overrides; the two-level columns.
-- netlab 2x2, 2x4, 3x3 and 4+3 (one launch each): every two-level op against Gloo on the same
-  inputs (float32, float64, int32, bfloat16; SUM, AVG, PRODUCT, MIN, MAX; sizes 0, 1, 7, 1001,
-  70,001 with 64 KiB pipeline chunks), a sub-group taking some ranks of a host, random floats
+- Layouts 2x2, 2x4, 3x3 and 4+3 on thread ranks playing hosts (a per-thread host id), and 4+3
+  on netlab hosts (one launch): every two-level op against Gloo on the same inputs (float32,
+  float64, int32, bfloat16; SUM, AVG, PRODUCT, MIN, MAX; sizes 0, 1, 7, 1001, 70,001 with
+  64 KiB pipeline chunks), a sub-group taking some ranks of a host, random floats
   bit-identical on every rank.
 """
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -281,130 +284,197 @@ def test_plan_columns():
     assert p.bounds(10) == [0, 3, 6, 8, 10]
 
 
-# ----------------------------------------------------------------------------- netlab layouts
-# One launch per layout: every rank loops over ops, dtypes and sizes, each against Gloo on the
-# same inputs in the same launch, then a sub-group taking some ranks of a host.
-RANK_SCRIPT = r'''
-import hashlib, json, os
-import torch
-import torch.distributed as dist
-from linerate.collectives import two_level
-two_level.PIPE_BYTES = 64 << 10  # several pipeline chunks from 64 KiB on
-
-R = dist.ReduceOp
-dist.init_process_group("linerate")
-rank, P = dist.get_rank(), dist.get_world_size()
-lw = int(os.environ["LOCAL_WORLD_SIZE"])
-cpu = torch.device("cpu")
-gloo = dist.new_group(backend="gloo")
-fails, cases = [], 0
-# the layout from torchrun's variables, as netlab sets them (hosts filled in order)
-hosts = json.loads(os.environ["TL_HOSTS"])
-sub = hosts[0][:max(2, len(hosts[0]) - 1)] + [h[0] for h in hosts[1:]]
-lr_sub, gl_sub = dist.new_group(sub, backend="linerate"), dist.new_group(sub, backend="gloo")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
-          "bfloat16": torch.bfloat16}
-
-
-def values(n, dt, seed, prod=False):
-    g = torch.Generator().manual_seed(seed)
-    if prod:  # powers of two: products exact in every dtype
-        return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).mul(
-            torch.randint(1, 3, (n,), generator=g)).to(dt)
-    return torch.randint(-3, 4, (n,), generator=g).to(dt)
-
-
-def check(what, a, b):
-    global cases
-    cases += 1
-    if not torch.equal(a, b):
-        bad = (a != b).nonzero()
-        fails.append(f"rank {rank}: {what}: {bad.numel()} elements differ, first at "
-                     f"{bad[0].tolist()}: {a.reshape(-1)[bad[0]].tolist()} vs gloo "
-                     f"{b.reshape(-1)[bad[0]].tolist()}")
-
-
-def run(g, gl, me, size, sizes, dtypes, tag):
-    for n in sizes:
-        for dname in dtypes:
-            dt = DTYPES[dname]
-            ops = [R.SUM, R.MAX, R.MIN, R.PRODUCT] + ([R.AVG] if dt.is_floating_point else [])
-            for op in ops:
-                x = values(n, dt, 7 * me + n, prod=op == R.PRODUCT)
-                a, b = x.clone(), x.clone()
-                dist.all_reduce(a, op=op, group=g)
-                dist.all_reduce(b, op=R.SUM if op == R.AVG else op, group=gl)
-                if op == R.AVG:
-                    b.div_(size)
-                check(f"{tag} all_reduce {dname}[{n}] {op}", a, b)
-            x = values(n * size, dt, 11 * me + n)
-            a, b = torch.empty(n, dtype=dt), torch.empty(n, dtype=dt)
-            dist.reduce_scatter_tensor(a, x, group=g)
-            dist.reduce_scatter_tensor(b, x, group=gl)
-            check(f"{tag} reduce_scatter {dname}[{n}]", a, b)
-            x = values(n, dt, 13 * me + n)
-            a, b = torch.empty(n * size, dtype=dt), torch.empty(n * size, dtype=dt)
-            dist.all_gather_into_tensor(a, x, group=g)
-            dist.all_gather_into_tensor(b, x, group=gl)
-            check(f"{tag} all_gather {dname}[{n}]", a, b)
-            for root in sorted({0, size // 2, size - 1}):
-                groot = dist.get_global_rank(g, root) if g is not None else root
-                a, b = x.clone(), x.clone()
-                dist.broadcast(a, groot, group=g)
-                dist.broadcast(b, groot, group=gl)
-                check(f"{tag} broadcast {dname}[{n}] root {root}", a, b)
-                a, b = x.clone(), x.clone()
-                dist.reduce(a, groot, group=g)
-                dist.reduce(b, groot, group=gl)
-                check(f"{tag} reduce {dname}[{n}] root {root}", a if me == root else x,
-                      b if me == root else x)  # a non-root's input is left alone
-
-
-run(None, gloo, rank, P, [0, 1, 7, 1001, 70_001], list(DTYPES), "world")
-# random floats: every rank the same bits (a digest of each result, gathered over Gloo)
-digests = []
-for n, dt in ((70_001, torch.float32), (1001, torch.bfloat16), (300_001, torch.float64)):
-    x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dt)
-    dist.all_reduce(x)
-    digests.append(int.from_bytes(hashlib.blake2b(x.view(torch.uint8).numpy().tobytes(),
-                                                  digest_size=7).digest(), "little"))
-every = [torch.zeros(3, dtype=torch.int64) for _ in range(P)]
-dist.all_gather(every, torch.tensor(digests), group=gloo)
-if any(not torch.equal(e, every[0]) for e in every):
-    fails.append(f"rank {rank}: random-float results differ between ranks: {every}")
-if rank in sub:
-    run(lr_sub, gl_sub, sub.index(rank), len(sub), [7, 70_001], ["float32", "int32"], "sub")
-pg = dist.group.WORLD._get_backend(cpu)
-algos = sorted({f"{r.op}:{r.algorithm}" for r in pg._flight.ring})
-print("TL", rank, json.dumps({"fails": fails[:20], "nfail": len(fails), "cases": cases,
-                              "algos": algos, "two_level": pg._shape.two_level_auto}), flush=True)
-dist.destroy_process_group()
-'''
-
+# ----------------------------------------------------------------------------- layouts
+# Every rank loops over ops, dtypes and sizes, each against Gloo on the same inputs, then a
+# sub-group taking some ranks of a host. One function, two harnesses: thread ranks playing
+# hosts (a per-thread host id: shared memory within a "host", TCP on loopback between them)
+# for every layout, and one netlab launch (rank processes in network namespaces, torchrun's
+# variables) for one layout.
 LAYOUTS = {"2x2": [2, 2], "2x4": [4, 4], "3x3": [3, 3, 3], "4+3": [4, 3]}
 
 
-@needs_netlab
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_against_gloo(name, lab_name, tmp_path):
-    import json
-    counts = LAYOUTS[name]
+def _hosts_of(counts):
     hosts, r = [], 0
     for c in counts:
         hosts.append(list(range(r, r + c)))
         r += c
-    res, out = run_netlab_script(
-        lab_name, tmp_path, RANK_SCRIPT,
-        ["--hosts", str(len(counts)), "--rate", "none", "--ranks-per-host", ",".join(map(str, counts))],
-        "TL", env={"TL_HOSTS": json.dumps(hosts), "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0 and sorted(out) == list(range(sum(counts))), \
-        res.stdout[-4000:] + res.stderr[-4000:]
+    return hosts
+
+
+def _sub_of(hosts):
+    """The sub-group: some ranks of the first host and the first rank of each other."""
+    return hosts[0][:max(2, len(hosts[0]) - 1)] + [h[0] for h in hosts[1:]]
+
+
+def _layout_matrix(d, rank, P, lr, gl, lr_sub, gl_sub, sub, root_of):
+    """``d``: torch.distributed (a rank process) or tests/_threads.ThreadDist; ``lr``/``gl``
+    the linerate and Gloo groups as ``d`` names them; ``lr_sub``/``gl_sub`` the sub-group's;
+    ``root_of(g, root)``: the rank ``d`` takes for group ``g``'s rank ``root``."""
+    import hashlib
+
+    import torch
+    from linerate.collectives import two_level
+    two_level.PIPE_BYTES = 64 << 10  # several pipeline chunks from 64 KiB on
+    R = d.ReduceOp
+    DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
+              "bfloat16": torch.bfloat16}
+    fails, cases = [], [0]
+
+    def values(n, dt, seed, prod=False):
+        g = torch.Generator().manual_seed(seed)
+        if prod:  # powers of two: products exact in every dtype
+            return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).mul(
+                torch.randint(1, 3, (n,), generator=g)).to(dt)
+        return torch.randint(-3, 4, (n,), generator=g).to(dt)
+
+    pending = []  # compared at the end: a batched ThreadDist's reference is read after settle()
+
+    def check(what, a, b, then=None):
+        pending.append((what, a, b, then))
+
+    def compare():
+        if hasattr(d, "settle"):
+            d.settle()
+        for what, a, b, then in pending:
+            if then is not None:
+                b = then(b)
+            cases[0] += 1
+            if not torch.equal(a, b):
+                bad = (a != b).nonzero()
+                fails.append(f"rank {rank}: {what}: {bad.numel()} elements differ, first at "
+                             f"{bad[0].tolist()}: {a.reshape(-1)[bad[0]].tolist()} vs gloo "
+                             f"{b.reshape(-1)[bad[0]].tolist()}")
+        pending.clear()
+
+    def run(g, gl, me, size, sizes, dtypes, tag):
+        for n in sizes:
+            for dname in dtypes:
+                dt = DTYPES[dname]
+                ops = [R.SUM, R.MAX, R.MIN, R.PRODUCT] + ([R.AVG] if dt.is_floating_point else [])
+                for op in ops:
+                    x = values(n, dt, 7 * me + n, prod=op == R.PRODUCT)
+                    a, b = x.clone(), x.clone()
+                    d.all_reduce(a, op=op, group=g)
+                    d.all_reduce(b, op=R.SUM if op == R.AVG else op, group=gl)
+                    check(f"{tag} all_reduce {dname}[{n}] {op}", a, b,
+                          (lambda t: t.div(size)) if op == R.AVG else None)
+                x = values(n * size, dt, 11 * me + n)
+                a, b = torch.empty(n, dtype=dt), torch.empty(n, dtype=dt)
+                d.reduce_scatter_tensor(a, x, group=g)
+                d.reduce_scatter_tensor(b, x, group=gl)
+                check(f"{tag} reduce_scatter {dname}[{n}]", a, b)
+                x = values(n, dt, 13 * me + n)
+                a, b = torch.empty(n * size, dtype=dt), torch.empty(n * size, dtype=dt)
+                d.all_gather_into_tensor(a, x, group=g)
+                d.all_gather_into_tensor(b, x, group=gl)
+                check(f"{tag} all_gather {dname}[{n}]", a, b)
+                for root in sorted({0, size // 2, size - 1}):
+                    a, b = x.clone(), x.clone()
+                    d.broadcast(a, root_of(g, root), group=g)
+                    d.broadcast(b, root_of(gl, root), group=gl)
+                    check(f"{tag} broadcast {dname}[{n}] root {root}", a, b)
+                    a, b = x.clone(), x.clone()
+                    d.reduce(a, root_of(g, root), group=g)
+                    d.reduce(b, root_of(gl, root), group=gl)
+                    check(f"{tag} reduce {dname}[{n}] root {root}", a,
+                          b if me == root else x)  # a non-root's input is left alone
+
+    run(lr, gl, rank, P, [0, 1, 7, 1001, 70_001], list(DTYPES), "world")
+    # random floats: every rank the same bits (a digest of each result, gathered over Gloo)
+    digests = []
+    for n, dt in ((70_001, torch.float32), (1001, torch.bfloat16), (300_001, torch.float64)):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dt)
+        d.all_reduce(x, group=lr)
+        digests.append(int.from_bytes(hashlib.blake2b(x.view(torch.uint8).numpy().tobytes(),
+                                                      digest_size=7).digest(), "little"))
+    every = [torch.zeros(3, dtype=torch.int64) for _ in range(P)]
+    d.all_gather(every, torch.tensor(digests), group=gl)
+    compare()
+    if any(not torch.equal(e, every[0]) for e in every):
+        fails.append(f"rank {rank}: random-float results differ between ranks: {every}")
+    if rank in sub:
+        run(lr_sub, gl_sub, sub.index(rank), len(sub), [7, 70_001], ["float32", "int32"], "sub")
+    compare()
+    return {"fails": fails[:20], "nfail": len(fails), "cases": cases[0]}
+
+
+def _check_layout(out: dict, world: int):
+    assert sorted(out) == list(range(world)), sorted(out)
     for rank, o in out.items():
         assert o["nfail"] == 0, "\n".join(o["fails"])
         assert o["cases"] > 100 and o["two_level"], o
         for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
             assert f"{op}:two_level" in o["algos"], o["algos"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_against_gloo(name, monkeypatch):
+    """Thread ranks (tests/_threads.py); a per-thread host id places them on the layout's
+    hosts."""
+    import threading
+
+    from _threads import run_threads
+    from linerate.transport import shm
+    hosts = _hosts_of(LAYOUTS[name])
+    host_of = {r: i for i, h in enumerate(hosts) for r in h}
+    where = threading.local()
+    host_id = shm.host_id
+    monkeypatch.setattr(shm, "host_id", lambda: f"{host_id()}/h{where.host}")
+    sub = _sub_of(hosts)
+
+    def rank_main(d, rank):
+        lr_sub, gl_sub = d.new_group(sub)
+        o = _layout_matrix(d, rank, d.world, d.lr, None, lr_sub, gl_sub, sub,
+                           lambda g, root: root)
+        o["algos"] = sorted({f"{r.op}:{r.algorithm}" for r in d.lr._flight.ring})
+        o["two_level"] = d.lr._shape.two_level_auto
+        return o
+
+    world = sum(LAYOUTS[name])
+    out = run_threads(rank_main, world, as_dist="batched", timeout=280,
+                      before=lambda r: setattr(where, "host", host_of[r]))
+    _check_layout(dict(enumerate(out)), world)
+
+
+NETLAB_LAYOUT = "4+3"
+RANK_SCRIPT = "\n".join([
+    "import json, os",
+    "import torch",
+    "import torch.distributed as dist",
+    inspect.getsource(_sub_of),
+    inspect.getsource(_layout_matrix),
+    '''
+dist.init_process_group("linerate")
+rank, P = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+# the layout from torchrun's variables, as netlab sets them (hosts filled in order)
+hosts = json.loads(os.environ["TL_HOSTS"])
+sub = _sub_of(hosts)
+lr_sub, gl_sub = dist.new_group(sub, backend="linerate"), dist.new_group(sub, backend="gloo")
+o = _layout_matrix(dist, rank, P, None, gloo, lr_sub, gl_sub, sub,
+                   lambda g, root: root if g is None else dist.get_global_rank(g, root))
+pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+o["algos"] = sorted({f"{r.op}:{r.algorithm}" for r in pg._flight.ring})
+o["two_level"] = pg._shape.two_level_auto
+print("TL", rank, json.dumps(o), flush=True)
+dist.destroy_process_group()
+'''])
+
+
+@needs_netlab
+@pytest.mark.timeout(150)
+def test_layout_against_gloo_between_netlab_hosts(lab_name, tmp_path):
+    """One layout (NETLAB_LAYOUT) as rank processes on netlab hosts: network namespaces,
+    separate hosts to the kernel, launched by torchrun as a job is."""
+    import json
+    counts = LAYOUTS[NETLAB_LAYOUT]
+    res, out = run_netlab_script(
+        lab_name, tmp_path, RANK_SCRIPT,
+        ["--hosts", str(len(counts)), "--rate", "none", "--ranks-per-host", ",".join(map(str, counts))],
+        "TL", env={"TL_HOSTS": json.dumps(_hosts_of(counts)), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    _check_layout(out, sum(counts))
 
 
 # ----------------------------------------------------------------------------- rails
