@@ -400,6 +400,7 @@ MIXED_SCRIPT = r'''
 import json, os
 import torch
 import torch.distributed as dist
+import linerate
 
 dist.init_process_group("linerate")
 rank, P = dist.get_rank(), dist.get_world_size()
@@ -425,35 +426,40 @@ for r in reqs:
 for q, n, got, w in want:
     if not torch.equal(got, w):
         fails.append(f"rank {rank}: message of {n} from rank {q} differs")
-for n in (7, 70_001, 1_000_003):
-    x = torch.randn(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    a, b = x.clone(), x.clone()
-    dist.all_reduce(a)
-    dist.all_reduce(b, group=gloo)
-    if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
-        fails.append(f"rank {rank}: all_reduce of {n} differs from Gloo")
+# the group's choice, and a group whose all_reduce is a flat ring over both kinds of link
+ring = dist.new_group(backend="linerate", pg_options=linerate.Options(allreduce_algo="ring"))
+for g, name in ((None, "auto"), (ring, "ring")):
+    for n in (7, 70_001, 1_000_003):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a, group=g)
+        dist.all_reduce(b, group=gloo)
+        if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
+            fails.append(f"rank {rank}: {name} all_reduce of {n} differs from Gloo")
+ring_algos = sorted({r.algorithm for r in linerate.backend_of(ring)._flight.ring
+                     if r.op == "all_reduce"})
 kinds = {p["peer"]: [l["kind"] for l in p["links"]] for p in pg._ctx.stats()["peers"]}
-print("MX", rank, json.dumps({"fails": fails, "kinds": kinds, "lw": lw}), flush=True)
+print("MX", rank, json.dumps({"fails": fails, "kinds": kinds, "lw": lw, "ring": ring_algos}),
+      flush=True)
 dist.destroy_process_group()
 '''
 
 
 @pytest.mark.netlab
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("algo,connect", [("auto", "lazy"), ("ring", "lazy"), ("auto", "eager")])
-def test_mixed_links_p2p_and_all_reduce(algo, connect, lab_name, tmp_path):
+@pytest.mark.parametrize("connect", ["lazy", "eager"])
+def test_mixed_links_p2p_and_all_reduce(connect, lab_name, tmp_path):
     """netlab 2 hosts x 2 ranks: the co-located peer over shared memory, the others over
     TCP, in one group; p2p every way byte-exact; all_reduce (the group's choice, and a flat
-    ring over both kinds of link) equals Gloo's; lazy and eager TCP links."""
+    ring over both kinds of link in a second group) equals Gloo's; lazy and eager TCP links."""
     env = {"OMP_NUM_THREADS": "1", "LINERATE_CONNECT": connect}
-    if algo != "auto":
-        env["LINERATE_ALLREDUCE_ALGO"] = algo
     res, out = run_netlab_script(
         lab_name, tmp_path, MIXED_SCRIPT,
         ["--hosts", "2", "--rate", "none", "--ranks-per-host", "2,2"], "MX", env=env)
     assert res.returncode == 0 and sorted(out) == [0, 1, 2, 3], res.stdout[-4000:] + res.stderr[-4000:]
     for rank, o in out.items():
         assert not o["fails"], o["fails"]
+        assert o["ring"] == ["ring"], o["ring"]
         host = rank // 2
         want = {str(q): ["shm"] if q // 2 == host else ["tcp"] for q in range(4) if q != rank}
         # lazy TCP: a remote peer's link exists once used (every pair was used above)
