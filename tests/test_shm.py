@@ -817,13 +817,30 @@ def test_one_host_group_takes_rank_0s_offered_segment(local_world):
             assert r["offered"] is None and r["segment"] == res[0]["segment"], res
 
 
+def _disagree_offered(rank, P, lr):
+    """_disagree, with the names of the segments this rank created."""
+    from linerate.transport import shm
+    made, create = [], shm._create
+
+    def recorded(size):
+        out = create(size)
+        made.append(out[0])
+        return out
+
+    shm._create = recorded
+    return _disagree(rank, P, lr), made
+
+
 @pytest.mark.timeout(120)
 def test_offered_segment_is_unlinked_when_the_group_fails():
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("linerate-")}
-    for msg in run_ranks(_disagree, 2, timeout=90):  # rank 0 offered, rank 1 refuses shm
+    # rank 0 offered a segment, rank 1 refuses shared memory; the offered segment's name (not
+    # a listing of /dev/shm, where the other test worker's groups come and go)
+    res = run_ranks(_disagree_offered, 2, timeout=90)
+    for msg, _ in res:
         assert "LINERATE_SHM" in msg and "same setting" in msg, msg
-    after = {n for n in os.listdir("/dev/shm") if n.startswith("linerate-")}
-    assert not after - before, after - before
+    offered = res[0][1]
+    assert len(offered) == 1 and res[1][1] == [], res
+    assert not os.path.exists(os.path.join("/dev/shm", offered[0])), offered
 
 
 # ----------------------------------------------------------------------------- segment proof

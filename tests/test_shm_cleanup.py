@@ -62,7 +62,6 @@ def test_the_last_rank_to_map_a_host_segment_unlinks_its_name():
         except BaseException as e:  # noqa: BLE001 - reported below
             got[r] = e
 
-    before = _segments()
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -70,7 +69,8 @@ def test_the_last_rank_to_map_a_host_segment_unlinks_its_name():
     assert not threads[1].is_alive() and threads[0].is_alive()
     name = got[1][1]
     assert got[1][0] is not None and name.startswith("linerate-"), got
-    assert name not in _segments() and _segments() <= before, "the name outlived the mappings"
+    # its own name only: the other test worker's groups make and unlink segments meanwhile
+    assert name not in _segments(), "the name outlived the mappings"
     go.set()
     threads[0].join(30)
     buf0, buf1 = got[0][0], got[1][0]

@@ -313,8 +313,6 @@ def _layout_matrix(d, rank, P, lr, gl, lr_sub, gl_sub, sub, root_of):
     import hashlib
 
     import torch
-    from linerate.collectives import two_level
-    two_level.PIPE_BYTES = 64 << 10  # several pipeline chunks from 64 KiB on
     R = d.ReduceOp
     DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
               "bfloat16": torch.bfloat16}
@@ -415,7 +413,9 @@ def test_layout_against_gloo(name, monkeypatch):
     import threading
 
     from _threads import run_threads
+    from linerate.collectives import two_level
     from linerate.transport import shm
+    monkeypatch.setattr(two_level, "PIPE_BYTES", 64 << 10)  # several pipeline chunks from 64 KiB
     hosts = _hosts_of(LAYOUTS[name])
     host_of = {r: i for i, h in enumerate(hosts) for r in h}
     where = threading.local()
@@ -445,6 +445,8 @@ RANK_SCRIPT = "\n".join([
     inspect.getsource(_sub_of),
     inspect.getsource(_layout_matrix),
     '''
+from linerate.collectives import two_level
+two_level.PIPE_BYTES = 64 << 10  # several pipeline chunks from 64 KiB on
 dist.init_process_group("linerate")
 rank, P = dist.get_rank(), dist.get_world_size()
 gloo = dist.new_group(backend="gloo")
