@@ -149,6 +149,14 @@ class Recorder:
             r.state = "started"
             r.started = time.time()
 
+    def began(self, op: str, seq: int, desc: str) -> None:
+        """queued() and started() at once: an op numbered as it starts."""
+        r = Record(seq, op, desc, time.time())
+        r.state = "started"
+        r.started = r.queued
+        self.ring.append(r)
+        self._live[seq] = r
+
     def completed(self, seq: int, algorithm: str = "", waited: dict | None = None) -> None:
         r = self._live.pop(seq, None)
         if r is not None:
@@ -204,6 +212,9 @@ class Off:
         pass
 
     def started(self, seq: int) -> None:
+        pass
+
+    def began(self, op: str, seq: int, desc: str) -> None:
         pass
 
     def completed(self, seq: int, algorithm: str = "", waited: dict | None = None) -> None:

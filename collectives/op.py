@@ -73,6 +73,9 @@ class FlightHook:
     def started(self, op) -> None:
         self.fr.started(op.seq)
 
+    def began(self, op) -> None:
+        self.fr.began(op.name, op.seq, op.desc)
+
     def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
         self.fr.completed(op.seq, algorithm, waits(op) if op.arrivals else None)
 
@@ -110,6 +113,13 @@ class Lifecycle:
         self.rank = rank
         self.hooks: list = []
         self._queued: list = []  # the hooks with a queued() method
+        #: What begin_now calls per hook: its began(op), else its queued() (where it has
+        #: one) and started(op).
+        self._began: list = []
+        #: The hooks finish tells before completing the Works, and those it tells after
+        #: (the metrics: off the caller's path where the worker ran the op).
+        self._done: list = []
+        self._metrics: list = []
         #: Whether ops record when each peer's first contribution arrived (Comm.arrivals):
         #: while the group watches for slow ranks (collectives/straggler.py).
         self.arrivals = False
@@ -118,6 +128,14 @@ class Lifecycle:
         self.hooks.append(hook)
         if hasattr(hook, "queued"):
             self._queued.append(hook)
+        if hasattr(hook, "began"):
+            self._began.append(hook.began)
+        elif hasattr(hook, "queued"):
+            self._began.append(lambda op, h=hook: (h.queued(op.name, op.seq, op.desc),
+                                                   h.started(op)))
+        else:
+            self._began.append(hook.started)
+        (self._metrics if type(hook) is MetricsHook else self._done).append(hook)
 
     def queued(self, name: str, seq: int, desc: str) -> None:
         """A call got its sequence number (it runs now, or waits in the group's queue)."""
@@ -141,6 +159,15 @@ class Lifecycle:
             for h in self.hooks:
                 h.started(op)
 
+    def begin_now(self, op, comm: Comm) -> None:
+        """``queued`` and ``begin`` of one op at once: a synchronous call numbered and run in
+        the caller's thread (collectives/runner.py ``_run_lone``)."""
+        op.t0 = time.perf_counter()
+        if self.arrivals:
+            comm.arrivals = {}
+        for began in self._began:
+            began(op)
+
     # ------------------------------------------------------------------ finish
     def finish(self, ops, comm: Comm, nbytes=None, algorithm: str | None = None) -> None:
         """The ops ran: copy results back, release the op's resources, record, complete the
@@ -158,20 +185,18 @@ class Lifecycle:
         algo = comm.algorithm if algorithm is None else algorithm
         if len(ops) == 1:
             op = ops[0]
-            for h in self.hooks:
-                if type(h) is not MetricsHook:
-                    h.completed(op, algo, seconds, nbytes)
-            complete(op.work)
+            for h in self._done:
+                h.completed(op, algo, seconds, nbytes)
+            if op.work is not None:  # (None: _run_lone makes a completed Work after)
+                complete(op.work)
         else:
             for op in ops:
-                for h in self.hooks:
-                    if type(h) is not MetricsHook:
-                        h.completed(op, algo, seconds, nbytes)
+                for h in self._done:
+                    h.completed(op, algo, seconds, nbytes)
             complete_many([op.work for op in ops])
         # The metrics last: after the Works completed (on the worker: off the caller's path).
-        for h in self.hooks:
-            if type(h) is MetricsHook:
-                h.completed(ops[0], comm.algorithm, seconds, nbytes)
+        for h in self._metrics:
+            h.completed(ops[0], comm.algorithm, seconds, nbytes)
 
     # ------------------------------------------------------------------ fail
     def fail(self, ops, comm: Comm | None, e: BaseException, named: tuple = (),

@@ -35,7 +35,7 @@ from .dispatch import WORKER
 from .op import Op
 from .scheduler import Scheduler
 from .stage import Stage
-from .work import Work, call_on_wait, on_streams
+from .work import Work, call_on_wait, completed, on_streams
 
 #: A two-level all_reduce of at least this many bytes may be chained to the next one queued
 #: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
@@ -289,8 +289,10 @@ class Runner:
         the group's reused Comm, where the worker is idle with nothing queued (else None:
         the general way queues it). As _execute runs an op, for a one-host group's lone
         small calls: no two-level chaining there. ``fused``: a fusable all_reduce (it moves
-        the running digest of fusable calls, ``chain``)."""
-        self._refuse_if_shut(name)
+        the running digest of fusable calls, ``chain``). Its Work is made once it completed
+        (a failure makes a Work as every op's)."""
+        if self.shut:
+            self._refuse_if_shut(name)
         with self._seq_lock:  # as submit and fusable: numbered and turn taken at once
             if not self.sched.take_turn():
                 return None
@@ -298,12 +300,10 @@ class Runner:
             seq = self.seq
             chain = self._chain = (fusion.chain_digest(self._chain, seq, desc) if fused
                                    else self._chain)
-            self._life.queued(name, seq, desc)
         life = self._life
         comm = None
+        op = Op(name, seq, None, _NO_STAGE, timeout, None, result, nbytes, desc)
         try:
-            work = self._work(name, seq, result)
-            op = Op(name, seq, None, _NO_STAGE, timeout, work, result, nbytes, desc)
             try:
                 life.usable(name, seq)
                 comm = self._lone_comm
@@ -312,18 +312,19 @@ class Runner:
                 else:
                     comm.renew(name, seq, timeout)
                 comm.set_call(call)
-                life.begin((op,), comm)
+                life.begin_now(op, comm)
                 fn(comm, chain)
             except BaseException as e:  # as _execute's and _run_fused's: to the Work, the peers
+                op.work = self._work(name, seq, result)
                 life.fail((op,), comm, e, named=(ValueError,) if fused else ())
-            else:
-                if fused:
-                    self.fusion_stats["calls"] += 1
-                    self.fusion_stats["ops"] += 1
-                life.finish((op,), comm, nbytes)
+                return op.work
+            if fused:
+                self.fusion_stats["calls"] += 1
+                self.fusion_stats["ops"] += 1
+            life.finish((op,), comm, nbytes)
+            return completed(name, seq, self._rank, self.group_name, result)
         finally:
             self.sched.give_turn()
-        return work
 
     # ------------------------------------------------------------------ prioritized
     def priority(self, buf, tensor, op, priority: int, stage: Stage, timeout: float, desc: str,

@@ -32,7 +32,11 @@ class Scheduler:
         self._run_op = run_op
         self._run_fused = run_fused
         self.queue: collections.deque = collections.deque()
-        self.cond = threading.Condition(threading.Lock())
+        #: The queue's lock, and the condition the worker waits on; the synchronous caller's
+        #: turn (take_turn, give_turn) takes the lock itself (a C-level enter, where the
+        #: Condition's is Python's).
+        self._lock = threading.Lock()
+        self.cond = threading.Condition(self._lock)
         #: While the worker waits on an open fusion run: (bytes, entries) it may still take
         #: before the run is full, and its reduce op (put wakes the worker only when needed).
         self._fuse_wait: tuple | None = None
@@ -46,7 +50,7 @@ class Scheduler:
     def take_turn(self) -> bool:
         """Whether the worker is idle with nothing queued; if so the caller holds its turn
         (the worker waits) until run_on_turn gives it back."""
-        with self.cond:
+        with self._lock:
             if self.queue or self._running or self._inline:
                 return False
             self._inline = True
@@ -62,7 +66,7 @@ class Scheduler:
 
     def give_turn(self) -> None:
         """The caller that holds the worker's turn (take_turn) gives it back."""
-        with self.cond:  # calls queued meanwhile (other threads) go to the worker
+        with self._lock:  # calls queued meanwhile (other threads) go to the worker
             self._inline = False
             if self.queue:
                 self.cond.notify()

@@ -215,6 +215,31 @@ class Work(dist._Work):
         return f"<linerate Work {self._desc} {state}>"
 
 
+class _Completed(Work):
+    """A Work that completed successfully before it was handed out (a synchronous call run in
+    the caller's thread, collectives/runner.py ``_run_lone``): no gate to pass, and one lock
+    shared by all of them for the rare future asked of one; its name is made only if read."""
+
+    _done = True
+    _lock = threading.Lock()
+
+    def __init__(self, name: str, seq: int, rank: int, group: str, result: list):
+        dist._Work.__init__(self)
+        self._name = (name, seq, rank, group)
+        self._result = result
+
+    @property
+    def _desc(self) -> str:
+        name, seq, rank, group = self._name
+        return f"{name} #{seq} (rank {rank} of group {group or '?'})"
+
+
+def completed(name: str, seq: int, rank: int, group: str, result: list) -> Work:
+    """A Work for a call that already completed (its result: ``result``), named as
+    Runner names every Work."""
+    return _Completed(name, seq, rank, group, result)
+
+
 # -- the communication side's verbs: what the group, its lifecycle and point-to-point call (a
 # Work's user sees torch's Work API only)
 def complete(work: Work, exc: BaseException | None = None, source_rank: int = -1) -> None:
