@@ -116,7 +116,8 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         self._algos = Dispatch.for_group(self._options, layout, rank, size, seg)
         self._shm, self._local = self._algos.shm, self._algos.local
         self._shape, self._plan = self._algos.shape, self._algos.plan
-        self._lone_desc: dict = {}  # (dtype, elements, op) -> the call's text
+        #: (dtype, elements, op) -> the lone call's texts and bytes (() if too large)
+        self._lone_desc: dict = {}
         metrics.set_info(nsocks=self._ctx.options.nsocks,
                          algorithm=self._options.allreduce_algo)
         metrics.start_from_env(str(global_ranks[rank] if global_ranks and len(global_ranks) == size
@@ -308,7 +309,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     # ------------------------------------------------------------------ all_reduce
     def allreduce(self, tensors, opts=None):
         if (self._lone_max and opts is not None and len(tensors) == 1
-                and not getattr(opts, "asyncOp", True)):
+                and not getattr(opts, "asyncOp", True) and isinstance(tensors[0], torch.Tensor)):
             work = self._lone(tensors[0], opts)
             if work is not None:
                 return work
@@ -393,24 +394,24 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     def _lone(self, t, opts) -> Work | None:
         """A synchronous all_reduce of one small contiguous CPU tensor that may run the lone
         way (collectives/runner.py ``lone_all_reduce``), checked as every call is; None where
-        it does not apply or the worker is busy (the general way then runs the call)."""
-        what = "all_reduce"
-        self._check_tensor(t, what)
+        it does not apply or the worker is busy (the general way then runs the call). What
+        the checks conclude of a (dtype, elements, op) is kept: a job repeats a few calls."""
         op = op_type(opts.reduceOp)
-        self._check_op(op, t, what)
-        if not t.is_cpu or not t.is_contiguous():
-            return None
-        n = t.numel()
-        if n * t.element_size() > self._lone_max:
-            return None
-        key = (t.dtype, n, op)
-        desc = self._lone_desc.get(key)
-        if desc is None:
+        key = (t.dtype, t.numel(), op)
+        call = self._lone_desc.get(key)
+        if call is None:
+            what = "all_reduce"
+            self._check_tensor(t, what)
+            self._check_op(op, t, what)
             if len(self._lone_desc) > 256:
                 self._lone_desc.clear()
-            desc = self._lone_desc[key] = (f"{_dt(t)} op={_rop(op)}",
-                                           f"{_dt(t)} op={_rop(op)} (fused with what follows)")
-        return self._run.lone_all_reduce(t, op, desc, self._op_timeout(opts))
+            nbytes = key[1] * t.element_size()
+            call = self._lone_desc[key] = (
+                (f"{_dt(t)} op={_rop(op)}", f"{_dt(t)} op={_rop(op)} (fused with what follows)",
+                 nbytes) if nbytes <= self._lone_max else ())
+        if not call or not t.is_cpu or t.is_sparse or not t.is_contiguous():
+            return None  # (a sparse tensor: the general way names it)
+        return self._run.lone_all_reduce(t, op, call, self._op_timeout(opts))
 
     def allreduce_priority(self, tensor: torch.Tensor, priority: int, op=dist.ReduceOp.SUM,
                            name: str = "", timeout: float | None = None) -> Work:

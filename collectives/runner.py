@@ -269,13 +269,13 @@ class Runner:
         queued, on a group whose ranks share one segment: the fused run of
         this one call (what ``fusable`` would run in this thread), straight to
         ``Dispatch.lone_all_reduce``: no queue entry, no Stage, no Comm of its own; the same
-        agreement, checks, timeout, lifecycle and result. ``desc``: the call's text, and as
-        the head of a fused run. None where the worker is busy (the general way then runs
-        the call)."""
-        nbytes = t.numel() * t.element_size()
+        agreement, checks, timeout, lifecycle and result. ``desc``: the call's text, as the
+        head of a fused run, and its bytes. None where the worker is busy (the general way
+        then runs the call)."""
         run = self._algos.lone_all_reduce
-        return self._run_lone("all_reduce", desc[0], desc[1], timeout, [t], nbytes,
-                              lambda comm, chain: run(comm, t, op, chain, desc[0]), fused=True)
+        text = desc[0]
+        return self._run_lone("all_reduce", text, desc[1], timeout, [t], desc[2],
+                              lambda comm, chain: run(comm, t, op, chain, text), fused=True)
 
     def lone_barrier(self, timeout: float) -> Work | None:
         """A synchronous barrier that finds nothing queued, straight on the segment (see

@@ -865,13 +865,13 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
         compare_digests([head], 1, bad, lambda q: E.gr[q], E.me)
     key = (b, dt, n)
     rows = E.lone_rows.get(key)
-    if rows is None:  # agree()'s rows, as one array (NumPy's dtypes) or tensor views
+    if rows is None:  # agree()'s rows, as arrays (NumPy's dtypes) or tensor views
         if len(E.lone_rows) > 64:
             E.lone_rows.clear()
         npdt = _NP.get(dt)
         rows = E.lone_rows[key] = (
-            (npdt, np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
-                              strides=(C, nb // n if n else 1)))
+            (npdt, list(np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
+                                   strides=(C, nb // n if n else 1))))
             if npdt is not None and n else
             (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
     npdt, rows = rows

@@ -310,28 +310,34 @@ def test_cross_memory_attach_all_reduce_matches_gloo(P, how):
 
 def _overflow(rank, P, lr):
     """Sums that overflow to inf, inf + -inf = nan: as Gloo makes them, and no NumPy warning
-    reaches the user (warnings are errors here)."""
+    reaches the user (warnings are errors here), in a small all_reduce (the lone way) and a
+    larger one; the user's NumPy error state is what it was."""
     import warnings
+
+    import numpy as np
     out = []
+    np.seterr(over="raise")  # the user's own setting: kept, and not applied to the folds
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for dtype in (torch.float32, torch.float64):
             big = torch.finfo(dtype).max
-            x = torch.tensor([big, big, float("inf") if rank == 0 else -float("inf"), 1.0] * 3000,
-                             dtype=dtype)
-            for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
-                a, b = x.clone(), x.clone()
-                dist.all_reduce(a, op=op, group=lr)
-                dist.all_reduce(b, op=op)  # the default group: Gloo
-                out.append(torch.equal(a.isnan(), b.isnan())
-                           and torch.equal(a.nan_to_num(), b.nan_to_num()))
+            for repeat in (1, 3000):
+                x = torch.tensor([big, big, float("inf") if rank == 0 else -float("inf"), 1.0]
+                                 * repeat, dtype=dtype)
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+                    a, b = x.clone(), x.clone()
+                    dist.all_reduce(a, op=op, group=lr)
+                    dist.all_reduce(b, op=op)  # the default group: Gloo
+                    out.append(torch.equal(a.isnan(), b.isnan())
+                               and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    out.append(np.geterr()["over"])
     return out
 
 
 @pytest.mark.timeout(120)
 def test_overflow_gives_inf_and_nan_as_gloo_without_warnings():
     for r in run_ranks(_overflow, 3, timeout=90):
-        assert r == [True] * 4, r
+        assert r == [True] * 8 + ["raise"], r
 
 
 def _one_rank(rank, P, lr):

@@ -119,6 +119,11 @@ class Engine:
         self.me = self.gr[self.r]
         self.ctrl = seg.ctrl
         self.row = seg.ctrl[self.r]  # this rank's control row
+        #: The control rows as one flat memoryview of int64 words, word i of rank q's row at
+        #: ``q * self.W + i``: a scalar read or write there costs a fraction of NumPy's.
+        self.W = seg.ctrl.shape[1]
+        self.cw = memoryview(seg.ctrl.reshape(-1))
+        self.rw = self.r * self.W  # this rank's row in cw
         self.prog = seg.ctrl[:, PROG]
         self.want = seg.ctrl[:, WANT]
         # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
@@ -189,7 +194,9 @@ class Engine:
 
     @comm.setter
     def comm(self, comm) -> None:
-        self._comm = weakref.ref(comm) if comm is not None else None
+        ref = self._comm
+        if ref is None or ref() is not comm:  # (the lone calls' Comm comes back each call)
+            self._comm = weakref.ref(comm) if comm is not None else None
 
     def traffic(self) -> dict[int, tuple[int, int]]:
         """{peer's group rank: (bytes sent, bytes received)} through the segment so far (see
@@ -211,7 +218,7 @@ class Engine:
         self.lone_outs = {}
         self.np_data = self.words = None
         self.cma_scratch = None
-        self.ctrl = self.row = self.prog = self.want = None
+        self.ctrl = self.row = self.prog = self.want = self.cw = None
 
     # ------------------------------------------------------------------ areas
     def S(self, b: int, q: int) -> int:
@@ -235,23 +242,24 @@ class Engine:
         if comm.size != self.P or comm.rank != self.r:
             raise TransportError(f"rank {self.me}: {comm.desc}: the shared segment of ranks "
                                  f"{list(self.gr)} runs on a communicator of {comm.size} ranks")
-        row = self.row
+        cw, w = self.cw, self.rw  # this rank's control row
         #: The last tick before this op: a peer at a later tick is in this op or past it.
         self.base = self.tick
-        row[SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
-        row[DIGEST] = to_signed(comm.call)
+        cw[w + SEQ] = 0  # changing: a peer that read the old seq sees it changed (_check)
+        digest = cw[w + DIGEST] = to_signed(comm.call)
         key = (comm.op, comm.call_text)
         if key != self._desc_key:  # the row holds the last op's text: a repeated call keeps it
             text = f"{comm.op}({comm.call_text})".encode("utf-8", "replace")[:DESC_BYTES - 1]
-            desc = row[DESC_WORD:DESC_WORD + DESC_BYTES // 8].view(np.uint8)
+            desc = self.row[DESC_WORD:DESC_WORD + DESC_BYTES // 8].view(np.uint8)
             desc[:] = 0
             desc[:len(text)] = np.frombuffer(text, np.uint8)
             self._desc_key = key
-        h = HIST + 2 * (comm.seq % HIST_N)
-        row[h] = 0            # the entry is being rewritten
-        row[h + 1] = row[DIGEST]
-        row[h] = comm.seq
-        row[SEQ] = comm.seq  # last: a peer reads seq, digest, seq (see _check)
+        seq = comm.seq
+        h = w + HIST + 2 * (seq % HIST_N)
+        cw[h] = 0            # the entry is being rewritten
+        cw[h + 1] = digest
+        cw[h] = seq
+        cw[w + SEQ] = seq  # last: a peer reads seq, digest, seq (see _check)
         self.comm = comm
         self._checked = False
 
@@ -434,13 +442,17 @@ class Engine:
         mine = to_signed(comm.call)
         ready = True
         moving = False
+        cw, W, progs = self.cw, self.W, self.prog
+        if cw is None or progs is None:  # closed (abort) meanwhile
+            self._closed()
         for q in (who or range(self.P)):
             if q == self.r:
                 continue
-            prog = int(ctrl[q, PROG])  # before its seq: a seq read after it is as late or later
-            seq = int(ctrl[q, SEQ])
-            digest = int(ctrl[q, DIGEST])
-            if int(ctrl[q, SEQ]) != seq or seq == 0:  # it is beginning another op
+            w = q * W
+            prog = cw[w + PROG]  # before its seq: a seq read after it is as late or later
+            seq = cw[w + SEQ]
+            digest = cw[w + DIGEST]
+            if cw[w + SEQ] != seq or seq == 0:  # it is beginning another op
                 ready = False
                 moving = moving or prog >= t
                 continue
@@ -459,10 +471,10 @@ class Engine:
                                f"{self._desc(q)} #{seq})", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
                                "root)")
-            elif seq > comm.seq and int(ctrl[q, PROG]) < t:
+            elif seq > comm.seq and cw[w + PROG] < t:
                 self._left_unfinished(q, seq)
             ready = ready and seq >= comm.seq
-        if ready and _ready(ctrl[:, PROG], t, who):
+        if ready and _ready(progs, t, who):
             self._checked = True
         return moving
 
