@@ -8,7 +8,7 @@ import time
 import torch
 
 from linerate.transport import CHANNEL_COLLECTIVE, Context, Request
-from linerate.transport.shmengine import OpTimeout  # noqa: F401 - also this module's API
+from linerate.transport.shm.engine import OpTimeout  # noqa: F401 - also this module's API
 
 from .mismatch import OpNames
 from .views import byte_view  # noqa: F401 - also this module's API (collectives/p2p.py)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from linerate.transport.shmengine import Engine
+from linerate.transport.shm.engine import Engine
 
 from . import algorithms, fusion, shm_algos, two_level
 from .comm import Comm

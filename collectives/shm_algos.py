@@ -9,7 +9,7 @@ chunk k, reduce chunk k-1, copy out chunk k-2), so the segment stays bounded
 (transport.shm.BYTES_PER_RANK per rank, reused by every op). From CMA_BYTES an all_reduce may
 instead read the peers' tensors directly with cross-memory attach (LINERATE_CMA, _cma_choice).
 
-Synchronisation and agreement are the engine's (transport/shmengine.py): each rank publishes
+Synchronisation and agreement are the engine's (transport/shm/engine.py): each rank publishes
 a tick after each phase and waits until every rank (or those it reads) published it; a rank in
 an op with other arguments than its peers' is named on every rank, never run. The algorithms
 here say what each phase copies and folds, between those publishes and waits.
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from linerate.transport import MismatchError
-from linerate.transport.shm import cma_read
-from linerate.transport.shmengine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, CMA_TIMES,
+from linerate.transport.shm.sync import cma_read
+from linerate.transport.shm.engine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR, CMA_TIMES,
                                           Engine, to_signed, to_unsigned)
 
 from .comm import Comm

@@ -9,7 +9,7 @@ only through the Link interface, with a recording sink in place of a Context:
     mixed     rank 0 shared, rank 1 threads: the same bytes on the wire
     tls       TCP inside TLS (LINERATE_TLS), 2 connections
     rdma      RDMA streams over the fake pyverbs of tests/fake_pyverbs, 2 queue pairs
-    shm       shared memory (transport/shmlink.py): rings in the host's segment, 1 stream
+    shm       shared memory (transport/shm/ring.py): rings in the host's segment, 1 stream
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from linerate.transport import TransportOptions, rdma, rendezvous, shm, shmlink, tcp, tls, verbs
+from linerate.transport import TransportOptions, rdma, rendezvous, shm, tcp, tls, verbs
+from linerate.transport.shm import ring as shmlink
 from linerate.transport.framing import CHANNEL_COLLECTIVE, CHANNEL_P2P, KIND_ERROR, KIND_QUERY
 from linerate.transport.link import Link, LinkSink
 from linerate.transport.request import PeerFailure, Request

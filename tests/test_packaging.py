@@ -162,7 +162,7 @@ def test_wheel_holds_only_linerate(wheel):
         top = {n.split("/", 1)[0] for n in names}
         dist_info = [t for t in top if t.endswith(".dist-info")]
         assert top == {"linerate", *dist_info} and len(dist_info) == 1, sorted(top)
-        for sub in ("transport", "collectives", "tools", "tools/dev"):
+        for sub in ("transport", "transport/shm", "collectives", "tools", "tools/dev"):
             assert f"linerate/{sub}/__init__.py" in names, sub
         assert "linerate/settings.py" in names and "linerate/tools/quickstart.sh" in names
         assert not any(n.startswith("linerate/tests/") for n in names)

@@ -58,7 +58,7 @@ def test_urgent_message_overtakes_queued_ones(urgent, kind):
         # them (else "big" could finish first after such a pause). Shared memory: one progress
         # thread moves every ring (2 MiB each); TCP: a sender that wrote a chunk (64 KiB)
         # counts it under the link's done-lock, so at most one chunk of "big" goes meanwhile.
-        from linerate.transport import shmlink
+        from linerate.transport.shm import ring as shmlink
         # With shared memory the link is made with the group; over TCP (lazy) at the first
         # message: one goes before the test.
         w = c1.irecv(0, memoryview(bytearray(1)), CHANNEL_P2P, 3)

@@ -1,4 +1,4 @@
-"""Shared memory between the ranks of one host (transport/shm.py, collectives/shm_algos.py).
+"""Shared memory between the ranks of one host (transport/shm/__init__.py, collectives/shm_algos.py).
 
 - Every collective on the shared segment against Gloo on the same inputs: dtypes (float16,
   bfloat16, complex, integers, bool), reduce ops, sizes 0, 1, 7, 1001, 70,001 and one larger
@@ -352,7 +352,7 @@ def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):
     """A container limited by a CPU quota rather than a cpuset: the cores a rank counts (to
     decide whether waiting ranks may spin) are bounded by the smallest quota of its cgroup and
     those above it, rounded up; no quota, or none readable: the affinity alone."""
-    from linerate.transport.shm import cgroup_cpu_quota, usable_cores
+    from linerate.transport.shm.sync import cgroup_cpu_quota, usable_cores
 
     affinity = len(os.sched_getaffinity(0))
 
@@ -435,7 +435,7 @@ def test_nothing_left_in_dev_shm_after_exit_and_destroy():
 
 
 def _threads_after_destroy(rank, P, lr):
-    from linerate.transport import shmlink
+    from linerate.transport.shm import ring as shmlink
     sub = dist.new_group(backend="linerate")
     for g in (lr, sub):
         x = torch.ones(100_003)
@@ -470,7 +470,7 @@ def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean(t
     "terminate called without an active exception". So a script whose last line is
     destroy_process_group exits at once and cleanly: the idle threads end at exit (atexit),
     not LINGER_S later."""
-    from linerate.transport import shmlink
+    from linerate.transport.shm import ring as shmlink
     for rank, (names, ports) in enumerate(run_ranks(_threads_after_destroy, 3, timeout=90)):
         assert set(names) <= {"linerate-shm-deaths", "linerate-shm-progress"}, (rank, names)
         assert ports == 0, rank
@@ -986,7 +986,7 @@ def test_pid_watch_sees_exited_processes_zombie_or_reaped_and_closes_its_descrip
     import signal
     import subprocess
 
-    from linerate.transport.shm import PidWatch
+    from linerate.transport.shm.sync import PidWatch
     a = subprocess.Popen(["sleep", "30"])
     b = subprocess.Popen(["sleep", "30"])
     w = PidWatch()

@@ -1,4 +1,4 @@
-"""Point-to-point messages between ranks of one host over shared memory (transport/shmlink.py).
+"""Point-to-point messages between ranks of one host over shared memory (transport/shm/ring.py).
 
 - send/recv, isend/irecv, batch_isend_irecv byte-exact over "shm" links: dtypes, 0 and odd
   sizes, messages larger than a pair's ring, any-source receives, tags; and no TCP socket is
@@ -263,7 +263,7 @@ def _send_one(rank, g, n=70_000):
 
 
 def _linger(rank, P, lr):
-    from linerate.transport import shmlink
+    from linerate.transport.shm import ring as shmlink
     out = {"ok": [_send_one(rank, lr)]}
     first = _shm_threads()
     dist.destroy_process_group(lr)

@@ -4,7 +4,7 @@ connections, RDMA queue pairs, or shared memory between the ranks of one host).
 It knows nothing of torch.distributed's ProcessGroup nor of any algorithm: a Context is built
 from a key-value store (rendezvous.py), a rank and a size, and offers isend/irecv on
 memoryviews; matching.py pairs messages with receives, link.py specifies the links (tcp.py,
-rdma.py, shmlink.py: shared memory to co-located ranks, in shm.py's segment), and ``Context.stats()`` is the snapshot its users and the metrics read.
+rdma.py, shm/ring.py: shared memory to co-located ranks, in the shm/ package's segment), and ``Context.stats()`` is the snapshot its users and the metrics read.
 """
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P
 from .options import TransportOptions, parse_size

@@ -24,7 +24,8 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from . import rdma, rendezvous, shm, shmlink, tcp
+from . import rdma, rendezvous, shm, tcp
+from .shm import ring as shm_ring
 
 if TYPE_CHECKING:
     from .tls import TlsConfig
@@ -59,7 +60,7 @@ class Setup:
     on_link: Callable                 # lazy links: on_link(peer, link) once made
     on_fail: Callable                 # lazy links: on_fail(peer, error) if it cannot be
     listen_later: bool = False        # the group is probably on one host: listen only if not
-    seg: object | None = None         # this host's proved shared segment (transport/shm.py)
+    seg: object | None = None         # this host's proved shared segment (transport/shm/__init__.py)
     layout: shm.Layout | None = None  # the group's hosts, the same on every rank
     nrails: int = 1                   # rails of the network links (RDMA: its ports)
     maker: Maker | None = None        # what makes links later, or must be aborted on failure
@@ -88,7 +89,7 @@ class LinkKind(abc.ABC):
 
 
 class ShmKind(LinkKind):
-    """Co-located peers that proved their host's shared segment (transport/shmlink.py)."""
+    """Co-located peers that proved their host's shared segment (transport/shm/ring.py)."""
     name = "shm"
 
     def claim(self, setup: Setup, left: set) -> set:
@@ -96,10 +97,10 @@ class ShmKind(LinkKind):
         return set() if seg is None else {p for p in left if p in seg.ranks}
 
     def build(self, setup: Setup, peers: list) -> dict[int, Link]:
-        return shmlink.build_links(setup.seg, setup.rank, peers) if peers else {}
+        return shm_ring.build_links(setup.seg, setup.rank, peers) if peers else {}
 
     def start(self, links: dict, sink: LinkSink) -> None:
-        shmlink.start_links(links, sink)  # one wake of the progress thread for them all
+        shm_ring.start_links(links, sink)  # one wake of the progress thread for them all
 
 
 class RdmaKind(LinkKind):

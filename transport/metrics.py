@@ -9,7 +9,7 @@ What is counted where:
 - per interface and direction (``linerate_interface_bytes_total``, the bytes of the
   utilization): a NIC's are its connections' bytes; ``shm``'s are the bytes the rank wrote
   into shared memory for its peers, once however many peers read them (the segment's
-  ``copied()``, set by transport/shmengine.py, plus the shared-memory links' own bytes), and
+  ``copied()``, set by transport/shm/engine.py, plus the shared-memory links' own bytes), and
   the bytes it read of its peers'. A broadcast's root sends its tensor to every peer
   (``linerate_sent_bytes_total``, per peer) but writes it once.
 - everything else of the links (interfaces, capacities, TCP_INFO, queue depths) is read when
@@ -178,7 +178,7 @@ def _interface_counts(ctx, snap: dict | None = None) -> dict[tuple, int]:
     into shared memory for its peers once, however many of them read it (a broadcast's root
     writes its tensor once for all), and ``rx`` the bytes it read of theirs: the shared-memory
     links' own bytes (a ring has one reader: the same as per peer) plus the segment's
-    ``copied()`` (transport/shmengine.py Engine.copied), where the per-peer counts of the
+    ``copied()`` (transport/shm/engine.py Engine.copied), where the per-peer counts of the
     ``shm`` connections hold the segment's bytes once per reader."""
     snap = ctx.stats() if snap is None else snap
     out: dict[tuple, int] = {}
@@ -369,7 +369,7 @@ def memcpy_rate() -> float:
     the shared-memory collectives and links make): the best of MEMCPY_PROBE_COPIES copies of
     each of MEMCPY_PROBE_SIZES between two buffers, after a warm-up; measured once per process
     (about 3 ms). The segment's creator measures it while setting the segment up
-    (transport/shm.py), before any traffic, and publishes it there: the capacity of ``shm``.
+    (transport/shm/__init__.py), before any traffic, and publishes it there: the capacity of ``shm``.
     A rank's copies run one after the other on its thread, at best from a cache as these do,
     so its utilization of ``shm`` stays at or under 1; copies of tensors too large for the
     cache run slower than this."""

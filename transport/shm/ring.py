@@ -1,6 +1,6 @@
 """Shared memory as a link (kind ``shm``): point-to-point messages between ranks of one host.
 
-Ranks of one host that proved their host's segment at rendezvous (transport/shm.py: same host,
+Ranks of one host that proved their host's segment at rendezvous (transport/shm/__init__.py: same host,
 a 0600 segment with a random name, opened only after its creator's HMAC of the job secret
 checked out, unlinked once every rank mapped it) talk through it instead of loopback TCP. The
 segment's point-to-point area (``shm.p2p_layout``) holds:
@@ -27,7 +27,7 @@ wake) after publishing its position.
 ONE progress thread per process serves every shm link of every group: it sleeps on the
 progress bells of all its groups at once (``futex_waitv``, Linux 5.16+; before that, on one
 bell with a short timeout), so a rank waiting for a message burns no CPU. It also checks that
-the peers of its links are alive (one poll of their pidfds, ``shm.PidWatch``; zombies count as
+the peers of its links are alive (one poll of their pidfds, ``sync.PidWatch``; zombies count as
 dead; same pid namespace only): a death watch thread blocked on those pidfds wakes it when one
 exits, and where some peer cannot be watched through a pidfd it looks every ``POLL_S``. A
 co-located rank that dies fails its links with a ``PeerFailure`` naming it. An orderly close
@@ -51,10 +51,11 @@ import weakref
 
 import numpy as np
 
-from . import shm
-from .framing import CLOSE_FRAME, HEADER_SIZE, FrameError, FrameReader, SendQueue
-from .link import FLUSH_GIVE_UP_S, Link, LinkSink
-from .request import PeerFailure, ProtocolError, Request
+from .. import shm
+from . import sync
+from ..framing import CLOSE_FRAME, HEADER_SIZE, FrameError, FrameReader, SendQueue
+from ..link import FLUSH_GIVE_UP_S, Link, LinkSink
+from ..request import PeerFailure, ProtocolError, Request
 
 log = logging.getLogger("linerate.transport")
 
@@ -110,7 +111,7 @@ class _Port:
         self._bell_addr = [ctypes.c_void_p(ptr + base + blk * q) for q in range(n)]
         self.bell_addr = ptr + base + blk * self.me
         self.bell = self.raw[base + blk * self.me: base + blk * self.me + 4].view(np.int32)
-        self._lib = shm.futex_lib() if shm.SYS_FUTEX is not None else None
+        self._lib = sync.futex_lib() if sync.SYS_FUTEX is not None else None
         self.links: dict[int, ShmLink] = {}
         self.lock = threading.Lock()
 
@@ -125,7 +126,7 @@ class _Port:
         """Bump segment rank q's progress bell and wake its progress thread."""
         addrs = self._bell_addr  # [] once the group is gone (_detach)
         if self._lib is not None and q < len(addrs):
-            shm.futex_add_wake(self._lib, addrs[q])
+            sync.futex_add_wake(self._lib, addrs[q])
 
     def _pid(self, q: int) -> int:
         """Segment rank q's pid where this rank can watch it, else 0 (none recorded yet,
@@ -209,8 +210,8 @@ class _Engine:
 
     def _wake(self) -> None:
         """Bump the engine's word and wake the progress thread sleeping on it."""
-        if shm.SYS_FUTEX is not None:
-            shm.futex_add_wake(shm.futex_lib(), ctypes.c_void_p(self._word_addr))
+        if sync.SYS_FUTEX is not None:
+            sync.futex_add_wake(sync.futex_lib(), ctypes.c_void_p(self._word_addr))
 
     def add(self, port: _Port) -> None:
         with self._lock:
@@ -419,10 +420,10 @@ class _Engine:
         """Until the engine's word changes from ``word`` (a port added, or removed), or
         ``timeout`` seconds."""
         timeout = max(0.0, timeout)
-        if shm.SYS_FUTEX is None:
+        if sync.SYS_FUTEX is None:
             time.sleep(min(timeout, POLL_S))
         else:
-            shm.futex_wait(shm.futex_lib(), ctypes.c_void_p(self._word_addr), word, timeout)
+            sync.futex_wait(sync.futex_lib(), ctypes.c_void_p(self._word_addr), word, timeout)
 
     def _sleep(self, ports: list, seen: list, timeout: float, word: int) -> None:
         """Until a port's bell or the engine's word (``word``: its value before the ports
@@ -444,7 +445,7 @@ class _Engine:
             for i, v in enumerate(seen):
                 arr[i + 1].val = v & 0xFFFFFFFF
             end = time.monotonic() + timeout
-            ts = shm.Timespec(int(end), int((end % 1.0) * 1e9))
+            ts = sync.Timespec(int(end), int((end % 1.0) * 1e9))
             r = lib.syscall(_SYS_FUTEX_WAITV, arr, len(key), 0, ctypes.byref(ts), _CLOCK_MONOTONIC)
             # EFAULT: a destroyed group's bell, unmapped since the ports were read
             if r == -1 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR,
@@ -453,7 +454,7 @@ class _Engine:
             return
         # No futex_waitv: one bell, then look at all (and at the ports: a new one's bell is
         # not this one), briefly where there are several.
-        shm.futex_wait(lib, ctypes.c_void_p(ports[0].bell_addr), seen[0],
+        sync.futex_wait(lib, ctypes.c_void_p(ports[0].bell_addr), seen[0],
                         min(timeout, 0.002 if len(ports) > 1 else POLL_S))
 
 
@@ -712,7 +713,7 @@ class ShmLink(Link):
             self._close_sent = True
             moved = True
         if moved:
-            if shm.WEAK_ORDER:
+            if sync.WEAK_ORDER:
                 self._port.ring(self._port.me)  # a fence: the bytes before the position
             self._head = head
             self._oh[_HEAD] = head
@@ -730,7 +731,7 @@ class ShmLink(Link):
                                                   f"shared-memory link to rank {self.rank} before "
                                                   f"sending everything it had queued"))
             return False
-        if shm.WEAK_ORDER:
+        if sync.WEAK_ORDER:
             self._port.ring(self._port.me)
         sink, reader, get = self._sink, self._reader, self._get
         freed = 0
