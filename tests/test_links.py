@@ -300,6 +300,72 @@ def test_link_peer_death_and_close(kind, request):
         b.close(time.monotonic() + 1)
 
 
+def test_isend_now(kind, request):
+    """isend_now (what a Context's post calls) delivers on every kind, small and large. A
+    threads TCP link writes a small message posted on an idle link in the caller's thread (its
+    request complete when the call returns); what the socket cannot take at once (the peer
+    reads nothing meanwhile) goes on with the stream's sender, in order, and arrives whole."""
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    (a, b), (sa, sb) = _pair(kind, pki, nsocks=1)
+    gate = threading.Event()
+    claim = sb.claim
+
+    def slow_claim(*args):
+        gate.wait(30)
+        return claim(*args)
+
+    def post(data, msgno):
+        req = Request(True, a.peer, memoryview(data), CHANNEL_P2P, 9, 1, "test")
+        req.msgno = msgno
+        assert a.isend_now(req)
+        return req
+
+    direct = kind == "threads"
+    try:
+        sizes = [0, 1, 4096, CHUNK - 1, 3 * CHUNK + 5]
+        payloads = [os.urandom(n) for n in sizes]
+        for i, p in enumerate(payloads):
+            if direct:  # the stream's sender waits for work: nothing is queued
+                deadline = time.monotonic() + 10
+                while not all(st.idle for st in a._streams):
+                    assert time.monotonic() < deadline, "the sender never went idle"
+                    time.sleep(0.001)
+            req = post(bytearray(p), i)
+            if direct and len(p) <= 4096:  # (what the kernel's smallest send buffer holds)
+                assert req.is_completed() and req.error is None, (i, len(p))
+            req.wait(20)
+            sb.wait(lambda: (CHANNEL_P2P, 9, i) in sb.done)
+            assert bytes(sb.bufs[(CHANNEL_P2P, 9, i)]) == p, i
+        if direct:
+            # The peer reads the first header, then nothing until the gate: messages of 60 KB,
+            # each posted on the idle link, fill the kernel's buffers until one does not fit
+            # at once (its request still open when the call returns: the sender has the rest).
+            sb.claim = slow_claim
+            bigs, reqs = [], []
+            while not reqs or reqs[-1].is_completed():
+                assert len(reqs) < 500, "the kernel took 30 MB without the peer reading"
+                deadline = time.monotonic() + 10
+                while not a._streams[0].idle:
+                    assert time.monotonic() < deadline, "the sender never went idle"
+                    time.sleep(0.001)
+                bigs.append(os.urandom(60000))
+                reqs.append(post(bytearray(bigs[-1]), 100 + len(reqs)))
+            follow = post(bytearray(b"after"), 99)  # queued behind the rest
+            gate.set()
+            for r in reqs + [follow]:
+                r.wait(20)
+            keys = [(CHANNEL_P2P, 9, 100 + i) for i in range(len(bigs))] + [(CHANNEL_P2P, 9, 99)]
+            sb.wait(lambda: all(k in sb.done for k in keys))
+            for k, data in zip(keys, bigs + [b"after"]):
+                assert bytes(sb.bufs[k]) == data, k
+        assert not sa.failures and not sb.failures
+    finally:
+        gate.set()
+        for link in (a, b):
+            link.begin_close()
+            link.close(time.monotonic() + 1)
+
+
 def test_link_flush_control(kind, request):
     """flush_control: True once the control frames queued so far have reached the peer's side;
     while the peer reads nothing (its buffers full, a large message ahead) False by its

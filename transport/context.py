@@ -353,7 +353,7 @@ class Context(LinkSink):
             else:
                 req.finish(wrap(err))
             return req
-        if err is None and not link.isend(req):  # the link went down or closes
+        if err is None and not link.isend_now(req):  # the link went down or closes
             err = p.failure or (self._close_error if self._closing else TransportError(
                 f"rank {self.rank}: the link to rank {peer} is down"))
         if err is not None:

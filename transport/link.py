@@ -186,6 +186,12 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def isend(self, req: Request) -> bool: ...
 
+    def isend_now(self, req: Request) -> bool:
+        """isend, from a caller that holds no lock of the transport's: a link may then write
+        a small message itself where its connection is idle (no hand-off to an I/O thread).
+        By default the same as isend."""
+        return self.isend(req)
+
     @abc.abstractmethod
     def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool: ...
 
@@ -231,7 +237,8 @@ class Stream:
     one (sendmsg, recv_into, shutdown, close, getsockname, getpeername, setsockopt), and its
     receiving state (``reader``, framing.FrameReader)."""
 
-    __slots__ = ("index", "sock", "reader", "sent_bytes", "local", "remote", "closed", "device")
+    __slots__ = ("index", "sock", "reader", "sent_bytes", "local", "remote", "closed", "device",
+                 "direct", "idle", "writer", "pending")
 
     def __init__(self, index: int, sock, reader: framing.FrameReader):
         self.index = index
@@ -239,6 +246,13 @@ class Stream:
         self.reader = reader
         self.sent_bytes = 0
         self.closed = False  # the peer's CLOSE frame arrived on it
+        # A caller's own write (ThreadedStreamLink.isend_now): whether the stream allows one (a
+        # plain blocking socket), whether its sender waits for work, whether a caller writes
+        # on it now, and what of a caller's frame the socket did not take (its sender's next).
+        self.direct = False
+        self.idle = False
+        self.writer = False
+        self.pending = None
         port = getattr(sock, "interface", None)   # an RDMA stream: its device:port
         self.device = port if isinstance(port, str) else None
         try:
@@ -478,10 +492,16 @@ class ThreadedStreamLink(StreamLink):
         super().__init__(*args, **kw)
         self._threads: list[threading.Thread] = []
 
+    #: Messages of at most this many bytes, posted while the link has nothing queued, are
+    #: written by the caller's thread on a stream whose sender waits (``isend_now``): a small
+    #: op's message then costs no wake-up of the sender thread.
+    DIRECT_BYTES = 64 << 10
+
     def start(self, sink: LinkSink) -> None:
         self._sink = sink
         for st in self._streams:
             self._credit_window(st)
+            st.direct = type(st.sock) is socket.socket and st.sock.gettimeout() is None
             for fn, what in ((self._recv_loop, "recv"), (self._send_loop, "send")):
                 t = threading.Thread(target=fn, args=(st,), daemon=True,
                                      name=f"linerate-{what}-{self.peer}.{st.index}")
@@ -520,15 +540,71 @@ class ThreadedStreamLink(StreamLink):
             if t.name.startswith(prefix) and t is not me:
                 t.join(max(0.0, until - time.monotonic()))
 
+    def isend_now(self, req: Request) -> bool:
+        """isend; a message of at most DIRECT_BYTES that finds nothing queued and a stream
+        whose sender waits is written here, without blocking (MSG_DONTWAIT): what the socket
+        does not take at once goes on with that stream's sender."""
+        with self._cond:
+            if self._down is not None or self._closing:
+                return False
+            self._queue.put(req)
+            st = None
+            if req.total <= self.DIRECT_BYTES and len(self._queue) == 1:
+                for s in self._streams:
+                    if s.direct and s.idle and not s.writer and s.pending is None and not s.closed:
+                        st = s
+                        break
+            if st is None:
+                self._wake()
+                return True
+            frame = self._take(st)
+            if frame is None:  # (a message finished meanwhile: nothing to write)
+                return True
+            st.writer = True
+        sent, n = frame[0], frame[2]
+        out = frame[1]
+        try:
+            while out:
+                advance(out, st.sock.sendmsg(out, (), socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            pass  # the socket's buffer is full: its sender writes the rest
+        except OSError as e:
+            with self._cond:
+                st.writer = False
+                self._wake_all()
+            self._send_failed(st, e)
+            return True
+        if not out:
+            self._written(st, sent, n)
+        with self._cond:
+            if out:
+                st.pending = (sent, out, n)
+            st.writer = False
+            if out or len(self._queue) or self._closing or st.closed:
+                self._wake_all()  # (this stream's sender must look: notify_all)
+        return True
+
+    def _next(self, st: Stream):
+        """(under _cond) The sender's next frame: the rest of a caller's, else ``_take``'s;
+        None while a caller writes on the stream or nothing is there."""
+        if st.writer:
+            return None
+        if st.pending is not None:
+            frame, st.pending = st.pending, None
+            return frame
+        return self._take(st)
+
     def _send_loop(self, st: Stream) -> None:
         sock, cond, n = st.sock, self._cond, 0
         try:
             while n >= 0:
                 with cond:
-                    frame = self._take(st)
+                    frame = self._next(st)
                     while frame is None:
+                        st.idle = True
                         cond.wait()
-                        frame = self._take(st)
+                        st.idle = False
+                        frame = self._next(st)
                 req, out, n = frame
                 while out:  # (sendmsg may take part of it)
                     advance(out, sock.sendmsg(out))
