@@ -198,6 +198,29 @@ def test_sample_ratio_to_siblings_capacity_and_rails(capacity):
     assert set(rows_by(lr.sample())) == {(1, 0), (1, 1)}
 
 
+@pytest.mark.timeout(20)
+def test_a_connection_at_its_capacity_is_not_slow_beside_siblings_measured_above_it(capacity):
+    """Siblings whose busy time came out short (a loaded host: the kernel counts it in
+    jiffies) measure above the interface's capacity; a connection at 92% of its capacity is
+    not named slow beside them, while one at 40% still is."""
+    ctx = FakeCtx()
+    layout = {(1, 0): ("10.0.0.1", "eth0"), (1, 1): ("10.0.1.1", "eth1"),
+              (2, 0): ("10.0.0.1", "eth0"), (2, 1): ("10.0.1.1", "eth1")}
+    tr = Traffic(ctx, layout)
+    tr.step({})
+    lr = slowlink.LinkRates(ctx, threshold=0.6)
+    lr.sample()
+    for _ in range(4):  # 100 ms busy each: 9.2 MB -> 92 MB/s; 17 MB -> 170 MB/s (above 100)
+        tr.step({(1, 0): (9.2e6, 100), (1, 1): (17e6, 100), (2, 0): (17e6, 100),
+                 (2, 1): (4e6, 100)})
+        rows = rows_by(lr.sample())
+    assert rows[(1, 0)]["capacity_ratio"] == pytest.approx(0.92)
+    assert rows[(1, 0)]["ratio"] == pytest.approx(0.92) and not rows[(1, 0)]["slow"]
+    assert rows[(2, 1)]["slow"] and rows[(2, 1)]["ratio"] == pytest.approx(0.4)
+    assert rows[(1, 1)]["rate"] == pytest.approx(170e6)  # the rate itself is as measured
+    assert [(r["peer"], r["connection"]) for r in lr.slow()] == [(2, 1)]
+
+
 @pytest.mark.timeout(10)
 def test_smoothing_one_noisy_sample_names_nobody_and_recovery_takes_the_average():
     st = slowlink._Conn()

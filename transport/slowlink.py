@@ -10,7 +10,9 @@ receiver's doing, not the link's). Between two samples,
     rate = Δ bytes_acked / Δ (busy_us - rwnd_limited_us)
 
 is what the path carried while linerate gave it something to carry: idle time between
-collectives does not dilute it. A connection is measured only when it moved at least
+collectives does not dilute it. Where the interface's capacity is known, a rate above it (the
+busy time is counted in jiffies, and under load a connection's busy time comes out short) is
+judged as the capacity. A connection is measured only when it moved at least
 ``MIN_BYTES`` in at least ``MIN_BUSY_S`` since the previous sample (a few small messages are
 bound by round trips, and the kernel counts busy time in jiffies, 1 to 10 ms). Its ratio is
 its rate over the median rate of its siblings, the rank's other connections measured in the
@@ -173,17 +175,22 @@ class LinkRates:
         for key in [k for k in self._conns if k not in seen]:  # gone with its link
             del self._conns[key]
         caps: dict[str, float | None] = {}
-        for i, (key, st, rate) in enumerate(measured):
+        judged = []  # each rate as judged: at most its interface's capacity
+        for key, st, rate in measured:
             st.rate = rate
             if st.interface not in caps:
                 caps[st.interface] = _capacity(st.interface)
             cap = caps[st.interface]
             st.capacity_ratio = rate / cap if cap else None
-            siblings = [r for j, (_, _, r) in enumerate(measured) if j != i]
+            # A rate above the capacity is the busy time's coarse count (jiffies), not the
+            # path: judged as the capacity, it cannot make a sibling at the line look slow.
+            judged.append(min(rate, cap) if cap else rate)
+        for i, (key, st, rate) in enumerate(measured):
+            siblings = [r for j, r in enumerate(judged) if j != i]
             if siblings:
                 ref = median(siblings)
                 if ref > 0:
-                    st.judge(rate / ref, self.threshold)
+                    st.judge(judged[i] / ref, self.threshold)
         rows = []
         for (peer, index, _, _), st in sorted(self._conns.items(), key=_key_sort):
             if st.rate is None:
