@@ -34,6 +34,8 @@ class Dispatch:
     def __init__(self, options, shape: algorithms.Shape, plan, shm, local):
         self.options = options
         self.shape = shape
+        #: Whether lone all_reduces run on the segment (else over the links): lone_max says.
+        self._lone_on_segment = False
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
         self.plan = plan
         #: The engine of the whole group's shared segment (one host), and of this host's
@@ -107,22 +109,32 @@ class Dispatch:
         return k, done, how
 
     def lone_ok(self, size: int) -> bool:
-        """Whether a synchronous barrier or small all_reduce that finds nothing queued may run
-        the lone way (``lone_barrier``, ``lone_all_reduce``): a group of one host's shared
-        segment whose table gives the fusion agreement to it."""
+        """Whether a synchronous barrier that finds nothing queued may run the lone way
+        (``lone_barrier``): a group of one host's shared segment whose table gives the fusion
+        agreement to it."""
         return self.shm is not None and size > 1 and self.choose(WORKER, "agree", 0) == "shm"
 
     def lone_max(self, size: int) -> int:
-        """Up to how many bytes an all_reduce runs the lone way: what a fused run carries on
-        the segment (0: none)."""
-        if not self.lone_ok(size):
-            return 0
-        return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
+        """Up to how many bytes a synchronous all_reduce that finds nothing queued runs the
+        lone way (``lone_all_reduce``): what the fusion agreement carries, where the table
+        gives it to the segment of one host's ranks or to the links of a flat group (0:
+        none; a two-level group agrees in two rounds, and a forced algorithm carries
+        nothing)."""
+        how = self.choose(WORKER, "agree", 0) if size > 1 else None
+        self._lone_on_segment = how == "shm" and self.shm is not None
+        if self._lone_on_segment:
+            return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
+        if how == "direct":
+            return min(self.options.fusion_bytes, self.carry_bytes("direct"))
+        return 0
 
-    @staticmethod
-    def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
-        """The fused run of one synchronous call, on the segment (shm_algos.lone_all_reduce)."""
-        shm_algos.lone_all_reduce(comm, t, op, chain, desc)
+    def lone_all_reduce(self, comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
+        """The fused run of one synchronous call: on the segment (shm_algos.lone_all_reduce),
+        else over the links (fusion.lone_all_reduce)."""
+        if self._lone_on_segment:
+            shm_algos.lone_all_reduce(comm, t, op, chain, desc)
+        else:
+            fusion.lone_all_reduce(comm, t, op, chain, desc)
 
     @staticmethod
     def lone_barrier(comm: Comm) -> None:

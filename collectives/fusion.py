@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from .reduce_ops import NP_DTYPES, finish_avg, fold_rows, reduce_into
+from .reduce_ops import NP_DTYPES, finish_avg, fold_rows, op_name, reduce_into
 
 _AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
 #: Most entries one fused op takes (bounds the unpacking work per op).
@@ -184,6 +184,16 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
         if avg_size != 0:
             finish_avg(flat, head.op, comm.size if avg_size is None else avg_size)
     return k, True
+
+
+def lone_all_reduce(comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
+    """agree() of a rank that offers one call, carried and reduced in place in ``t`` (a
+    contiguous CPU tensor of at most the carried bytes): the fused run of a synchronous call
+    that finds nothing queued, over the links, without a queue entry or a staged copy
+    (collectives/runner.py ``lone_all_reduce``; peers that offered more fuse just this call).
+    ``chain``: the running digest after this call, ``desc`` its text."""
+    entry = Entry(comm.seq, t, t, op, op_name(op), None, None, comm.timeout, desc, chain)
+    agree(comm, [entry], 1, entry.nbytes)
 
 
 def compare_digests(entries: list[Entry], k: int, digests: dict, name, me) -> None:

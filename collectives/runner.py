@@ -76,8 +76,9 @@ class Runner:
         self.fusion_stats = {"calls": 0, "ops": 0}
         #: Two-level all_reduces whose end ran after the next op's start (two_level.all_reduce).
         self.chain_stats = {"ops": 0}
-        #: Synchronous calls that find nothing queued on a group of one host's shared segment
-        #: run straight on it (the lone way): barriers, and all_reduces up to lone_max bytes.
+        #: Synchronous calls that find nothing queued run in the caller's thread (the lone
+        #: way): barriers on a group of one host's shared segment, and all_reduces up to
+        #: lone_max bytes there or over a flat group's links.
         self.lone_ok = algos.lone_ok(size)
         self.lone_max = algos.lone_max(size)
         self._lone_comm: Comm | None = None

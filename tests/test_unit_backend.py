@@ -216,9 +216,11 @@ def _lone_spy(pg):
     return seen
 
 
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P):
-    """Rank 0 calls synchronous small all_reduces (the lone way: runner.lone_all_reduce); the other ranks
+def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P, shm):
+    """Rank 0 calls synchronous small all_reduces (the lone way: runner.lone_all_reduce, on
+    the segment or over TCP links); the other ranks
     issue the same calls asynchronously, queued and fused on their worker: every call runs
     alone on rank 0 and fused with nothing on the others (the least count offered), every result
     is the fold in rank order, the same bits on every rank, for every dtype and op."""
@@ -243,8 +245,7 @@ def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P)
                                      c[2]), c[2])]
         return bad, seen[0], len(calls), [t.clone() for t in ts]
 
-    import linerate
-    res = run_threads(fn, P, options=linerate.Options(cycle_ms=50))
+    res = run_threads(fn, P, options=_options(shm, cycle_ms=50))
     for r, (bad, lone, ncalls, _) in enumerate(res):
         assert bad == [], (r, bad)
         assert lone == (ncalls if r == 0 else 0), (r, lone, ncalls)
@@ -255,9 +256,10 @@ def test_lone_small_all_reduces_take_the_short_way_and_agree_with_fused_peers(P)
 
 
 def test_lone_way_is_taken_only_where_it_applies():
-    """The lone way takes a synchronous call of one small contiguous CPU tensor on a one-host
-    group; a larger tensor, a non-contiguous one, an async call, TCP-only groups and
-    LINERATE_FUSION_BYTES=0 go the general way, with the same results."""
+    """The lone way takes a synchronous call of one small contiguous CPU tensor, on a one-host
+    group's segment and over a TCP-only group's links; a larger tensor, a non-contiguous one,
+    an async call, LINERATE_FUSION_BYTES=0 and a forced algorithm go the general way, with
+    the same results."""
     def fn(pg, r):
         seen = _lone_spy(pg)
         out = []
@@ -271,9 +273,11 @@ def test_lone_way_is_taken_only_where_it_applies():
         return seen[0], out
 
     import linerate
-    for lone, out in run_threads(fn, 2):
-        assert (lone, out) == (1, [True] * 4), (lone, out)
-    for opts in (_options(False), linerate.Options(fusion_bytes=0)):
+    for opts in (None, _options(False)):
+        for lone, out in run_threads(fn, 2, options=opts):
+            assert (lone, out) == (1, [True] * 4), (lone, out)
+    for opts in (linerate.Options(fusion_bytes=0), linerate.Options(allreduce_algo="ring"),
+                 _options(False, allreduce_algo="ring")):
         for lone, out in run_threads(fn, 2, options=opts):
             assert (lone, out) == (0, [True] * 4), (lone, out)
 
