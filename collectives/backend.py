@@ -215,7 +215,7 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     @property
     def layout(self):
-        """Where the group's ranks are (transport/shm/__init__.py ``Layout``: ``hosts``, the group ranks
+        """Where the group's ranks are (transport/shm ``Layout``: ``hosts``, the group ranks
         of each host, and ``shared``, whether each host's co-located ranks share a segment):
         the same on every rank, as the transport Context learnt it at rendezvous."""
         return self._ctx.layout

@@ -164,7 +164,7 @@ def hierarchical_neighbor_allreduce(tensor: torch.Tensor, topology: Topology,
 # ----------------------------------------------------------------------------- hosts
 
 def host_layout(backend) -> tuple[tuple[tuple[int, ...], ...], bool]:
-    """(hosts, shared): the group's ranks grouped by host (transport/shm/__init__.py's layout, the same
+    """(hosts, shared): the group's ranks grouped by host (transport/shm's layout, the same
     on every rank), and whether every host's co-located ranks share a segment."""
     lay = getattr(backend, "layout", None)
     if lay is None:

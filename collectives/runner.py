@@ -267,8 +267,8 @@ class Runner:
     # ------------------------------------------------------------------ lone
     def lone_all_reduce(self, t, op, desc: tuple, timeout: float) -> Work | None:
         """A synchronous all_reduce of one small contiguous CPU tensor ``t`` that finds nothing
-        queued, on a group whose ranks share one segment: the fused run of
-        this one call (what ``fusable`` would run in this thread), straight to
+        queued, on one host's segment or a flat group's links: the fused run of this one call
+        (what ``fusable`` would run in this thread), straight to
         ``Dispatch.lone_all_reduce``: no queue entry, no Stage, no Comm of its own; the same
         agreement, checks, timeout, lifecycle and result. ``desc``: the call's text, as the
         head of a fused run, and its bytes. None where the worker is busy (the general way

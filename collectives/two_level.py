@@ -3,7 +3,7 @@ memory within each host (collectives/shm_algos.py on a SubComm of the host's ran
 between hosts (the flat algorithms on SubComms of one rank per host), with every local rank
 carrying its share of the inter-host traffic (no leader per host).
 
-Layout (transport/shm/__init__.py ``Layout``): hosts ``0..H-1`` ordered by their lowest rank, ``n_h``
+Layout (transport/shm ``Layout``): hosts ``0..H-1`` ordered by their lowest rank, ``n_h``
 ranks on host h (local ranks ``0..n_h-1`` in rank order), ``L = max n_h``. The data is cut
 into ``L`` *columns*; on host h, column c belongs to one local rank, its *owner*; the owners
 of column c on every host form the column's inter-host group (one rank per host, in host

@@ -5,7 +5,7 @@
   within the op timeout an error that names rank 3 and the op, never another survivor that
   merely exited after its own failure (a cross-memory attach read of its tensor failing with
   ESRCH, its process gone, its link closed). Over shared memory (the default: the survivors
-  read each other's cause records in the segment, transport/shm/__init__.py) and over TCP
+  read each other's cause records in the segment, transport/shm) and over TCP
   (LINERATE_SHM=0: the ERROR frame carries the root rank).
 - A Context that received an ERROR frame naming rank 3 and then loses another peer's
   connection still names rank 3.
@@ -248,7 +248,7 @@ def test_peer_that_failed_because_of_another_is_not_the_cause():
 
 
 def test_shared_segment_cause_records():
-    """The cause records of transport/shm/__init__.py: written once, read by every rank, the root
+    """The cause records of transport/shm: written once, read by every rank, the root
     picked as the rank that names itself, else the one the others blame that left none."""
     import torch
 

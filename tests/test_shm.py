@@ -1,4 +1,4 @@
-"""Shared memory between the ranks of one host (transport/shm/__init__.py, collectives/shm_algos.py).
+"""Shared memory between the ranks of one host (transport/shm, collectives/shm_algos.py).
 
 - Every collective on the shared segment against Gloo on the same inputs: dtypes (float16,
   bfloat16, complex, integers, bool), reduce ops, sizes 0, 1, 7, 1001, 70,001 and one larger

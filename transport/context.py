@@ -128,9 +128,9 @@ class Context(LinkSink):
         #: "tcp" or "rdma": what the links to other hosts are (LINERATE_TRANSPORT, agreed at
         #: rendezvous); co-located peers may have "shm" links (each link's stats say its kind).
         self.transport = "tcp"
-        #: The group's shared-memory segment (transport/shm/__init__.py), or None.
+        #: The group's shared-memory segment (transport/shm), or None.
         self.shm = None
-        #: Where the group's ranks are (transport/shm/__init__.py ``Layout``: the group ranks of each
+        #: Where the group's ranks are (transport/shm ``Layout``: the group ranks of each
         #: host, whether each host's co-located ranks share a segment), the same on every
         #: rank: learnt at rendezvous; until then (and in a group of one) one host, unshared.
         self.layout = shm.Layout((tuple(range(size)),), False)
@@ -170,7 +170,7 @@ class Context(LinkSink):
 
     def _build_mesh_on(self, rv: rendezvous.Rendezvous, deadline: float) -> None:
         opts = self.options
-        # Rank 0 offers a segment for the whole group with its settings (transport/shm/__init__.py):
+        # Rank 0 offers a segment for the whole group with its settings (transport/shm):
         # a group on one host then proves its shared memory in the one round of host records.
         offer = None
 
@@ -231,7 +231,7 @@ class Context(LinkSink):
         self._setup = setup  # a failure from here on closes what the kinds made
         for kind in kinds.KINDS:
             kind.prepare(setup)
-        # Ranks of one host that can map one segment share memory (transport/shm/__init__.py): the
+        # Ranks of one host that can map one segment share memory (transport/shm): the
         # collectives use it directly, and (LINERATE_SHM=auto|1) it is the link to each
         # co-located peer (transport/shm/ring.py), so it is proved before links are chosen.
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,

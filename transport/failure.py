@@ -7,7 +7,7 @@ group; the other ranks learn why from an ERROR frame (``KIND_ERROR``, its value 
 names that rank, never itself nor a peer that merely exited after its own failure: the first
 failure this rank learns of (its own report, a dead peer, a peer's ERROR frame) is the root
 it keeps, and it writes it into its cause record of the host's shared segment
-(transport/shm/__init__.py), where a co-located rank that finds this rank gone reads why it went.
+(transport/shm), where a co-located rank that finds this rank gone reads why it went.
 
 ``Failures`` holds that state for one Context (``ctx``), through the Context's public face:
 its peers and their links, the matcher and its lock, ``control_to``, ``await_links``,
@@ -219,7 +219,7 @@ class Failures:
     def note_root(self, root: int, text: str) -> tuple[int, str]:
         """Remember the group's first failure as this rank learnt it (the first call wins):
         ``root`` failed, ``text`` says how. Written into this rank's cause record in the
-        shared segment too (transport/shm/__init__.py), before the failure reaches this rank's user:
+        shared segment too (transport/shm), before the failure reaches this rank's user:
         a co-located rank that later finds this rank gone reads there why it went. Returns
         the root now remembered."""
         ctx = self.ctx
@@ -239,7 +239,7 @@ class Failures:
         is known of it), or None while nothing is. What this rank noted comes first (its own
         report, a dead peer, a peer's ERROR frame, which names the root); else the co-located
         ranks' cause records (a rank whose record names itself, else the rank the others
-        blame that recorded nothing: transport/shm/__init__.py ``pick_root``)."""
+        blame that recorded nothing: transport/shm ``pick_root``)."""
         ctx = self.ctx
         if self.root is not None:
             return self.root

@@ -73,7 +73,7 @@ class FakePeer:
         t.start()
         secret = bytes.fromhex(store.get(rendezvous.STORE_PREFIX + "secret").decode())
         # Rank 1's shared-memory record, as a rank on another host would publish it: no
-        # shared memory with rank 0 (transport/shm/__init__.py; keys under this group's generation).
+        # shared memory with rank 0 (transport/shm; keys under this group's generation).
         # Rank 0 reads it before it chooses its links (and publishes its address).
         generation = secret.hex()[:16]
         base = f"{rendezvous.STORE_PREFIX}shm/{generation}/host/"

@@ -60,7 +60,7 @@ class Setup:
     on_link: Callable                 # lazy links: on_link(peer, link) once made
     on_fail: Callable                 # lazy links: on_fail(peer, error) if it cannot be
     listen_later: bool = False        # the group is probably on one host: listen only if not
-    seg: object | None = None         # this host's proved shared segment (transport/shm/__init__.py)
+    seg: object | None = None         # this host's proved shared segment (transport/shm)
     layout: shm.Layout | None = None  # the group's hosts, the same on every rank
     nrails: int = 1                   # rails of the network links (RDMA: its ports)
     maker: Maker | None = None        # what makes links later, or must be aborted on failure

@@ -2,7 +2,7 @@
 
 This docstring is the specification every link kind implements (``tcp``: transport/tcp.py,
 ``rdma``: transport/rdma.py, ``shm``: transport/shm/ring.py, rings in the shared segment of the
-ranks of one host, transport/shm/__init__.py). tests/test_links.py runs one conformance suite against each kind.
+ranks of one host, transport/shm). tests/test_links.py runs one conformance suite against each kind.
 
 A link joins this rank to one ``peer``; a Context holds one per peer. It knows messages,
 never what they mean: a message is a buffer plus the header fields ``opcode``, ``channel``,

@@ -369,7 +369,7 @@ def memcpy_rate() -> float:
     the shared-memory collectives and links make): the best of MEMCPY_PROBE_COPIES copies of
     each of MEMCPY_PROBE_SIZES between two buffers, after a warm-up; measured once per process
     (about 3 ms). The segment's creator measures it while setting the segment up
-    (transport/shm/__init__.py), before any traffic, and publishes it there: the capacity of ``shm``.
+    (transport/shm), before any traffic, and publishes it there: the capacity of ``shm``.
     A rank's copies run one after the other on its thread, at best from a cache as these do,
     so its utilization of ``shm`` stays at or under 1; copies of tensors too large for the
     cache run slower than this."""

@@ -93,7 +93,7 @@ class TransportOptions:
     #: threads (ioloop.LoopStreamLink), so threads per rank do not grow with peers or groups.
     #: TLS and RDMA streams always use threads. Need not be agreed: both interoperate.
     io: str = "threads"
-    #: Shared memory between the ranks of one host (transport/shm/__init__.py): ``auto`` (where every
+    #: Shared memory between the ranks of one host (transport/shm): ``auto`` (where every
     #: rank of the group proves it can map the group's segment), ``1`` (group creation fails
     #: naming the ranks that cannot) or ``0`` (off). Every rank must use the same setting.
     shm: str = "auto"

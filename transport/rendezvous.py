@@ -6,7 +6,7 @@ Every key lies under the group's prefix (``linerate/[<scope>/]``)::
     secret                    rank 0's 32 random bytes (hex): the handshake key of this group;
                               its first 16 hex digits name this incarnation (``generation``)
     offer                     rank 0's shared-memory offer (JSON, ``{}`` if none): published
-                              and read with the two above (transport/shm/__init__.py)
+                              and read with the two above (transport/shm)
     setup_failed/<generation> the first set-up failure any rank reported (text)
     setup_failed/<generation>/read  how many ranks have the failure (a counter: each adds 1
                               once it failed set-up; the rank hosting the Store waits for all)
@@ -24,7 +24,7 @@ checked before use, and a malformed one is an error naming the rank that publish
 
 ``agree_transport`` settles the group's network kind (``tcp`` or ``rdma``); which kind links
 each peer is then the link kinds' choice (transport/kinds.py): shared memory for the
-co-located peers that proved their host's segment (``transport/shm/__init__.py``, through the same
+co-located peers that proved their host's segment (``transport/shm``, through the same
 Rendezvous), the network kind for the others.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Rendezvous:
         (one request for all keys), first quickly, then up to ``max_delay`` apart; once the
         first few looks failed, each also asks whether a rank reported a set-up failure.
 
-        ``bell`` and ``pending`` (transport/shm/__init__.py's SetupBoard): co-located ranks post their
+        ``bell`` and ``pending`` (transport/shm's SetupBoard): co-located ranks post their
         part in shared memory and ring ``bell``, which this rank sleeps on between looks;
         ``pending(keys)`` gives the keys whose part has not come that way. The wait ends when
         none is left, or when the store has the rest (asked only once the first quick looks
@@ -210,7 +210,7 @@ class Rendezvous:
         the secret. Sets ``generation``; returns the secret.
 
         ``offer`` (rank 0's only): ``offer(secret) -> bytes | None``, a record published in the
-        same request (shared memory offers its segment there: transport/shm/__init__.py), which every
+        same request (shared memory offers its segment there: transport/shm), which every
         rank then finds in ``offered`` (``b"{}"`` when none): the other ranks read it in the same
         request as the settings, so it costs no wait of its own."""
         pre = self.prefix
@@ -394,7 +394,7 @@ VERSION_KEY = "linerate version"
 
 def version_text() -> str:
     """What every rank of a group must run the same of: linerate's version, the wire protocol
-    (transport/handshake.py) and the shared segment's layout (transport/shm/__init__.py)."""
+    (transport/handshake.py) and the shared segment's layout (transport/shm)."""
     import linerate
 
     from . import handshake, shm

@@ -6,7 +6,7 @@ the same number of times for the same calls, so "every rank reached tick T" mean
 finished that phase" (``Engine.publish``, ``Engine.wait``). A waiting rank checks the counters
 for a moment (where ranks outnumber cores it gives its core up between looks: 4 ranks on 2
 cores must not fight spinners), says which tick it waits for and sleeps on its bell (a futex of
-transport/shm/__init__.py's segment: no core burnt); a rank that publishes wakes exactly the sleepers
+transport/shm's segment: no core burnt); a rank that publishes wakes exactly the sleepers
 whose wait it completes. A sleeper also wakes after a short timeout and looks at the
 transport's state and, every LIVE_S, whether the ranks it waits for still run: a rank that
 died or reported an error fails the wait with that error. Each area of the segment remembers
@@ -67,7 +67,7 @@ SPIN_S = 100e-6
 #: (docs/performance.md, small operations at 4 ranks).
 YIELD_S = 200e-6
 #: Seconds between a waiting rank's looks at whether the ranks it waits for still run (one
-#: poll of their pidfds: transport/shm/__init__.py PidWatch). Looking at every wake-up (where there are
+#: poll of their pidfds: transport/shm PidWatch). Looking at every wake-up (where there are
 #: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
 #: all_reduce's CPU on many ranks. A rank that died is still noticed within this plus POLL_S.
 LIVE_S = 0.02

@@ -1,6 +1,6 @@
 """Shared memory as a link (kind ``shm``): point-to-point messages between ranks of one host.
 
-Ranks of one host that proved their host's segment at rendezvous (transport/shm/__init__.py: same host,
+Ranks of one host that proved their host's segment at rendezvous (transport/shm: same host,
 a 0600 segment with a random name, opened only after its creator's HMAC of the job secret
 checked out, unlinked once every rank mapped it) talk through it instead of loopback TCP. The
 segment's point-to-point area (``shm.p2p_layout``) holds:

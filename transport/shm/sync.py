@@ -1,5 +1,5 @@
 """The synchronisation primitives of shared memory between the ranks of one host, used by the
-segment (transport/shm/__init__.py), its ring links (ring.py) and the collectives' engine
+segment (transport/shm), its ring links (ring.py) and the collectives' engine
 (engine.py): the memory order (``WEAK_ORDER``, the fence's lock), futex wait and wake on a
 word of the segment, watching co-located ranks' processes (``PidWatch``: pidfds, else signals),
 the cores this process may use (affinity and cgroup quota), and cross-memory attach
