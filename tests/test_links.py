@@ -300,19 +300,32 @@ def test_link_peer_death_and_close(kind, request):
         b.close(time.monotonic() + 1)
 
 
-def test_isend_now(kind, request):
-    """isend_now (what a Context's post calls) delivers on every kind, small and large. A
-    threads TCP link writes a small message posted on an idle link in the caller's thread (its
-    request complete when the call returns); what the socket cannot take at once (the peer
-    reads nothing meanwhile) goes on with the stream's sender, in order, and arrives whole."""
+def _gated_pair(kind, request):
+    """A pair of one stream each, whose receiving side (b's sink) can be made to stop reading:
+    ``stop_reading()`` holds each next message's claim until ``gate`` is set (its buffers
+    fill, so its peer's writes block)."""
     pki = request.getfixturevalue("pki") if kind == "tls" else None
-    (a, b), (sa, sb) = _pair(kind, pki, nsocks=1)
+    links, sinks = _pair(kind, pki, nsocks=1)
     gate = threading.Event()
+    sb = sinks[1]
     claim = sb.claim
 
     def slow_claim(*args):
         gate.wait(30)
         return claim(*args)
+
+    def stop_reading():
+        sb.claim = slow_claim
+
+    return links, sinks, gate, stop_reading
+
+
+def test_isend_now(kind, request):
+    """isend_now (what a Context's post calls) delivers on every kind, small and large. A
+    threads TCP link writes a small message posted on an idle link in the caller's thread (its
+    request complete when the call returns); what the socket cannot take at once (the peer
+    reads nothing meanwhile) goes on with the stream's sender, in order, and arrives whole."""
+    (a, b), (sa, sb), gate, stop_reading = _gated_pair(kind, request)
 
     def post(data, msgno):
         req = Request(True, a.peer, memoryview(data), CHANNEL_P2P, 9, 1, "test")
@@ -340,7 +353,7 @@ def test_isend_now(kind, request):
             # The peer reads the first header, then nothing until the gate: messages of 60 KB,
             # each posted on the idle link, fill the kernel's buffers until one does not fit
             # at once (its request still open when the call returns: the sender has the rest).
-            sb.claim = slow_claim
+            stop_reading()
             bigs, reqs = [], []
             while not reqs or reqs[-1].is_completed():
                 assert len(reqs) < 500, "the kernel took 30 MB without the peer reading"
@@ -415,21 +428,14 @@ def test_link_flush_control(kind, request):
     while the peer reads nothing (its buffers full, a large message ahead) False by its
     deadline, not later; once the peer has read again, True, and the frame is there. On a
     link that is down, False at once."""
-    pki = request.getfixturevalue("pki") if kind == "tls" else None
-    (a, b), (sa, sb) = _pair(kind, pki, nsocks=1)
-    gate = threading.Event()
-    claim = sb.claim
-
-    def slow_claim(*args):
-        gate.wait(30)
-        return claim(*args)
+    (a, b), (sa, sb), gate, stop_reading = _gated_pair(kind, request)
 
     try:
         assert a.send_control(KIND_ERROR, b"rank 0: first", 0)
         assert a.flush_control(time.monotonic() + 10)
         sb.wait(lambda: sb.controls)
         assert sb.controls == [(KIND_ERROR, b"rank 0: first", 0)]
-        sb.claim = slow_claim  # the peer stops reading at the next message
+        stop_reading()  # the peer stops reading at the next message
         big = _send(a, bytearray(64 << 20), tag=1)
         time.sleep(0.2)  # its first chunk is under way and the peer's buffers fill
         assert a.send_control(KIND_ERROR, b"rank 0: second", 0)
