@@ -34,14 +34,15 @@ class Dispatch:
     def __init__(self, options, shape: algorithms.Shape, plan, shm, local):
         self.options = options
         self.shape = shape
-        #: Whether lone all_reduces run on the segment (else over the links): lone_max says.
-        self._lone_on_segment = False
         #: The two-level algorithms' columns (collectives/two_level.py), where they can run.
         self.plan = plan
         #: The engine of the whole group's shared segment (one host), and of this host's
         #: ranks where the group spans hosts (collectives/shm_algos.py); None where none.
         self.shm = shm
         self.local = local
+        #: Whether the table gives the fusion agreement to the group's segment (one host):
+        #: lone calls run there, else (a flat group) over the links.
+        self._lone_on_segment = shm is not None and self.choose(WORKER, "agree", 0) == "shm"
 
     @classmethod
     def for_group(cls, options, layout, rank: int, size: int, seg) -> "Dispatch":
@@ -112,7 +113,7 @@ class Dispatch:
         """Whether a synchronous barrier that finds nothing queued may run the lone way
         (``lone_barrier``): a group of one host's shared segment whose table gives the fusion
         agreement to it."""
-        return self.shm is not None and size > 1 and self.choose(WORKER, "agree", 0) == "shm"
+        return size > 1 and self._lone_on_segment
 
     def lone_max(self, size: int) -> int:
         """Up to how many bytes a synchronous all_reduce that finds nothing queued runs the
@@ -120,11 +121,11 @@ class Dispatch:
         gives it to the segment of one host's ranks or to the links of a flat group (0:
         none; a two-level group agrees in two rounds, and a forced algorithm carries
         nothing)."""
-        how = self.choose(WORKER, "agree", 0) if size > 1 else None
-        self._lone_on_segment = how == "shm" and self.shm is not None
+        if size <= 1:
+            return 0
         if self._lone_on_segment:
             return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
-        if how == "direct":
+        if self.choose(WORKER, "agree", 0) == "direct":
             return min(self.options.fusion_bytes, self.carry_bytes("direct"))
         return 0
 

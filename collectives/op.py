@@ -187,8 +187,7 @@ class Lifecycle:
             op = ops[0]
             for h in self._done:
                 h.completed(op, algo, seconds, nbytes)
-            if op.work is not None:  # (None: _run_lone makes a completed Work after)
-                complete(op.work)
+            complete(op.work)
         else:
             for op in ops:
                 for h in self._done:

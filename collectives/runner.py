@@ -322,8 +322,9 @@ class Runner:
             if fused:
                 self.fusion_stats["calls"] += 1
                 self.fusion_stats["ops"] += 1
+            op.work = completed(name, seq, self._rank, self.group_name, result)
             life.finish((op,), comm, nbytes)
-            return completed(name, seq, self._rank, self.group_name, result)
+            return op.work
         finally:
             self.sched.give_turn()
 

@@ -233,8 +233,14 @@ class _Completed(Work):
         name, seq, rank, group = self._name
         return f"{name} #{seq} (rank {rank} of group {group or '?'})"
 
+    def _complete(self, exc: BaseException | None = None, source_rank: int = -1) -> None:
+        if exc is not None:  # (done already: only a failure while finishing changes it)
+            self._exc = as_dist_error(exc, self._desc)
+
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        return True  # done, without error, on the host
+        if self._exc is not None:
+            raise self._exc
+        return True  # done, on the host
 
 
 def completed(name: str, seq: int, rank: int, group: str, result: list) -> Work:

@@ -561,13 +561,9 @@ class ThreadedStreamLink(StreamLink):
             if frame is None:  # (a message finished meanwhile: nothing to write)
                 return True
             st.writer = True
-        sent, n = frame[0], frame[2]
-        out = frame[1]
+        sent, out, n = frame
         try:
-            while out:
-                advance(out, st.sock.sendmsg(out, (), socket.MSG_DONTWAIT))
-        except BlockingIOError:
-            pass  # the socket's buffer is full: its sender writes the rest
+            write_now(st.sock, out)
         except OSError as e:
             with self._cond:
                 st.writer = False
@@ -647,6 +643,17 @@ def _unsent(sock) -> int:
     except (OSError, AttributeError, TypeError, ValueError):
         return 0
     return int.from_bytes(out, sys.byteorder, signed=True)
+
+
+def write_now(sock, out: list) -> None:
+    """Write what ``sock`` takes of the buffers ``out`` without blocking (MSG_DONTWAIT);
+    what it did not take stays in ``out`` (its buffer is full)."""
+    while out:
+        try:
+            sent = sock.sendmsg(out, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        advance(out, sent)
 
 
 def recv_into(sock, view: memoryview, n: int) -> bool:
