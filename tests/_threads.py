@@ -140,6 +140,34 @@ def _call_opts(cls, async_op: bool, **fields):
     return o
 
 
+def _alltoall_through_single(pg, outs, ins, opts):
+    """Gloo's all_to_all of lists where it has none: the lists' bytes, one after another, in
+    one ``alltoall_base`` with a split per rank, then copied into the outputs; the bytes each
+    rank gets are the ones the lists call would give it; done when it returns."""
+    send = _cat([_bytes(t) for t in ins]) if ins else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(sum(t.numel() * t.element_size() for t in outs), dtype=torch.uint8)
+    pg.alltoall_base(recv, send, [t.numel() * t.element_size() for t in outs],
+                     [t.numel() * t.element_size() for t in ins], opts).wait()
+    at = 0
+    for t in outs:
+        n = t.numel() * t.element_size()
+        _into(t).copy_(recv[at:at + n])
+        at += n
+    return _Done()
+
+
+class _Done:
+    """A finished call's work: what ``wait`` and ``get_future`` of a Gloo work give."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self):
+        f = torch.futures.Future()
+        f.set_result(None)
+        return f
+
+
 def _method(new: str, old: str) -> str:
     """The group method torch's functions call: 2.13's name, or the one before it."""
     return new if hasattr(dist.ProcessGroup, new) else old
@@ -187,7 +215,14 @@ class ThreadDist:
             ins = args[0] if method in _IN_PLACE else _copy(args[1])
             self._kept.append((key, args[:-1], ins, opts))
             return None
-        work = getattr(self.gloo if group is None else group, method)(*args)
+        pg = self.gloo if group is None else group
+        try:
+            work = getattr(pg, method)(*args)
+        except RuntimeError as e:
+            # torch before 2.12: Gloo takes no all_to_all of lists (every rank is refused alike)
+            if method != "alltoall" or "does not support alltoall" not in str(e):
+                raise
+            work = _alltoall_through_single(pg, *args)
         if async_op:
             return work.get_future() if future else work
         if work is not None:

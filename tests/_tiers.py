@@ -239,8 +239,19 @@ class Guard:
         #: down), not this test's doing: let through.
         self._before: set = set()
 
-    def _refuse(self, what: str):
-        msg = (f"{self.nodeid} started a process ({what}, in thread "
+    def _refuse(self, what: str, args: tuple = ()):
+        import traceback
+        # what was started and from where: the command of a Popen, and the last frame that is
+        # not subprocess's, multiprocessing's or this guard's (a library's helper shows here)
+        command = ""
+        if what == "subprocess.Popen" and len(args) > 1:
+            command = f" `{' '.join(map(str, args[1])) if isinstance(args[1], (list, tuple)) else args[1]}`"
+        frames = [f for f in traceback.extract_stack()[:-2]
+                  if os.path.basename(f.filename) not in ("subprocess.py", "_tiers.py",
+                                                          "process.py", "context.py",
+                                                          "popen_fork.py")]
+        where = f" from {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        msg = (f"{self.nodeid} started a process ({what}{command}{where}, in thread "
                f"{threading.current_thread().name}) but is in the unit tier, which starts "
                f"none: it is not unit-tier. Give it @pytest.mark.processes (tests/_tiers.py), "
                f"or make it start no process (ranks as threads: tests/_threads.py).")
@@ -258,7 +269,7 @@ class Guard:
         def refused(*a, **k):
             if guard.nodeid is None or threading.current_thread() in guard._before:
                 return real(*a, **k)
-            guard._refuse(what)
+            guard._refuse(what, a)
         self._saved.append((owner, name, real))
         setattr(owner, name, refused)
 

@@ -841,6 +841,31 @@ def test_the_batched_reference_is_gloos_result_call_by_call():
     assert all(n == len(DTYPES) * len(SMALL_SIZES) for _, n in res)
 
 
+def _alltoall_both_ways(d, r):
+    """Gloo's all_to_all of lists, and the reference's way for a torch whose Gloo has none
+    (tests/_threads._alltoall_through_single), on odd sizes, zero sizes and several dtypes."""
+    from _threads import _alltoall_through_single
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        for n in (0, 1, 7, 1023):  # Gloo's lists are of one size
+            ins = [torch.arange(n, dtype=torch.float32).mul(10 * r + q).to(dtype)
+                   for q in range(d.world)]
+            a = [torch.full((n,), -1, dtype=dtype) for q in range(d.world)]
+            b = [t.clone() for t in a]
+            d.gloo.alltoall(a, ins, dist.AllToAllOptions()).wait()
+            _alltoall_through_single(d.gloo, b, ins, dist.AllToAllOptions()).wait()
+            out.append(all(torch.equal(x, y) for x, y in zip(a, b)))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_references_alltoall_without_gloos_is_gloos_result():
+    """Gloo before torch 2.12 has no all_to_all of lists: the reference sends the lists' bytes
+    in one all_to_all_single; it gives what Gloo's all_to_all gives where Gloo has one."""
+    res = run_threads(_alltoall_both_ways, 3, as_dist=True, timeout=45)
+    assert all(all(x) and len(x) == 16 for x in res)
+
+
 # ----------------------------------------------------------------------------- rank processes
 # What only separate processes show: the shared-memory segments mapped by other processes
 # (their creation, mapping and unlinking across address spaces), torch.distributed's own

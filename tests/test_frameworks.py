@@ -193,6 +193,7 @@ def test_lightning_model_parallel_fully_shard(tmp_path):
     assert_markers(out, "trained, backend linerate")
 
 
+@pytest.mark.processes  # on a GPU host Lightning's Trainer starts a process of its own
 @pytest.mark.timeout(60)
 def test_lightning_fsdp_strategy_refuses_cpu():
     """The page says strategy="fsdp" needs a GPU whatever the backend: still so?"""

@@ -758,6 +758,7 @@ def test_whatif_cli_mlp(capsys):
     assert res[4.0, 16, 1.0]["scaling_factor"] >= res[1.0, 16, 1.0]["scaling_factor"]
 
 
+@pytest.mark.processes  # matplotlib's first use on a machine runs fc-list for its font cache
 @pytest.mark.timeout(60)
 def test_whatif_cli_table_user_model_and_plot(capsys, tmp_path, monkeypatch):
     (tmp_path / "mymodel.py").write_text(

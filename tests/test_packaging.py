@@ -91,7 +91,13 @@ def _env(**extra) -> dict:
 
 # ----------------------------------------------------------------------------- this interpreter
 def test_version_is_the_installed_metadata_version():
-    assert linerate.__version__ == importlib.metadata.version(linerate.DISTRIBUTION)
+    try:
+        installed = importlib.metadata.version(linerate.DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        # a checkout on the path, not installed (the GPU host check): the version says so
+        assert linerate.__version__ == "0+unknown"
+        pytest.skip(f"{linerate.DISTRIBUTION} is not installed: the package runs from a checkout")
+    assert linerate.__version__ == installed
     from linerate.tools import __version__ as tools_version
     assert tools_version == linerate.__version__
 

@@ -44,10 +44,11 @@ PROMETHEUS = shutil.which("prometheus")
 
 
 # ----------------------------------------------------------------------------- rank side
-def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
-    """Serve metrics on base_port + rank; all_reduce over TCP for ``traffic_s`` seconds (rank 0
-    decides when to stop), then over shared memory, then late on SLOW_RANK; then keep serving.
-    Returns what this rank knows it did."""
+def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s, api):
+    """Serve metrics on base_port + rank; once Prometheus (``api``) holds every rank's TCP byte
+    counter, all_reduce over TCP for ``traffic_s`` seconds (rank 0 decides when to stop), then
+    over shared memory, then late on SLOW_RANK; then keep serving. Returns what this rank knows
+    it did."""
     import torch
     import torch.distributed as dist
 
@@ -68,9 +69,23 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
     # every exporter is then up until the last rank's end plus keep_alive_s.
     hold = dist.new_group(backend="gloo")
 
+    # Prometheus samples every rank's TCP byte counter before the traffic: a rate over the
+    # traffic then has a sample on each side of it, also where the loaded host answers the
+    # scrapes during the traffic late or not at all (the first sample would otherwise come
+    # after most of the traffic, and rate() cannot count what came before a series' first
+    # sample). One small all_reduce makes the counters; rank 0 waits for Prometheus; the Gloo
+    # barrier releases the others.
+    first = torch.ones(1, dtype=torch.float32)
+    dist.all_reduce(first, group=lr)
+    payload = first.numel() * first.element_size()
+    if rank == 0:
+        _wait_scraped(api, 'linerate_sent_bytes_total{job="linerate", interface!="shm"}',
+                      world_size)
+    dist.barrier(group=hold)
+
     expected = world_size * (world_size + 1) / 2
     deadline = time.monotonic() + traffic_s
-    iters = payload = 0
+    iters = 0
     go = torch.zeros(1, dtype=torch.int32)
     while True:
         nbytes = SIZES[iters % len(SIZES)]
@@ -109,6 +124,35 @@ def _traffic(rank, world_size, lr, base_port, traffic_s, keep_alive_s):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _wait_scraped(api: str, series: str, ranks: int, timeout: float = 30.0) -> None:
+    """Until Prometheus holds a sample of ``series`` from each of ``ranks`` ranks."""
+    expr = f"count(count by (rank) ({series}))"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            q = urllib.parse.urlencode({"query": expr})
+            result = _get(f"{api}/api/v1/query?{q}")["data"]["result"]
+            if result and float(result[0]["value"][1]) >= ranks:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"Prometheus held no sample of {series} from {ranks} ranks after "
+                         f"{timeout:.0f} s: {_targets_report(api)}")
+
+
+def _scrapes(api: str, at: float, window: int) -> str:
+    """Every scrape of the last ``window`` seconds before ``at``, per target: the seconds
+    before ``at`` and whether it succeeded (``up``), for a failure's message."""
+    with contextlib.suppress(Exception):
+        q = urllib.parse.urlencode({"query": f'up{{job="linerate"}}[{window}s]',
+                                    "time": f"{at:.3f}"})
+        doc = _get(f"{api}/api/v1/query?{q}")
+        return "scrapes (s before the end: up): " + "; ".join(
+            f"{m['metric'].get('instance')}: "
+            + " ".join(f"{at - float(t):.1f}:{v}" for t, v in m["values"])
+            for m in doc["data"]["result"])
+    return "(no scrape report)"
+
+
 def _get(url: str, timeout: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
@@ -190,7 +234,7 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
                "LINERATE_METRICS_WINDOW": "1",
                "LINERATE_SHM": "0",  # the default group over TCP (the second one: shm)
                "LINERATE_SLOW_LOG_S": "60"}  # watch the default group's ranks and links
-        results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, timeout=45,
+        results = run_ranks(_traffic, WORLD, base, TRAFFIC_S, KEEP_ALIVE_S, api, timeout=75,
                             env=env, backend="linerate")
         # Evaluate while every exporter was still up (each rank served until the last one's
         # end plus KEEP_ALIVE_S: the Gloo barrier), after the final values were scraped twice.
@@ -227,7 +271,7 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         series = _query(api, 'sum by (rank) (linerate_collective_seconds_count'
                              '{job="linerate", op="all_reduce"})', at)
         counts = {int(s["metric"]["rank"]): float(s["value"][1]) for s in series}
-        want = 2.0 * n_iters + SHM_ITERS + SLOW_ITERS
+        want = 1.0 + 2.0 * n_iters + SHM_ITERS + SLOW_ITERS
         assert counts == {r: want for r in range(WORLD)}, counts
         series = _query(api, 'sum by (rank) (linerate_collective_bytes_total'
                              '{job="linerate", op="all_reduce"})', at)
@@ -241,12 +285,12 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
                               f'{{job="linerate", interface!="shm"}}[{RATE_RANGE_S}s]))'
                               f'[{window}s:1s])', at)
         peak_rate = float(peak["value"][1])
-        assert 0 < peak_rate < moved / 1.0, (peak_rate, moved)
+        assert 0 < peak_rate < moved / 1.0, (peak_rate, moved, _scrapes(api, at, window))
         # the busiest RATE_RANGE_S held a good part of the traffic: the peak is not far below
-        # the average. The range spans the traffic three times over: scrapes that a loaded host
-        # answers late (1 s timeout) leave gaps, and a 5 s range then held one sample of the
-        # traffic in every window (peak 12.8 MB/s for 683 MB moved in 5 s, in a full run).
-        assert peak_rate > 0.1 * moved / TRAFFIC_S, (peak_rate, moved)
+        # the average. Prometheus sampled the counters before the traffic (_traffic), and the
+        # range spans the traffic three times over, so that scrapes a loaded host answers late
+        # (1 s timeout) or not at all during the traffic still leave a sample on each side.
+        assert peak_rate > 0.1 * moved / TRAFFIC_S, (peak_rate, moved, _scrapes(api, at, window))
 
         # (d) the interface kinds panel saw both kinds move bytes
         kinds = next(e for t, e in dashboard_exprs() if t == "Bytes/s per interface kind")  # tx

@@ -21,7 +21,8 @@ Steps, in order (a step that fails or runs out of time is recorded and the next 
   CPU tensors; the target is pipelined CUDA busbw >= 0.9x the CPU tensors' linerate busbw.
 - ddp: torchvision's ResNet-18 on 2 ranks, 20 steps with linerate then Gloo from the same seed:
   the parameters must be equal; step times side by side.
-- unit: ``pytest -m unit`` with this host's torch (a second torch version beside CI's).
+- unit: ``pytest -m unit`` with this host's torch (a second torch version beside CI's), spread
+  over up to 8 processes where pytest-xdist is there.
 - scale-P (P = 2, 4, 8, 16): CPU tensors: 64 MB all_reduce over shared memory (and at 2 ranks
   over loopback TCP, ``LINERATE_SHM=0``, with 1, 2, 4 and 8 connections per peer), 4 KB
   latency at 2, 8 and 16 ranks; Gloo beside each, and Open MPI where mpirun and mpi4py work;
@@ -302,11 +303,21 @@ def unit_step(plan: Plan, log, timeout: float) -> dict:
     if not (root / "tests" / "conftest.py").is_file():
         raise StepError(f"no tests/ beside the package ({root}): run the check from a checkout")
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-            *plan.unit_args]
+            *_spread(plan.unit_args), *plan.unit_args]
     code, text = _run_cmd(log, argv, timeout, "gpu_check unit", cwd=str(root))
     import torch
     return dict(pytest_result(code, text), command=" ".join(["python", *argv[1:]]),
                 torch=torch.__version__)
+
+
+def _spread(args: list) -> list:
+    """pytest-xdist's arguments spreading the unit tier over this host's cores (at most 8 and
+    with CI's grouping), where xdist is there and the plan does not switch it off: one process
+    runs the tier's 700 tests in more than the step's four minutes."""
+    import importlib.util
+    if "no:xdist" in args or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2))), "--dist", "loadgroup"]
 
 
 def pytest_result(code: int, text: str) -> dict:
@@ -543,10 +554,12 @@ def findings(data: dict) -> list[str]:
                      f"memory copy bandwidth ({copy:.1f} GB/s)")
         if len(shm) >= 2 and cores:
             last = shm[-1]
-            flat = last["linerate_busbw"] < 1.1 * shm[0]["linerate_busbw"]
-            text += (f"; from {shm[0]['world']} to {last['world']} ranks busbw "
-                     f"{'stays within 10%' if flat else 'changes'} "
-                     f"({last['linerate_busbw'] / shm[0]['linerate_busbw']:.2f}x) while "
+            ratio = last["linerate_busbw"] / shm[0]["linerate_busbw"]
+            flat = ratio < 1.1
+            how = ("stays within 10%" if 0.9 <= ratio < 1.1 else "falls" if ratio < 0.9
+                   else "rises")
+            text += (f"; from {shm[0]['world']} to {last['world']} ranks busbw {how} "
+                     f"({ratio:.2f}x) while "
                      f"the ranks keep more of the {cores} cores busy: "
                      + ("more cores do not raise busbw, so a resource the ranks share (memory "
                         "bandwidth), not cores, is the limit." if flat else
@@ -648,6 +661,8 @@ def render(data: dict) -> str:
     if u:
         lines += ["", f"Unit tier with torch {u.get('torch')} (`{u.get('command')}`): "
                       f"{u.get('summary') or 'no summary'}."
+                  + (" Failed: " + ", ".join(f"`{x}`" for x in u["failed"]) + "."
+                     if u.get("failed") else "")
                   + (" Skips for what this host lacks: "
                      + "; ".join(x.split(": ", 1)[-1] for x in u["unexpected_skips"]) + "."
                      if u.get("unexpected_skips") else "")]
