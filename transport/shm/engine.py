@@ -128,8 +128,10 @@ class Engine:
         self.prog = seg.ctrl[:, PROG]
         self.want = seg.ctrl[:, WANT]
         # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
-        # rank takes the core a rank it waits for needs (it yields instead: wait()).
-        self.spin = SPIN_S if P <= usable_cores() else 0.0
+        # rank takes the core a rank it waits for needs (it yields instead: wait()). Known
+        # once every rank's process is (_polling).
+        self.spin: float | None = None
+        self.yield_s = YIELD_S
         self.tick = 0
         self.base = 0
         nareas = 2 * P + 2
@@ -317,14 +319,17 @@ class Engine:
         if arr is not None:
             base, ticks = self.base, prog.tolist()
             first = [q for q in (who or range(self.P)) if ticks[q] <= base and q != self.r]
-        if self.spin:
+        spin = self.spin
+        if spin is None:
+            spin = self._polling()
+        if spin:
             clock = time.perf_counter
-            until = clock() + self.spin
+            until = clock() + spin
             while not _ready(prog, t, who) and clock() < until:
                 pass
-        else:
+        elif self.yield_s:
             clock = time.perf_counter
-            until = clock() + YIELD_S
+            until = clock() + self.yield_s
             yld = os.sched_yield
             while not _ready(prog, t, who) and clock() < until:
                 yld()
@@ -373,6 +378,23 @@ class Engine:
                 self._settle(t, who, ctrl)
         if WEAK_ORDER:
             seg.fence()
+
+    def _polling(self) -> float:
+        """How a waiting rank polls before it sleeps: ``spin`` seconds on its core where the
+        ranks have a core each, else ``yield_s`` seconds giving the core up (returns the spin).
+        Ranks that are threads of one process (the test suite's) do neither: the rank a
+        waiter waits for needs the interpreter's lock that polling holds, and the futex sleep
+        lets it go. Kept once every rank's process is known (the segment records each rank's
+        pid as it joins)."""
+        me = (os.getpid(), self.pidns)  # a pid is a process's in one pid namespace
+        pids = [tuple(int(x) for x in self.seg.pids[q]) for q in range(self.P)]
+        if all(p == me for p in pids):
+            spin, self.yield_s = 0.0, 0.0
+        else:
+            spin, self.yield_s = (SPIN_S if self.P <= usable_cores() else 0.0), YIELD_S
+        if all(p[0] for p in pids):
+            self.spin = spin
+        return spin
 
     def _arrived(self, first: list, arr: dict) -> None:
         """Note the time for the peers in ``first`` that published in this op meanwhile."""
