@@ -74,6 +74,10 @@ def test_cpu_mode_runs_every_step_from_a_checkout_without_an_install(tmp_path):
     ddp = steps["ddp"]["result"]
     assert ddp["equal"] and ddp["bitwise"] and ddp["replicas_agree"]
     assert ddp["staging"]["cpu"]["ops"] > 0
+    # where a linerate step goes: without communication, and every bucket pipelined
+    assert set(ddp["step_ms"]) == {"linerate", "gloo", "linerate pipelined",
+                                   "linerate no communication"}
+    assert all(v > 0 for v in ddp["step_ms"].values())
     if "stand-in" in ddp["model"]:
         assert "stand-in CNN" in p.stdout
     speed = steps["staging-2"]["result"]
@@ -92,6 +96,7 @@ def test_cpu_mode_runs_every_step_from_a_checkout_without_an_install(tmp_path):
     assert all(after[k] == v for k, v in before.items() if k != "gpu")
     assert (out / "performance-gpu.md").read_text() == after["gpu"]
     assert f"| 2 | {corr['checks']} | 0 | {corr['pipelined']['ops']} (" in after["gpu"]
+    assert "Where a linerate DDP step goes: " in after["gpu"]
     assert "gpu_check: section written to" in p.stdout
     print(f"gpu_check --cpu took {took:.1f} s")
 

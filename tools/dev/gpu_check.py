@@ -20,7 +20,8 @@ Steps, in order (a step that fails or runs out of time is recorded and the next 
   (the default), staged whole (``LINERATE_STAGING=whole``) and Gloo, beside the same sizes of
   CPU tensors; the target is pipelined CUDA busbw >= 0.9x the CPU tensors' linerate busbw.
 - ddp: torchvision's ResNet-18 on 2 ranks, 20 steps with linerate then Gloo from the same seed:
-  the parameters must be equal; step times side by side.
+  the parameters must be equal; step times side by side, and where linerate's goes: the step
+  without communication (``no_sync``) and with every bucket pipelined.
 - unit: ``pytest -m unit`` with this host's torch (a second torch version beside CI's), spread
   over up to 8 processes where pytest-xdist is there.
 - scale-P (P = 2, 4, 8, 16): CPU tensors: 64 MB all_reduce over shared memory (and at 2 ranks
@@ -603,12 +604,19 @@ def render(data: dict) -> str:
         lr, gl = d["step_ms"].get("linerate"), d["step_ms"].get("gloo")
         floor = d.get("gloo_vs_gloo_diff") or 0.0
         eq = ("equal to Gloo's, bit for bit" if d.get("bitwise") else
-              f"max diff {d.get('max_abs_diff'):.3g} from Gloo's, {floor:.3g} between two Gloo "
+              f"max diff {_f(d.get('max_abs_diff'), '{:.3g}')} from Gloo's, {floor:.3g} between two Gloo "
               f"runs ({'within' if d.get('equal') else 'beyond'} 10x)")
         lines += ["", "| model | ranks | steps | linerate step ms | Gloo step ms | Gloo / linerate "
                       "| parameters after the steps |", "|---|---|---|---|---|---|---|",
                   f"| {d.get('model')} | 2 | {d.get('steps')} | {_f(lr, '{:.1f}')} | "
                   f"{_f(gl, '{:.1f}')} | {_f(gl / lr if lr and gl else None)}x | {eq} |"]
+        pp, alone = d["step_ms"].get("linerate pipelined"), d["step_ms"].get("linerate no communication")
+        if pp or alone:
+            lines += ["", "Where a linerate DDP step goes: "
+                      f"{_f(alone, '{:.1f}')} ms without communication (`no_sync`); "
+                      f"{_f(pp, '{:.1f}')} ms with every bucket pipelined "
+                      "(`LINERATE_STAGE_MIN_BYTES=256K`: DDP's first bucket, 1 MiB, otherwise takes "
+                      "one blocking copy to the host)."]
     # staging
     srows = [r for n in data.get("steps", {}) if n.startswith("staging")
              for r in _res(data, n).get("summary", [])]
@@ -999,8 +1007,12 @@ def k_ddp(spec, dev: Device, rank: int, P: int, res: dict, save) -> None:
     res["step_ms"] = {}
     params = {}
 
-    def train(name: str) -> None:
-        g = _group(name.split()[0], dict(spec["group_options"], **spec["ddp_options"]))
+    def train(name: str, extra: dict | None = None, alone: bool = False) -> None:
+        """20 steps of DDP over a group of ``name``'s backend (its first word), the check's
+        options with ``extra``; ``alone``: every step under no_sync (no communication: the
+        step's floor)."""
+        g = _group(name.split()[0], {**spec["group_options"], **spec["ddp_options"],
+                                     **(extra or {})})
         torch.manual_seed(0)
         model = make().to(d)
         ddp = DDP(model, device_ids=[d.index] if d.type == "cuda" else None, process_group=g)
@@ -1013,7 +1025,8 @@ def k_ddp(spec, dev: Device, rank: int, P: int, res: dict, save) -> None:
             dev.sync()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(ddp(x), y).backward()
+            with ddp.no_sync() if alone else contextlib.nullcontext():
+                F.cross_entropy(ddp(x), y).backward()
             opt.step()
             dev.sync()
             times.append(time.perf_counter() - t0)
@@ -1032,6 +1045,11 @@ def k_ddp(spec, dev: Device, rank: int, P: int, res: dict, save) -> None:
 
     train("linerate")
     train("gloo")
+    # Where a linerate step's time goes: the step without communication, and with every
+    # bucket pipelined (DDP's first bucket, 1 MiB, is under LINERATE_STAGE_MIN_BYTES: its
+    # CUDA input takes one blocking copy to the host, on the autograd thread)
+    train("linerate pipelined", {"stage_min_bytes": 256 << 10})
+    train("linerate no communication", alone=True)
     res["max_abs_diff"] = (params["linerate"] - params["gloo"]).abs().max().item()
     res["bitwise"] = every_rank(torch.equal(params["linerate"], params["gloo"]))
     if res["bitwise"]:
