@@ -615,8 +615,8 @@ def render(data: dict) -> str:
             lines += ["", "Where a linerate DDP step goes: "
                       f"{_f(alone, '{:.1f}')} ms without communication (`no_sync`); "
                       f"{_f(pp, '{:.1f}')} ms with every bucket pipelined "
-                      "(`LINERATE_STAGE_MIN_BYTES=256K`: DDP's first bucket, 1 MiB, otherwise takes "
-                      "one blocking copy to the host)."]
+                      "(`LINERATE_STAGE_MIN_BYTES=256K LINERATE_FUSION_BYTES=512K`: DDP's first "
+                      "bucket, 1 MiB, otherwise takes one blocking copy to the host)."]
     # staging
     srows = [r for n in data.get("steps", {}) if n.startswith("staging")
              for r in _res(data, n).get("summary", [])]
@@ -1046,9 +1046,10 @@ def k_ddp(spec, dev: Device, rank: int, P: int, res: dict, save) -> None:
     train("linerate")
     train("gloo")
     # Where a linerate step's time goes: the step without communication, and with every
-    # bucket pipelined (DDP's first bucket, 1 MiB, is under LINERATE_STAGE_MIN_BYTES: its
-    # CUDA input takes one blocking copy to the host, on the autograd thread)
-    train("linerate pipelined", {"stage_min_bytes": 256 << 10})
+    # bucket pipelined (DDP's first bucket, 1 MiB, is under LINERATE_STAGE_MIN_BYTES and
+    # LINERATE_FUSION_BYTES: its CUDA input takes one blocking copy to the host, on the
+    # autograd thread)
+    train("linerate pipelined", {"stage_min_bytes": 256 << 10, "fusion_bytes": 512 << 10})
     train("linerate no communication", alone=True)
     res["max_abs_diff"] = (params["linerate"] - params["gloo"]).abs().max().item()
     res["bitwise"] = every_rank(torch.equal(params["linerate"], params["gloo"]))
