@@ -411,8 +411,8 @@ def run_step(plan: Plan, log, name: str, kind: str, world: int, timeout: float) 
 def problems(name: str, result: dict) -> list[str]:
     """What a step's result says went wrong (empty: all held)."""
     out = []
-    if result.get("exit"):
-        out.append(f"ranks {result['exit']}")
+    if result.get("exit") and not result.get("problem"):  # (pytest's names its exit)
+        out.append(f"exit status {result['exit']}")
     if result.get("error"):
         out.append(result["error"])
     if result.get("problem"):
