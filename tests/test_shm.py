@@ -340,6 +340,35 @@ def test_overflow_gives_inf_and_nan_as_gloo_without_warnings():
         assert r == [True] * 8 + ["raise"], r
 
 
+def _polling(rank, P, lr, allreduce=None):
+    """The shared-memory engine's polling plan once every rank waited for a late one
+    (transport/shm/engine.py): each rank in turn enters an all_reduce late."""
+    for late in range(P):
+        if rank == late:
+            time.sleep(0.2)
+        x = torch.ones(3)
+        if allreduce is None:
+            dist.all_reduce(x, group=lr)
+        else:
+            allreduce(x)
+    return lr._shm.spin, lr._shm.yield_s
+
+
+@pytest.mark.timeout(60)
+def test_thread_ranks_sleep_at_once_and_processes_poll_first():
+    """Ranks that are threads of one process neither spin nor yield before the futex sleep
+    (polling would hold the interpreter lock the awaited thread needs); rank processes spin
+    where each has a core, else yield."""
+    from linerate.transport.shm import engine
+    from linerate.transport.shm.sync import usable_cores
+
+    def threads(pg, r):
+        return _polling(r, 2, pg, lambda x: pg.allreduce([x]).wait())
+    assert run_threads(threads, 2) == [(0.0, 0.0)] * 2
+    spin = engine.SPIN_S if 2 <= usable_cores() else 0.0
+    assert run_ranks(_polling, 2, timeout=45) == [(spin, engine.YIELD_S)] * 2
+
+
 def _one_rank(rank, P, lr):
     x = torch.arange(5.0)
     dist.all_reduce(x, group=lr)
