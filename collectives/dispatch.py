@@ -40,9 +40,10 @@ class Dispatch:
         #: ranks where the group spans hosts (collectives/shm_algos.py); None where none.
         self.shm = shm
         self.local = local
-        #: Whether the table gives the fusion agreement to the group's segment (one host):
-        #: lone calls run there, else (a flat group) over the links.
-        self._lone_on_segment = shm is not None and self.choose(WORKER, "agree", 0) == "shm"
+        #: Where the table runs the fusion agreement, and so the lone calls: the group's
+        #: segment (one host, "shm"), a flat group's links ("direct"), or neither.
+        self._agree = self.choose(WORKER, "agree", 0)
+        self._lone_on_segment = shm is not None and self._agree == "shm"
 
     @classmethod
     def for_group(cls, options, layout, rank: int, size: int, seg) -> "Dispatch":
@@ -125,7 +126,7 @@ class Dispatch:
             return 0
         if self._lone_on_segment:
             return min(self.options.fusion_bytes, self.carry_bytes("shm"), self.shm.C - 64)
-        if self.choose(WORKER, "agree", 0) == "direct":
+        if self._agree == "direct":
             return min(self.options.fusion_bytes, self.carry_bytes("direct"))
         return 0
 

@@ -142,30 +142,17 @@ def _call_opts(cls, async_op: bool, **fields):
 
 def _alltoall_through_single(pg, outs, ins, opts):
     """Gloo's all_to_all of lists where it has none: the lists' bytes, one after another, in
-    one ``alltoall_base`` with a split per rank, then copied into the outputs; the bytes each
-    rank gets are the ones the lists call would give it; done when it returns."""
-    send = _cat([_bytes(t) for t in ins]) if ins else torch.empty(0, dtype=torch.uint8)
-    recv = torch.empty(sum(t.numel() * t.element_size() for t in outs), dtype=torch.uint8)
-    pg.alltoall_base(recv, send, [t.numel() * t.element_size() for t in outs],
-                     [t.numel() * t.element_size() for t in ins], opts).wait()
-    at = 0
-    for t in outs:
-        n = t.numel() * t.element_size()
-        _into(t).copy_(recv[at:at + n])
-        at += n
-    return _Done()
-
-
-class _Done:
-    """A finished call's work: what ``wait`` and ``get_future`` of a Gloo work give."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self):
-        f = torch.futures.Future()
-        f.set_result(None)
-        return f
+    one all_to_all_single with a split per rank (as ThreadDist._exchange_all batches them),
+    copied into the outputs before it returns; the bytes each rank gets are the ones the lists
+    call would give it. Returns the finished Gloo work."""
+    sends, recvs = [_bytes(t) for t in ins], [_into(t) for t in outs]
+    recv = torch.empty(sum(b.numel() for b in recvs), dtype=torch.uint8)
+    work = getattr(pg, _method("all_to_all_single", "alltoall_base"))(
+        recv, _cat(sends or [torch.empty(0, dtype=torch.uint8)]),
+        [b.numel() for b in recvs], [b.numel() for b in sends], opts)
+    work.wait()
+    _scatter_back(recv, recvs)
+    return work
 
 
 def _method(new: str, old: str) -> str:

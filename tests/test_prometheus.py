@@ -129,9 +129,8 @@ def _wait_scraped(api: str, series: str, ranks: int, timeout: float = 30.0) -> N
     expr = f"count(count by (rank) ({series}))"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            q = urllib.parse.urlencode({"query": expr})
-            result = _get(f"{api}/api/v1/query?{q}")["data"]["result"]
+        with contextlib.suppress(OSError, AssertionError):  # not up yet, or a bad answer
+            result = _query(api, expr, time.time())
             if result and float(result[0]["value"][1]) >= ranks:
                 return
         time.sleep(0.2)
