@@ -343,15 +343,21 @@ def test_overflow_gives_inf_and_nan_as_gloo_without_warnings():
 
 def _polling(rank, P, lr, allreduce=None):
     """The shared-memory engine's polling plan once every rank waited for a late one
-    (transport/shm/engine.py): each rank in turn enters an all_reduce late."""
-    for late in range(P):
-        if rank == late:
-            time.sleep(0.2)
-        x = torch.ones(3)
-        if allreduce is None:
+    (transport/shm/engine.py): each rank in turn enters an all_reduce late, in rounds until
+    every rank has its plan (a rank that a loaded host delays longer than the late one finds
+    the ticks there and never waits in that round)."""
+    if allreduce is None:
+        def allreduce(x):
             dist.all_reduce(x, group=lr)
-        else:
-            allreduce(x)
+    for _ in range(20):
+        for late in range(P):
+            if rank == late:
+                time.sleep(0.2)
+            allreduce(torch.ones(3))
+        known = torch.tensor([float(lr._shm.spin is not None)])
+        allreduce(known)  # the same sum on every rank: every rank stops in the same round
+        if known.item() == P:
+            break
     return lr._shm.spin, lr._shm.yield_s
 
 
