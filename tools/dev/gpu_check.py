@@ -109,6 +109,10 @@ class Plan:
 
 
 _CHUNKED = {"stage_chunk_bytes": 64 << 10, "stage_min_bytes": 128 << 10, "fusion_bytes": 64 << 10}
+#: The ddp step's "linerate pipelined" run, over the plan's options: every bucket above
+#: LINERATE_STAGE_MIN_BYTES and LINERATE_FUSION_BYTES (DDP's first bucket, 1 MiB, otherwise
+#: takes one blocking copy to the host, on the autograd thread).
+DDP_PIPELINED = {"stage_min_bytes": 256 << 10, "fusion_bytes": 512 << 10}
 
 GPU_PLAN = Plan(
     cpu=False, corr_worlds=(2, 4), corr_counts=(0, 1, 7, 1023, 100003), corr_big_bytes=10 << 20,
@@ -612,11 +616,13 @@ def render(data: dict) -> str:
                   f"{_f(gl, '{:.1f}')} | {_f(gl / lr if lr and gl else None)}x | {eq} |"]
         pp, alone = d["step_ms"].get("linerate pipelined"), d["step_ms"].get("linerate no communication")
         if pp or alone:
+            how = " ".join(f"LINERATE_{k.upper()}={v >> 10}K"
+                           for k, v in d.get("pipelined_options", DDP_PIPELINED).items())
             lines += ["", "Where a linerate DDP step goes: "
                       f"{_f(alone, '{:.1f}')} ms without communication (`no_sync`); "
                       f"{_f(pp, '{:.1f}')} ms with every bucket pipelined "
-                      "(`LINERATE_STAGE_MIN_BYTES=256K LINERATE_FUSION_BYTES=512K`: DDP's first "
-                      "bucket, 1 MiB, otherwise takes one blocking copy to the host)."]
+                      f"(`{how}`: DDP's first bucket, 1 MiB, otherwise takes one blocking copy "
+                      "to the host)."]
     # staging
     srows = [r for n in data.get("steps", {}) if n.startswith("staging")
              for r in _res(data, n).get("summary", [])]
@@ -1045,11 +1051,10 @@ def k_ddp(spec, dev: Device, rank: int, P: int, res: dict, save) -> None:
 
     train("linerate")
     train("gloo")
-    # Where a linerate step's time goes: the step without communication, and with every
-    # bucket pipelined (DDP's first bucket, 1 MiB, is under LINERATE_STAGE_MIN_BYTES and
-    # LINERATE_FUSION_BYTES: its CUDA input takes one blocking copy to the host, on the
-    # autograd thread)
-    train("linerate pipelined", {"stage_min_bytes": 256 << 10, "fusion_bytes": 512 << 10})
+    # Where a linerate step's time goes: with every bucket pipelined (DDP_PIPELINED), and the
+    # step without communication
+    train("linerate pipelined", DDP_PIPELINED)
+    res["pipelined_options"] = DDP_PIPELINED
     train("linerate no communication", alone=True)
     res["max_abs_diff"] = (params["linerate"] - params["gloo"]).abs().max().item()
     res["bitwise"] = every_rank(torch.equal(params["linerate"], params["gloo"]))
