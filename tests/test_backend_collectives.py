@@ -962,12 +962,14 @@ def test_idle_worker_thread_ends_and_comes_back(monkeypatch):
         assert r == (True, True), r
 
 
-def _where_ops_run(d, rank):
+def _where_ops_run(d, rank, queued):
     """Which thread ran each op: a synchronous call with the worker idle (a small all_reduce,
     a fusion entry, too; on one host the lone way, runner._run_lone) runs in the caller's thread; an
     async one, and a synchronous one queued behind it, on the worker, in order.
     (The barrier may go either way: the worker clears its turn just after it completes the
-    broadcast's Work.)"""
+    broadcast's Work.) ``queued``: an Event per rank, set once its second broadcast is queued
+    behind its all_gather; rank 0 joins the all_gather only then, so that the other ranks'
+    all_gather is still running when they call that broadcast however the host delays them."""
     import threading
     P, lr = d.world, d.lr
     pg = lr._get_backend(torch.device("cpu"))
@@ -992,7 +994,15 @@ def _where_ops_run(d, rank):
             ran.append((name, threading.current_thread().name))
         return work
 
+    put = pg._run.sched.put
+
+    def spy_put(item):
+        put(item)
+        if getattr(item, "name", None) == "broadcast":
+            queued[rank].set()
+
     pg._run._execute, pg._run._run_fused, pg._run._run_lone = spy, spy_fused, spy_lone
+    pg._run.sched.put = spy_put
     s = torch.full((3,), float(rank))
     d.all_reduce(s, group=lr)  # a small one (a fusion entry): synchronous, here too
     assert torch.equal(s, torch.full((3,), float(sum(range(P)))))
@@ -1000,8 +1010,9 @@ def _where_ops_run(d, rank):
     d.broadcast(x, 1, group=lr)  # synchronous, nothing queued: here
     assert torch.equal(x, torch.full((1000,), 1.0))
     outs = [torch.empty(1000) for _ in range(P)]
-    if rank == 0:
-        time.sleep(0.5)  # the others' all_gather is still running when they call broadcast
+    if rank == 0:  # the others' all_gather is still running when they call broadcast
+        for q in range(1, P):
+            assert queued[q].wait(120), f"rank {q}'s broadcast was not queued"
     w = d.all_gather(outs, torch.full((1000,), float(rank)), group=lr, async_op=True)
     y = torch.full((5,), float(rank))
     d.broadcast(y, 0, group=lr)  # synchronous but behind a queued op: the worker, after it
@@ -1010,6 +1021,7 @@ def _where_ops_run(d, rank):
     assert torch.equal(y, torch.zeros(5))
     d.barrier(group=lr)
     pg._run._execute, pg._run._run_fused, pg._run._run_lone = execute, run_fused, run_lone
+    pg._run.sched.put = put
     return ran
 
 
@@ -1020,8 +1032,10 @@ def test_synchronous_calls_run_in_the_callers_thread_in_order(shm):
 
     import linerate
     options = linerate.Options.from_env({**os.environ, **({} if shm else {"LINERATE_SHM": "0"})})
-    for rank, ran in enumerate(run_threads(_where_ops_run, 3, as_dist=True, options=options,
-                                           timeout=180)):
+    import threading
+    queued = [threading.Event() for _ in range(3)]
+    for rank, ran in enumerate(run_threads(lambda d, r: _where_ops_run(d, r, queued), 3,
+                                           as_dist=True, options=options, timeout=180)):
         ops = [op for op, _ in ran]
         assert ops == ["all_reduce", "broadcast", "all_gather", "broadcast", "barrier"], ran
         assert not ran[0][1].startswith("linerate-coll"), ran
