@@ -507,22 +507,26 @@ def _gather_impl(comm: Comm, segs: list, root: int | None) -> None:
         E.wrote += mine.numel()
     if reader:
         E.rx_all += mine.numel()
+    # By address (segs are contiguous bytes): no tensor slices per peer and chunk.
+    move, addr = ctypes.memmove, E.addr
+    ptrs = [0 if x is None else x.data_ptr() for x in segs] if reader else None
     for ph in range(nch + 1):
         reads = []
         i = ph - 1
         if i >= 0:
             o, ln = chunks[i]
             b = sets[i]
-            if reader:
+            if reader and ln:
                 for q in range(P):
                     if q != r:
-                        _copy(segs[q][o:o + ln], E.areas[E.S(b, q)][:ln])
+                        move(ptrs[q] + o, addr[E.S(b, q)], ln)
             reads = [E.S(b, q) for q in range(P)]
         if ph < nch:
             o, ln = chunks[ph]
             a = E.S(sets[ph], r)
             E.wait_free(a)
-            _copy(E.areas[a][:ln], mine[o:o + ln])
+            if ln:
+                move(addr[a], mine.data_ptr() + o, ln)
         E.publish(reads)
         if ph < nch and reader:
             E.wait(E.tick)
@@ -541,17 +545,21 @@ def scatter(comm: Comm, out: torch.Tensor, ins: list[torch.Tensor] | None, root:
     else:
         E.rx[root] += mine.numel()
     B = (E.C // P) // _ALIGN * _ALIGN
+    move = ctypes.memmove  # by address (contiguous bytes): no tensor slices per rank
+    ptrs = [x.data_ptr() for x in srcs] if r == root else None
     for o, ln in _chunks(mine.numel(), B):
         a = E.S(E.next_set(), root)
+        base = E.addr[a]
         if r == root:
             E.wait_free(a)
-            area = E.areas[a]
-            for q in range(P):
-                if q != root:
-                    _copy(area[q * B:q * B + ln], srcs[q][o:o + ln])
+            if ln:
+                for q in range(P):
+                    if q != root:
+                        move(base + q * B, ptrs[q] + o, ln)
         else:
             E.wait(E.tick + 1, [root])
-            _copy(mine[o:o + ln], E.areas[a][r * B:r * B + ln])
+            if ln:
+                move(mine.data_ptr() + o, base + r * B, ln)
         E.publish([a])
 
 
@@ -743,7 +751,8 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             E.wait_free(a)
             base = E.addr[a]
             if ph == 0:
-                E.areas[a][P * B:P * B + 8 * len(meta)].numpy().view(np.int64)[:] = meta
+                w0 = (a * E.C + P * B) >> 3
+                E.words[w0:w0 + len(meta)] = meta
             o = ph * B
             for q in range(P):
                 ln = min(B, src[q][1] - o)
@@ -754,8 +763,9 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
             break
         E.wait(E.tick)
         if total is None:
-            metas = [E.areas[E.S(sets[0], q)][P * B:P * B + 8 * len(meta)].numpy()
-                     .view(np.int64).tolist() for q in range(P)]
+            # every rank's (its slot of phase 0's set) as the rows of one array
+            metas = np.ndarray((P, len(meta)), dtype=np.int64, buffer=E.np_data,
+                               offset=E.S(sets[0], 0) * E.C + P * B, strides=(E.C, 8)).tolist()
             total = max(m[0] for m in metas)
             for q in range(P):  # both ways: every rank involved names the mismatch
                 for a, b in ((q, r), (r, q)):
