@@ -113,11 +113,12 @@ def _fold_slots(E: Engine, out: torch.Tensor, b: int, off: int, op, own=None) ->
     small reduce_scatter's CPU)."""
     P, dt, n = E.P, out.dtype, out.numel()
     npdt = _NP.get(dt)
-    if npdt is None or P == 1:
-        es = out.element_size()
-        k, lo = off // es + n, off // es
-        _fold(out, [own if q == E.r and own is not None else E.view(E.S(b, q), dt, k, es)[lo:k]
-                    for q in range(P)], op)
+    if npdt is None or P == 1:  # torch's loops, on the rows of one strided view
+        rows = E.rows(b, off, n, dt).unbind(0)
+        if own is not None:
+            rows = list(rows)
+            rows[E.r] = own
+        _fold(out, rows, op)
         return
     rows = np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=E.S(b, 0) * E.C + off,
                       strides=(E.C, out.element_size()))

@@ -143,6 +143,7 @@ class Engine:
         #: slot is read for all ranks at once (agree), not through a tensor view per rank.
         self.np_data = seg.data[:nareas * self.C].numpy()
         self.words = self.np_data.view(np.int64)
+        self._typed: dict = {}  # dtype -> the areas as one flat tensor of it (typed())
         self.free = [0] * nareas
         self.cursor = 0
         #: The running op's Comm, weakly (its caller holds it for the op; comm.shm is this
@@ -220,6 +221,7 @@ class Engine:
         self.lone_rows = {}
         self.lone_outs = {}
         self.np_data = self.words = None
+        self._typed = {}
         self.cma_scratch = None
         self.ctrl = self.row = self.prog = self.want = self.cw = None
 
@@ -232,6 +234,17 @@ class Engine:
 
     def view(self, area: int, dtype, n: int, nbytes_per: int):
         return self.areas[area][:n * nbytes_per].view(dtype)
+
+    def rows(self, b: int, off: int, n: int, dtype):
+        """``n`` elements of ``dtype`` at byte ``off`` of every rank's slot of set ``b``, as the
+        rows of one strided tensor (row q: rank q's slot): one view for all ranks, not one
+        per slot. ``off``: a multiple of the element size."""
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self.seg.data[:len(self.addr) * self.C].view(dtype)
+        es = t.element_size()  # (as_strided's offset counts from the storage's start)
+        return t.as_strided((self.P, n), (self.C // es, 1),
+                            t.storage_offset() + (b * self.P * self.C + off) // es)
 
     def next_set(self) -> int:
         b = self.cursor & 1
