@@ -143,7 +143,7 @@ class Engine:
         #: slot is read for all ranks at once (agree), not through a tensor view per rank.
         self.np_data = seg.data[:nareas * self.C].numpy()
         self.words = self.np_data.view(np.int64)
-        self._typed: dict = {}  # dtype -> the areas as one flat tensor of it (typed())
+        self._typed: dict = {}  # dtype -> the areas as one flat tensor of it (rows())
         self.free = [0] * nareas
         self.cursor = 0
         #: The running op's Comm, weakly (its caller holds it for the op; comm.shm is this
@@ -241,6 +241,8 @@ class Engine:
         per slot. ``off``: a multiple of the element size."""
         t = self._typed.get(dtype)
         if t is None:
+            if self.np_data is None:  # closed (abort) while this op ran: its mapping is gone
+                self._closed()
             t = self._typed[dtype] = self.seg.data[:len(self.addr) * self.C].view(dtype)
         es = t.element_size()  # (as_strided's offset counts from the storage's start)
         return t.as_strided((self.P, n), (self.C // es, 1),
