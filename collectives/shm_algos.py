@@ -113,7 +113,7 @@ def _fold_slots(E: Engine, out: torch.Tensor, b: int, off: int, op, own=None) ->
     small reduce_scatter's CPU)."""
     P, dt, n = E.P, out.dtype, out.numel()
     npdt = _NP.get(dt)
-    if npdt is None or P == 1:  # torch's loops, on the rows of one strided view
+    if npdt is None:  # torch's loops, on the rows of one strided view
         rows = E.rows(b, off, n, dt).unbind(0)
         if own is not None:
             rows = list(rows)
@@ -807,7 +807,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     words[mine * step] = offered
     words[mine * step + 1] = to_signed(entries[offered - 1].chain)
     flat = head.buf.view(-1)
-    n, es, dt = flat.numel(), flat.element_size(), flat.dtype
+    n, es = flat.numel(), flat.element_size()
     if carry and n:
         ctypes.memmove(E.addr[mine] + 64, flat.data_ptr(), n * es)
         E.tx_all += n * es  # every rank folds every rank's carried entry
@@ -830,13 +830,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
                     lambda q: E.gr[q], E.me)
     areas = [E.S(b, q) for q in range(P)]
     if carry:
-        npdt = _NP.get(dt)
-        if npdt is not None and n:  # every rank's carried entry as rows of one array
-            rows = np.ndarray((P, n), dtype=npdt, buffer=E.np_data,
-                              offset=E.S(b, 0) * E.C + 64, strides=(E.C, es))
-            fold_rows(flat, rows, head.op, npdt)
-        else:
-            _fold(flat, [E.areas[a][64:64 + n * es].view(dt) for a in areas], head.op)
+        _fold_slots(E, flat, b, 64, head.op)  # every rank's carried entry, from byte 64
         if avg_size != 0:
             finish_avg(flat, head.op, P if avg_size is None else avg_size)
     E.publish(areas)
