@@ -1,6 +1,8 @@
-"""The ``linerate`` command imports torch only for the subcommands that need it: ``top``,
-``flight`` and ``--version`` start without it (``import linerate`` imports no torch), and the
-backend is still registered whenever torch is imported, with or without torch's entry point."""
+"""The ``linerate`` command imports torch only where it needs it: ``top``, ``flight``,
+``--version`` and the launching side of the commands that start ranks (``bench``, ``model``,
+``whatif``, ``netlab``, ``probe``: their parsers and launchers) start without it (``import
+linerate`` imports no torch, nor do the transport's options); the ranks import it. The backend
+is still registered whenever torch is imported, with or without torch's entry point."""
 from __future__ import annotations
 
 import json
@@ -40,8 +42,13 @@ def _torch_modules(r: subprocess.CompletedProcess) -> int:
 
 
 @pytest.mark.parametrize("argv", [["top", "--help"], ["flight", "--help"], ["--version"],
-                                  ["top", "127.0.0.1:1", "--once"]],
-                         ids=["top-help", "flight-help", "version", "top-once"])
+                                  ["top", "127.0.0.1:1", "--once"], ["--help"],
+                                  ["bench", "--help"], ["model", "--help"],
+                                  ["whatif", "--help"], ["netlab", "--help"],
+                                  ["probe", "--help"]],
+                         ids=["top-help", "flight-help", "version", "top-once", "help",
+                              "bench-help", "model-help", "whatif-help", "netlab-help",
+                              "probe-help"])
 def test_commands_that_need_no_torch_do_not_import_it(argv):
     r = _linerate(*argv)
     assert r.returncode in (0, 1), r.stdout + r.stderr  # top --once: nothing listens there

@@ -2,9 +2,10 @@
 
 Each subcommand module defines ``add_parser(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returns the exit code) as a default. Only the module
-of the subcommand run is imported (every one for ``linerate --help``); ``top`` and ``flight``
-need no torch, and neither this module nor ``import linerate`` imports it, so they start in a
-fraction of a second. The other modules should import torch lazily too.
+of the subcommand run is imported (every one for ``linerate --help``). No subcommand module
+imports torch at the top, nor does this module, ``import linerate`` or the transport's options:
+``top``, ``flight``, every ``--help`` and the launching side of ``bench`` start in a fraction of
+a second (importing torch costs over a second of CPU); the ranks import it.
 """
 from __future__ import annotations
 

@@ -9,8 +9,20 @@ rdma.py, shm/ring.py: shared memory to co-located ranks, in the shm/ package's s
 from .framing import CHANNEL_COLLECTIVE, CHANNEL_P2P
 from .options import TransportOptions, parse_size
 from .request import MismatchError, PeerFailure, Request, TransportError
-from .context import Context
-from . import metrics
+
+
+def __getattr__(name: str):
+    # Context and metrics import torch (shared memory maps tensors): loaded on first use, so
+    # that what needs only the options (the ``linerate`` command's launchers and argument
+    # types) starts without it.
+    if name in ("Context", "metrics"):
+        import importlib
+
+        mod = importlib.import_module(f".{'context' if name == 'Context' else name}", __name__)
+        value = getattr(mod, name) if name == "Context" else mod
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["Context", "TransportOptions", "Request", "TransportError", "PeerFailure",
            "MismatchError", "CHANNEL_COLLECTIVE", "CHANNEL_P2P", "parse_size", "metrics"]
