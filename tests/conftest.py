@@ -70,8 +70,9 @@ def pytest_collection_modifyitems(config, items):
     reader = Reader()
     for item in items:
         # Under pytest-xdist (tools/quickstart.sh runs two workers): tests that build netlab
-        # labs (the docs' examples among them) run one after another on one worker.
-        if item.get_closest_marker("netlab") is not None or item.originalname == "test_examples_run":
+        # labs run one after another on one worker (the docs' pages with root examples are
+        # in that group too: tests/test_docs.py).
+        if item.get_closest_marker("netlab") is not None:
             item.add_marker(pytest.mark.xdist_group("netlab"))
         why = item_starts_processes(reader, item)
         if why is None:

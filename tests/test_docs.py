@@ -142,8 +142,17 @@ def _labs() -> set:
     return {m.group(1) for m in found if m}
 
 
+def _page_param(page: Path):
+    """A page whose root examples build netlab labs (and that takes down, after it, the labs
+    that came up meanwhile) runs in the netlab tests' xdist group, one at a time with them
+    (tests/conftest.py); the other pages run beside anything."""
+    root = any(b.directive == "root" for b in blocks_of(page))
+    return pytest.param(page, id=_page_id(page),
+                        marks=[pytest.mark.xdist_group("netlab")] if root else [])
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES])
 def test_examples_run(page: Path, tmp_path):
     # A page's root examples may share a lab (one builds it, a later one takes it down): if
     # one fails in between, the lab is taken down here.
