@@ -290,11 +290,10 @@ def free_port_range(n: int) -> int:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range (free_port_range):
+    a rank binds it a second or more later, and a port of the kernel's choice is an ephemeral
+    one that any connection made meanwhile on this host (another test's) may take first."""
+    return free_port_range(1)
 
 
 # ----------------------------------------------------------------------------- netlab

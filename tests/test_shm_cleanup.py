@@ -137,7 +137,8 @@ def test_a_segment_left_by_a_killed_set_up_goes_at_the_next_creation(tmp_path):
             if q.poll() is None:
                 q.kill()
                 q.wait()
-    assert left <= _segments(), "the killed set-up's segment is expected to be there still"
+    # The killed set-up's segment is there still, unless a group created meanwhile by another
+    # test on this host swept it first (what this test checks, done by someone else).
     name, path, _, _ = shm._create(2)  # this creation sweeps
     try:
         assert not left & _segments(), f"{left} outlived its creator's next sweep"
