@@ -664,6 +664,19 @@ class _Ctx:
     def peer_failure(self, peer):
         return None
 
+    #: (root, text) of the group's first failure as told to this rank (None: none known).
+    cause = None
+
+    def cause_of(self, peer):
+        return self.cause if self.cause is not None and self.cause[0] == peer else None
+
+    def root_cause(self):
+        return self.cause
+
+    def lost(self, peer, symptom, prefix):
+        from linerate.transport import TransportError
+        return TransportError(symptom)
+
 
 class _Call:
     #: The engine keeps an op's Comm weakly (its caller holds it while the op runs): so do
@@ -723,6 +736,27 @@ def test_peer_that_reached_this_tick_in_an_earlier_op_is_a_mismatch():
     e0.publish()
     with pytest.raises(MismatchError, match=r"rank 1 is in all_reduce.*#1.*different sequences"):
         e0.wait(e0.tick)
+
+
+@pytest.mark.timeout(30)
+def test_peer_that_went_back_to_its_chained_op_after_a_failure_names_the_root_cause():
+    """As above, but rank 1 failed its op #2 (a report from another host) and ends the chained
+    #1 on that op's own view: rank 0, in #2, sees its tick from #1. The group's root cause,
+    known to rank 0 within LEFT_WAIT_S, is named, not a sequence mismatch."""
+    from linerate.transport import MismatchError, TransportError
+    (e0, e1), (c0, c1) = _two_engines()
+    e1.begin(_Call(c1, 1, 1, "all_reduce", 222))
+    e1.publish()
+    e0.begin(_Call(c0, 0, 1, "all_reduce", 222))
+    e0.publish()
+    e0.begin(_Call(c0, 0, 2, "all_reduce", 222))  # chained: #2 begins, #1's tail to come
+    e0.publish()
+    e1.publish()  # rank 1: #2 failed, #1's tail on #1's view
+    threading.Timer(0.05, lambda: setattr(c0, "cause", (3, "rank 3 passed float32[9]"))).start()
+    with pytest.raises(TransportError, match=r"rank 1 went back to #1, having failed") as err:
+        e0.wait(e0.tick)
+    assert not isinstance(err.value, MismatchError)
+    assert not c0.reported  # no mismatch of its own told to the others
 
 
 def _absent(rank, P, lr):

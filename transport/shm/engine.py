@@ -497,9 +497,9 @@ class Engine:
             if seq < comm.seq and prog >= t > self.base:
                 # It published this op's tick t in an earlier op: the ranks' ticks only line up
                 # when they make the same calls (e.g. a broadcast's root, one tick, then a
-                # barrier, one tick, against a small all_reduce's two).
-                self._mismatch(q, f"is in {self._desc(q)} #{seq}", "the ranks called "
-                               "different sequences of collectives")
+                # barrier, one tick, against a small all_reduce's two); or it failed its op
+                # and ends the chained op before it on that op's own view.
+                self._left_unfinished(q, seq)
             if seq == comm.seq and digest != mine:
                 self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
@@ -531,11 +531,13 @@ class Engine:
         return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
 
     def _left_unfinished(self, q: int, seq: int) -> None:
-        """Peer q is in op #seq, past this one, without this op's tick: it failed this op
-        (chained ops: the next one's first phase had begun) or it called another sequence of
-        collectives. A peer that failed records why before it moves on (its cause record, its
-        ERROR frame): raise naming the group's root cause, which this rank may learn a moment
-        later (up to ``LEFT_WAIT_S``), and the sequence mismatch only where nothing failed."""
+        """Peer q is in op #seq, past this one without this op's tick, or before this one with
+        its tick: it failed this op (chained ops: the next one's first phase had begun) or
+        the op after #seq (it then ends the chained #seq on that op's own view), or it called
+        another sequence of collectives. A peer that failed, or whose failure came from
+        another rank, hears why (its cause record, an ERROR frame): raise naming the group's
+        root cause, which this rank may learn a moment later (up to ``LEFT_WAIT_S``), and the
+        sequence mismatch only where nothing failed."""
         comm = self.comm
         ctx = comm.ctx
         peer = self.gr[q]
@@ -548,7 +550,8 @@ class Engine:
         prefix = f"rank {self.me}: {comm.desc}"
         cause = ctx.cause_of(peer)
         said = f": {cause[1]}" if cause is not None and cause[0] == peer else ""
-        raise ctx.lost(peer, f"{prefix}: rank {peer} left it unfinished for #{seq}, having "
+        where = "left it unfinished for" if seq > comm.seq else "went back to"
+        raise ctx.lost(peer, f"{prefix}: rank {peer} {where} #{seq}, having "
                              f"failed{said}{ctx.where()}", prefix)
 
     def _mismatch(self, q: int, what: str, why: str) -> None:
