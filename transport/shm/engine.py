@@ -71,8 +71,9 @@ YIELD_S = 200e-6
 #: no pidfds, a kill(0) and a read of /proc/<pid>/stat per late peer) would be most of a small
 #: all_reduce's CPU on many ranks. A rank that died is still noticed within this plus POLL_S.
 LIVE_S = 0.02
-#: Seconds a rank that finds a peer past the current op without it (``_left_unfinished``)
-#: waits for word that the peer failed before it names a sequence mismatch.
+#: Seconds a rank that finds a peer out of step (``_out_of_step``: past the current op without
+#: it, or back in an earlier one with its tick) waits for word that the peer failed before it
+#: names a sequence mismatch.
 LEFT_WAIT_S = 0.2
 # Memory order: x86 keeps stores in order and loads in order (TSO): a tick stored after a
 # phase's data is seen after it. Elsewhere (WEAK_ORDER) a full barrier goes before each tick
@@ -499,7 +500,7 @@ class Engine:
                 # when they make the same calls (e.g. a broadcast's root, one tick, then a
                 # barrier, one tick, against a small all_reduce's two); or it failed its op
                 # and ends the chained op before it on that op's own view.
-                self._left_unfinished(q, seq)
+                self._out_of_step(q, seq)
             if seq == comm.seq and digest != mine:
                 self._mismatch(q, f"called {self._desc(q)} #{seq}", "the ranks called different "
                                "collectives or passed other arguments (dtype, size, reduce op or "
@@ -510,7 +511,7 @@ class Engine:
                                "collectives or passed other arguments (dtype, size, reduce op or "
                                "root)")
             elif seq > comm.seq and cw[w + PROG] < t:
-                self._left_unfinished(q, seq)
+                self._out_of_step(q, seq)
             ready = ready and seq >= comm.seq
         if ready and _ready(progs, t, who):
             self._checked = True
@@ -530,7 +531,7 @@ class Engine:
         row = self.ctrl[q, DESC_WORD:DESC_WORD + DESC_BYTES // 8].view(np.uint8)
         return bytes(row).split(b"\0", 1)[0].decode("utf-8", "replace") or "another op"
 
-    def _left_unfinished(self, q: int, seq: int) -> None:
+    def _out_of_step(self, q: int, seq: int) -> None:
         """Peer q is in op #seq, past this one without this op's tick, or before this one with
         its tick: it failed this op (chained ops: the next one's first phase had begun) or
         the op after #seq (it then ends the chained #seq on that op's own view), or it called
