@@ -18,7 +18,9 @@ Gloo group, so that code written for rank processes (``dist.all_reduce(want)`` a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
 import time
 from datetime import timedelta
@@ -96,8 +98,9 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
                for r in range(world)]
-    for t in threads:
-        t.start()
+    with one_core():
+        for t in threads:
+            t.start()
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -116,6 +119,28 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
         raise ThreadRankError(f"rank {r} failed: {type(errors[r]).__name__}: {errors[r]}") \
             from errors[r]
     return results
+
+
+@contextlib.contextmanager
+def one_core():
+    """The threads started inside run on one core of this process's (a worker's own, under
+    pytest-xdist): thread ranks take turns at one interpreter lock, and where they run on
+    several cores each hand-over of the lock is a futex wake-up across cores, several per
+    collective per rank (a 16-rank matrix spent most of its time in the kernel that way).
+    The threads a thread starts inherit its affinity; this thread's own comes back after."""
+    try:
+        mask = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        yield
+        return
+    cores = sorted(mask)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mask)
 
 
 def gloo_group(store, rank: int, world: int, timeout: float):
