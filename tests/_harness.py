@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -52,6 +53,10 @@ class RankTimeout(AssertionError):
 
 # ----------------------------------------------------------------------------- child side
 def _rank_main(fn, rank, world_size, port, env, backend, timeout, stack_file, conn, args):
+    # What the fork server imported (torch) lives as long as the rank: out of the garbage
+    # collector's view, a full collection neither walks it nor writes to its pages (each a
+    # copy-on-write fault after the fork).
+    gc.freeze()
     try:
         with open(stack_file, "w") as f_stack:
             faulthandler.register(signal.SIGUSR1, file=f_stack, all_threads=True)
