@@ -18,7 +18,6 @@ Gloo group, so that code written for rank processes (``dist.all_reduce(want)`` a
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -74,6 +73,7 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
     subs: list = []  # the groups ThreadDist.new_group makes
 
     def rank_main(r: int) -> None:
+        _one_core()
         try:
             if before is not None:
                 before(r)
@@ -98,9 +98,8 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
                for r in range(world)]
-    with one_core():
-        for t in threads:
-            t.start()
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -121,26 +120,20 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
     return results
 
 
-@contextlib.contextmanager
-def one_core():
-    """The threads started inside run on one core of this process's (a worker's own, under
-    pytest-xdist): thread ranks take turns at one interpreter lock, and where they run on
-    several cores each hand-over of the lock is a futex wake-up across cores, several per
-    collective per rank (a 16-rank matrix spent most of its time in the kernel that way).
-    The threads a thread starts inherit its affinity; this thread's own comes back after."""
+def _one_core() -> None:
+    """Run the calling thread, and the threads it starts (they inherit it), on one core of the
+    process's (under pytest-xdist, each worker its own): thread ranks take turns at one
+    interpreter lock, and where they run on several cores each hand-over of the lock is a
+    futex wake-up across cores, several per collective per rank (a 16-rank matrix spent most
+    of its time in the kernel that way). The test's own thread keeps the process's cores, and
+    what reads the process's affinity (transport/shm/sync.py ``usable_cores``) sees them."""
     try:
-        mask = os.sched_getaffinity(0)
+        cores = sorted(os.sched_getaffinity(os.getpid()))
     except (AttributeError, OSError):
-        yield
         return
-    cores = sorted(mask)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
     os.sched_setaffinity(0, {cores[index % len(cores)]})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mask)
 
 
 def gloo_group(store, rank: int, world: int, timeout: float):

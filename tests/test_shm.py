@@ -420,6 +420,18 @@ def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):
     assert cgroup_cpu_quota(*paths) is None and usable_cores(*paths) == affinity
     assert usable_cores(str(tmp_path / "absent"), str(tmp_path)) == affinity
     assert 1 <= usable_cores() <= affinity  # this machine's own
+    # The process's cores, whichever thread asks first (the value is kept for the process):
+    # a thread pinned to one core does not make every rank of the process count one.
+    if affinity > 1:
+        seen = []
+
+        def pinned():
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            seen.append(usable_cores(str(tmp_path / "none"), str(tmp_path)))
+        t = threading.Thread(target=pinned)
+        t.start()
+        t.join()
+        assert seen == [affinity]
 
 
 def test_one_rank_has_no_segment():

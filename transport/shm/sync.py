@@ -128,7 +128,9 @@ def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
     affinity, and a rank that spun as if it had them would burn the quota). Read once per
     process."""
     try:
-        n = len(os.sched_getaffinity(0))
+        # The process's (its main thread's), not the calling thread's: the value is kept for
+        # the process, whichever thread asks first.
+        n = len(os.sched_getaffinity(os.getpid()))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
