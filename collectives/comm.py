@@ -167,6 +167,10 @@ class Comm:
         self.chain_next = None
         self.before_tail = None
         self.deferred_tail = None
+        #: Whether the thread that runs the op reads the links it waits on itself
+        #: (transport Context.drive): a synchronous caller's lone op, which nothing else
+        #: of the group runs beside.
+        self.drive = False
         # What this rank tells a peer that asks how far it got (a timeout's diagnosis).
         if seq > ctx.progress:
             ctx.progress = seq
@@ -255,7 +259,7 @@ class Comm:
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call)
+                              self._req_desc, slot, self.call, self.drive)
 
     def isend_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         """``isend`` of a byte buffer of this rank's own (no tensor to view)."""
@@ -264,9 +268,11 @@ class Comm:
 
     def irecv_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         return self.ctx.irecv(peer, view, CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call)
+                              self._req_desc, slot, self.call, self.drive)
 
     def wait(self, req: Request) -> None:
+        if self.drive and not req.is_send and not req.is_completed():
+            self.ctx.drive(req, self.deadline)
         left = self.deadline - time.monotonic()
         try:
             req.wait(max(left, 0.0))

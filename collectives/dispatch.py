@@ -112,9 +112,9 @@ class Dispatch:
 
     def lone_ok(self, size: int) -> bool:
         """Whether a synchronous barrier that finds nothing queued may run the lone way
-        (``lone_barrier``): a group of one host's shared segment whose table gives the fusion
-        agreement to it."""
-        return size > 1 and self._lone_on_segment
+        (``lone_barrier``): where the lone all_reduces run (one host's shared segment, or
+        a flat group's links)."""
+        return size > 1 and (self._lone_on_segment or self._agree == "direct")
 
     def lone_max(self, size: int) -> int:
         """Up to how many bytes a synchronous all_reduce that finds nothing queued runs the
@@ -138,9 +138,12 @@ class Dispatch:
         else:
             fusion.lone_all_reduce(comm, t, op, chain, desc)
 
-    @staticmethod
-    def lone_barrier(comm: Comm) -> None:
-        shm_algos.barrier(comm)
+    def lone_barrier(self, comm: Comm) -> None:
+        """The barrier of a synchronous call: on the segment, else the table's over the links."""
+        if self._lone_on_segment:
+            shm_algos.barrier(comm)
+        else:
+            self.run(comm, "barrier", 0)
 
     # ------------------------------------------------------------------ ops with glue
     def all_reduce(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:

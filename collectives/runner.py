@@ -279,8 +279,8 @@ class Runner:
                               lambda comm, chain: run(comm, t, op, chain, text), fused=True)
 
     def lone_barrier(self, timeout: float) -> Work | None:
-        """A synchronous barrier that finds nothing queued, straight on the segment (see
-        lone_all_reduce); None where the worker is busy."""
+        """A synchronous barrier that finds nothing queued, straight on the segment or over
+        a flat group's links (see lone_all_reduce); None where the worker is busy."""
         run = self._algos.lone_barrier
         return self._run_lone("barrier", "", "", timeout, [], None, lambda comm, _: run(comm))
 
@@ -310,6 +310,7 @@ class Runner:
                 comm = self._lone_comm
                 if comm is None:
                     comm = self._lone_comm = self._comm(name, seq, timeout)
+                    comm.drive = True  # nothing else of the group runs beside it
                 else:
                     comm.renew(name, seq, timeout)
                 comm.set_call(call)

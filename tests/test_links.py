@@ -56,10 +56,12 @@ class Sink(LinkSink):
         self.controls: list = []
         self.failures: list = []
         self.closed = 0
+        self.readers: dict = {}    # key -> the name of the thread that claimed its first chunk
 
     def claim(self, link, opcode, channel, tag, msgno, total, digest, offset, length):
         key = (channel, tag, msgno)
         with self.cond:
+            self.readers.setdefault(key, threading.current_thread().name)
             buf = self.bufs.get(key)
             if buf is None:
                 buf = self.bufs[key] = bytearray(total)
@@ -416,6 +418,91 @@ def test_isend_now_from_several_threads(kind, request):
             for i, data in enumerate(plan[t]):
                 assert bytes(sb.bufs[(CHANNEL_P2P, 20 + t, i)]) == data, (t, i)
         assert not sa.failures and not sb.failures
+    finally:
+        for link in (a, b):
+            link.begin_close()
+        for link in (a, b):
+            link.close(time.monotonic() + 2)
+
+
+class _Arrived:
+    """What ``Link.drive`` waits for in these tests: a message in a Sink, or a failure."""
+
+    def __init__(self, sink: Sink, key):
+        self.sink, self.key = sink, key
+
+    def is_completed(self) -> bool:
+        return self.key in self.sink.done or bool(self.sink.failures)
+
+
+def test_drive(kind, request):
+    """Link.drive, a caller reading its own receive: on every kind what arrives is delivered
+    whole and in order, whoever reads it (a kind that cannot be driven returns at once). A
+    threads TCP link is read in the caller's thread: small messages, large ones striped over
+    both streams, control frames. After a drive the receivers stay parked while no caller
+    drives, and read again once it is reclaimed or LEND_IDLE_S has passed; a drive with
+    nothing coming returns at its deadline; a peer that vanishes during a drive is reported
+    as the receivers report it."""
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    (a, b), (sa, sb) = _pair(kind, pki)
+    me = threading.current_thread().name
+    lendable = kind in ("threads", "mixed")  # (b: rank 1, threads in both)
+    try:
+        b.LEND_IDLE_S = 30.0  # (this instance's: no reclaim by idleness below until changed)
+        sizes = [0, 1, 4096, 4097, CHUNK + 1, 3 * CHUNK + 7, 4 << 20]
+        for i, n in enumerate(sizes):
+            data = os.urandom(n)
+            _send(a, bytearray(data), tag=7, msgno=i)
+            key = (CHANNEL_P2P, 7, i)
+            t0 = time.monotonic()
+            b.drive(_Arrived(sb, key), t0 + 30)
+            sb.wait(lambda: key in sb.done)
+            assert bytes(sb.bufs[key]) == data, n
+            assert b.lent is lendable
+            if lendable and i:  # the receivers were parked by the first drive
+                assert sb.readers[key] == me, (n, sb.readers[key])
+        assert [k[2] for k in sb.done] == list(range(len(sizes)))
+        # a control frame ahead of the awaited message is delivered by whoever reads
+        assert a.send_control(KIND_QUERY)
+        _send(a, bytearray(b"after the query"), tag=8)
+        b.drive(_Arrived(sb, (CHANNEL_P2P, 8, 0)), time.monotonic() + 30)
+        sb.wait(lambda: (CHANNEL_P2P, 8, 0) in sb.done and sb.controls)
+        assert sb.controls[0][0] == KIND_QUERY
+        # nothing coming: back at the deadline (at once where the kind cannot be driven)
+        t0 = time.monotonic()
+        b.drive(_Arrived(sb, (CHANNEL_P2P, 9, 0)), t0 + 0.3)
+        took = time.monotonic() - t0
+        assert (0.25 <= took < 10) if lendable else took < 0.25, took
+        if lendable:
+            # parked receivers read nothing until reclaimed...
+            _send(a, bytearray(b"parked"), tag=9)
+            time.sleep(0.3)
+            assert (CHANNEL_P2P, 9, 0) not in sb.done
+            b.reclaim()
+            assert not b.lent
+            sb.wait(lambda: (CHANNEL_P2P, 9, 0) in sb.done)
+            assert sb.readers[(CHANNEL_P2P, 9, 0)].startswith("linerate-recv")
+            # ...or until no caller has driven for LEND_IDLE_S
+            b.LEND_IDLE_S = 0.05
+            _send(a, bytearray(b"one"), tag=10)
+            b.drive(_Arrived(sb, (CHANNEL_P2P, 10, 0)), time.monotonic() + 30)
+            assert b.lent
+            _send(a, bytearray(b"two"), tag=10, msgno=1)
+            sb.wait(lambda: (CHANNEL_P2P, 10, 1) in sb.done)
+            assert sb.readers[(CHANNEL_P2P, 10, 1)].startswith("linerate-recv")
+            assert not b.lent
+        else:
+            _send(a, bytearray(b"parked"), tag=9)
+            sb.wait(lambda: (CHANNEL_P2P, 9, 0) in sb.done)
+        # the peer vanishes while a caller drives: the failure names it, the drive returns
+        b.LEND_IDLE_S = 30.0
+        threading.Timer(0.2, _crash, (a,)).start()
+        t0 = time.monotonic()
+        b.drive(_Arrived(sb, (CHANNEL_P2P, 11, 0)), t0 + 30)
+        sb.wait(lambda: sb.failures)
+        assert time.monotonic() - t0 < 10
+        err = sb.failures[0]
+        assert isinstance(err, PeerFailure) and err.peer == 0 and "rank 0" in str(err), err
     finally:
         for link in (a, b):
             link.begin_close()

@@ -596,6 +596,50 @@ def test_peer_close_fails_pending_receives(transport):
 
 
 @pytest.mark.timeout(60)
+def test_driven_receive_and_the_receives_after_it(transport):
+    """A receive posted ``driven`` and completed by Context.drive (a caller's lone op reading
+    its peer's link itself, where the link allows: threads TCP): the bytes arrive, and a
+    receive posted afterwards without ``driven`` (another op's, p2p) is read by the link's own
+    threads at once, not after the link's idle wait; a driven receive whose peer closes fails
+    naming it, and the drive returns."""
+    ctxs = make_mesh(2, nsocks=2)
+    try:
+        c0, c1 = ctxs
+        first = c1.irecv(0, memoryview(bytearray(1)), CHANNEL_P2P, 2)  # (links may be lazy)
+        c0.isend(1, memoryview(b"x"), CHANNEL_P2P, 2)
+        first.wait(20)
+        assert _wait_until(lambda: c1.peers[0].link is not None, 20)
+        link = c1.peers[0].link
+        link.LEND_IDLE_S = 60.0  # (this instance's: only a reclaim brings the receivers back)
+        for i in range(20):
+            got = bytearray(4096)
+            r = c1.irecv(0, memoryview(got), CHANNEL_COLLECTIVE, i, opcode=1, driven=True)
+            data = os.urandom(4096)
+            c0.isend(1, memoryview(data), CHANNEL_COLLECTIVE, i, opcode=1)
+            c1.drive(r, time.monotonic() + 20)
+            assert r.is_completed() or transport != "tcp"  # (threads TCP: driven here)
+            r.wait(10)
+            assert bytes(got) == data
+        assert link.lent is (transport == "tcp")
+        back = bytearray(8)
+        p2p = c1.irecv(0, memoryview(back), CHANNEL_P2P, 3)  # not driven: the link's threads
+        assert not link.lent
+        c0.isend(1, memoryview(b"p2p read"), CHANNEL_P2P, 3)
+        p2p.wait(10)
+        assert bytes(back) == b"p2p read"
+        r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 99, opcode=1, driven=True)
+        threading.Timer(0.2, c0.close).start()
+        t0 = time.monotonic()
+        c1.drive(r, t0 + 30)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(PeerFailure) as ei:
+            r.wait(5)
+        assert ei.value.peer == 0 and "rank 0" in str(ei.value)
+    finally:
+        _close_all(ctxs)
+
+
+@pytest.mark.timeout(60)
 def test_peer_close_after_a_failure_says_why(transport):
     """Rank 0's collectives broke (a report from a rank that rank 1 has not heard yet, say
     the neighbour of a rank that died); rank 0 gives up and closes. Rank 1, still waiting on

@@ -361,9 +361,11 @@ class Context(LinkSink):
         return req
 
     def irecv(self, peer: int | None, buf: memoryview, channel: int, tag: int, opcode: int = 0,
-              desc: str = "", slot: int | None = None, call: int = 0) -> Request:
+              desc: str = "", slot: int | None = None, call: int = 0,
+              driven: bool = False) -> Request:
         """Receive a message of exactly ``buf.nbytes`` bytes from ``peer`` (None: any rank,
-        point-to-point only) into ``buf``."""
+        point-to-point only) into ``buf``. ``driven``: the caller completes it with ``drive``
+        (else a link that a caller drove reads with its own threads again: ``reclaim``)."""
         if peer is None and (channel != CHANNEL_P2P or slot is not None):
             raise ValueError("receive from any source is point-to-point only, without a slot")
         req = Request(False, peer, buf, channel, tag, opcode, desc)
@@ -399,7 +401,21 @@ class Context(LinkSink):
             self._deliver_staged(staged, req)
         elif self._lazy and peer is not None and self.peers[peer].link is None:
             self._maker.want(peer)  # a peer that is gone fails this receive at once
+        if not driven:
+            for q in ((self.peers[peer],) if peer is not None else self.peers.values()):
+                link = q.link
+                if link is not None and link.lent:
+                    link.reclaim()
         return req
+
+    def drive(self, req: Request, until: float) -> None:
+        """Wait for the receive ``req`` (posted ``driven``) by reading its peer's link in this
+        thread where the link allows it (Link.drive), until the monotonic time ``until``; the
+        caller then waits on ``req`` as for any (it may be finished already)."""
+        if req.peer is not None:
+            link = self.peers[req.peer].link
+            if link is not None:
+                link.drive(req, until)
 
     def begin_call(self, tag: int, call: int, desc: str) -> None:
         """A call on CHANNEL_COLLECTIVE starts: messages of ``tag`` whose digest differs from

@@ -380,3 +380,8 @@ class FrameReader:
     @property
     def done(self) -> bool:
         return self._state == _DONE
+
+    @property
+    def between(self) -> bool:
+        """No frame is partly read: the next byte begins a header."""
+        return self._state == _HEADER and not self._got

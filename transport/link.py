@@ -105,6 +105,7 @@ from __future__ import annotations
 import abc
 import fcntl
 import logging
+import select
 import socket
 import struct
 import sys
@@ -192,6 +193,20 @@ class Link(abc.ABC):
         By default the same as isend."""
         return self.isend(req)
 
+    #: Whether a caller's ``drive`` holds the link's reading (its receivers wait).
+    lent: bool = False
+
+    def drive(self, req: Request, until: float) -> None:
+        """Read this link in the calling thread until ``req`` (a receive from the peer) is
+        finished, or until the monotonic time ``until``, where the link allows it (no
+        hand-off from a receiver thread); whatever else arrives meanwhile is delivered as
+        the link's threads would. Returns at once where it does not: the caller then waits
+        on ``req`` as usual. By default it does not."""
+
+    def reclaim(self) -> None:
+        """Another thread waits for what this link receives: its own readers read again
+        (after ``drive``). By default nothing to do."""
+
     @abc.abstractmethod
     def send_control(self, kind: int, payload: bytes = b"", value: int = 0) -> bool: ...
 
@@ -238,7 +253,7 @@ class Stream:
     receiving state (``reader``, framing.FrameReader)."""
 
     __slots__ = ("index", "sock", "reader", "sent_bytes", "local", "remote", "closed", "device",
-                 "direct", "idle", "writer", "pending")
+                 "direct", "idle", "writer", "pending", "lent", "rlock")
 
     def __init__(self, index: int, sock, reader: framing.FrameReader):
         self.index = index
@@ -253,6 +268,10 @@ class Stream:
         self.idle = False
         self.writer = False
         self.pending = None
+        # A caller's own reading (ThreadedStreamLink.drive): whether a caller holds the
+        # stream's reading (its receiver waits), and the lock of whoever reads it now.
+        self.lent = False
+        self.rlock = threading.Lock()
         port = getattr(sock, "interface", None)   # an RDMA stream: its device:port
         self.device = port if isinstance(port, str) else None
         try:
@@ -301,7 +320,8 @@ class StreamLink(Link):
         max_chunk = max(chunk_bytes, 1 << 24)  # peers may run another chunk size
         self._streams = [self._stream_type(i, s, framing.FrameReader(max_chunk, checksum))
                          for i, s in enumerate(socks)]
-        self._cond = threading.Condition(threading.Lock())  # the queue and the state
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # the queue and the state
         self._queue = framing.SendQueue(chunk_bytes, checksum)
         self._done_lock = self._queue.lock  # held while a written frame is counted
         self._closing = False
@@ -491,17 +511,36 @@ class ThreadedStreamLink(StreamLink):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._threads: list[threading.Thread] = []
+        # drive: the receivers of lent streams wait on _parked; how many callers drive now,
+        # when the last one stopped, the streams' descriptors to poll.
+        self._parked = threading.Condition(self._lock)
+        self._drivers = 0
+        self._driven_at = 0.0
+        self._poller = None
+        self._by_fd: dict = {}
 
     #: Messages of at most this many bytes, posted while the link has nothing queued, are
     #: written by the caller's thread on a stream whose sender waits (``isend_now``): a small
     #: op's message then costs no wake-up of the sender thread.
     DIRECT_BYTES = 64 << 10
 
+    #: After a caller drove the link (``drive``), its receivers stay parked until no caller
+    #: has for this long, or until another thread waits for what the link receives
+    #: (``reclaim``): a caller's next small op finds them asleep. So at most this long, a
+    #: control frame that arrives between a caller's ops waits to be read.
+    LEND_IDLE_S = 0.01
+
     def start(self, sink: LinkSink) -> None:
         self._sink = sink
         for st in self._streams:
             self._credit_window(st)
             st.direct = type(st.sock) is socket.socket and st.sock.gettimeout() is None
+        if all(st.direct for st in self._streams):
+            self._poller = select.poll()
+            for st in self._streams:
+                self._poller.register(st.sock, select.POLLIN)
+                self._by_fd[st.sock.fileno()] = st
+        for st in self._streams:
             for fn, what in ((self._recv_loop, "recv"), (self._send_loop, "send")):
                 t = threading.Thread(target=fn, args=(st,), daemon=True,
                                      name=f"linerate-{what}-{self.peer}.{st.index}")
@@ -610,7 +649,116 @@ class ThreadedStreamLink(StreamLink):
             if n >= 0:  # (the CLOSE frame may find the stream shut)
                 self._send_failed(st, e)
 
+    # ------------------------------------------------------------------ a caller's reading
+    def drive(self, req: Request, until: float) -> None:
+        """Read the streams in the calling thread until ``req`` is finished or the monotonic
+        time ``until`` (a link of plain blocking sockets; else nothing): the receivers wait
+        meanwhile (``lent``), and after it until LEND_IDLE_S passes with no caller driving
+        or ``reclaim``. Whoever reads a stream holds its ``rlock`` and reads whole frames
+        (``_read``); a stream's receiver that reads when a caller begins ends its frame
+        first."""
+        poller = self._poller
+        if poller is None:
+            return
+        with self._lock:
+            if self._down is not None or self._closing:
+                return
+            self._drivers += 1
+            self.lent = True
+            for st in self._streams:
+                st.lent = True
+        by_fd = self._by_fd
+        try:
+            while not req.is_completed():
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                # (in slices: a failure elsewhere may finish req without a byte here)
+                for fd, _ in poller.poll(min(left, 0.05) * 1000.0):
+                    st = by_fd[fd]
+                    if not st.rlock.acquire(True, max(0.0, until - time.monotonic())):
+                        return
+                    try:
+                        if self._read(st, until) < 0:
+                            poller.unregister(fd)  # (ended: it would poll readable at once)
+                    finally:
+                        st.rlock.release()
+        finally:
+            with self._lock:
+                self._drivers -= 1
+                self._driven_at = time.monotonic()
+
+    def reclaim(self) -> None:
+        with self._lock:
+            self._unlend()
+
+    def _unlend(self) -> None:
+        """(under _lock) The receivers read again."""
+        if self.lent:
+            self.lent = False
+            for st in self._streams:
+                st.lent = False
+            self._parked.notify_all()
+
+    def _park(self, st: Stream) -> None:
+        """(a lent stream's receiver) Wait while callers drive the link: until it is
+        reclaimed, closes or goes down, or no caller has driven for LEND_IDLE_S."""
+        with self._lock:
+            while st.lent:
+                if (self._closing or self._down is not None or st.reader.done
+                        or (not self._drivers
+                            and time.monotonic() - self._driven_at >= self.LEND_IDLE_S)):
+                    self._unlend()
+                    return
+                self._parked.wait(self.LEND_IDLE_S)
+
+    def _read(self, st: Stream, until: float | None) -> int:
+        """(holding ``st.rlock``) Read ``st`` up to the end of the frame its bytes begin, if
+        any are there: 1 read, 0 nothing there, -1 the stream ended (in order or not: reported
+        as the receiver reports it). ``until``: a caller's deadline, up to which the rest of
+        a frame begun is awaited (it stays half read after); None: a receiver's, which
+        waits as long as the frame takes."""
+        reader, sock, sink = st.reader, st.sock, self._sink
+        dontwait, waitall = socket.MSG_DONTWAIT, socket.MSG_WAITALL
+        read = 0
+        try:
+            while True:
+                view = reader.need()
+                n = len(view)
+                if not n:
+                    return -1
+                if reader.between:
+                    if read:
+                        return 1
+                    try:
+                        got = sock.recv_into(view, n, dontwait)
+                    except BlockingIOError:
+                        return 0
+                elif until is None:
+                    got = sock.recv_into(view, n, waitall)
+                else:
+                    try:
+                        got = sock.recv_into(view, n, dontwait)
+                    except BlockingIOError:
+                        left = until - time.monotonic()
+                        if left <= 0 or not select.select([sock], [], [], left)[0]:
+                            return 1
+                        continue
+                if not got:
+                    self._recv_failed(st, None)
+                    return -1
+                read = 1
+                if reader.advance(got, self, sink):
+                    self._peer_closed(st)
+                    return -1
+        except Exception as e:  # noqa: BLE001 - the stream's end, reported as the link's
+            self._recv_failed(st, e)
+            return -1
+
     def _recv_loop(self, st: Stream) -> None:
+        if self._poller is not None:
+            self._recv_lendable(st)
+            return
         sock, reader, sink, waitall = st.sock, st.reader, self._sink, socket.MSG_WAITALL
         try:
             while True:
@@ -625,6 +773,29 @@ class ThreadedStreamLink(StreamLink):
                     return
         except Exception as e:  # noqa: BLE001 - the stream's end, reported as the link's
             self._recv_failed(st, e)
+
+    def _recv_lendable(self, st: Stream) -> None:
+        """A receiver that callers may relieve (``drive``): it waits for bytes with poll, and
+        reads a frame holding the stream's ``rlock``, unless a caller holds the reading."""
+        poller = select.poll()
+        poller.register(st.sock, select.POLLIN)
+        rlock = st.rlock
+        while True:
+            if st.lent:
+                self._park(st)
+                continue
+            try:
+                poller.poll()
+            except OSError as e:  # (closed under it)
+                with rlock:
+                    if not st.reader.done:
+                        self._recv_failed(st, e)
+                return
+            with rlock:
+                if st.reader.done:
+                    return
+                if not st.lent and self._read(st, None) < 0:
+                    return
 
 
 # ----------------------------------------------------------------------------- helpers
