@@ -156,6 +156,20 @@ elif scenario == "kill_send_recv":
     dist.barrier()  # the victim is armed before any rank starts the op
     attempt(lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0),
             lambda: bool((x == 5).all()))
+elif scenario == "kill_small_all_reduces":  # the lone way: callers read their own receives
+    x = torch.empty(1024)
+
+    def small_ones():
+        for i in range(1 << 30):
+            if rank == VICTIM and i == 300:  # between two calls: the others are in the next
+                note("killed", at=time.time())
+                os.kill(os.getpid(), signal.SIGKILL)
+            x.fill_(1.0)
+            dist.all_reduce(x)
+            assert x[0].item() == P, (i, x[0].item())
+
+    dist.barrier()
+    attempt(small_ones)
 elif scenario == "link_all_reduce":  # the test cuts a link while this runs
     x = torch.full((N,), float(rank + 1))
     dist.barrier()
@@ -314,6 +328,17 @@ def test_kill_during_all_reduce_8_ranks(tmp_path):
                           {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 5,
                            "FAULT_ELEMS": 16 << 20}, timeout=HANG_S)
     _check_survivors(tmp_path, codes, 5, r"all_reduce #3\b", T_KILL)
+
+
+@pytest.mark.timeout(HANG_S + 60)
+def test_kill_between_small_all_reduces(tmp_path):
+    """Synchronous 4 KB all_reduces back to back over TCP (each the lone way: the caller
+    reads its peers' replies itself, the receiver threads parked): rank 1 dies between two;
+    the other ranks, reading in their next call, fail it naming rank 1 within the group
+    timeout, then destroy their group and exit 0."""
+    codes = _run_loopback("kill_small_all_reduces", 3, tmp_path,
+                          {"FAULT_TIMEOUT": T_KILL, "FAULT_VICTIM": 1}, timeout=HANG_S)
+    _check_survivors(tmp_path, codes, 1, r"all_reduce #\d+", T_KILL)
 
 
 @pytest.mark.timeout(HANG_S + 60)

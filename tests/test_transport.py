@@ -627,6 +627,17 @@ def test_driven_receive_and_the_receives_after_it(transport):
         c0.isend(1, memoryview(b"p2p read"), CHANNEL_P2P, 3)
         p2p.wait(10)
         assert bytes(back) == b"p2p read"
+        # a receive posted before a drive, still pending after it: the link's threads again
+        p2p = c1.irecv(0, memoryview(back), CHANNEL_P2P, 4)
+        got = bytearray(4096)
+        r = c1.irecv(0, memoryview(got), CHANNEL_COLLECTIVE, 50, opcode=1, driven=True)
+        c0.isend(1, memoryview(bytes(4096)), CHANNEL_COLLECTIVE, 50, opcode=1)
+        c1.drive(r, time.monotonic() + 20)
+        r.wait(10)
+        assert not link.lent
+        c0.isend(1, memoryview(b"pending!"), CHANNEL_P2P, 4)
+        p2p.wait(10)
+        assert bytes(back) == b"pending!"
         r = c1.irecv(0, memoryview(bytearray(8)), CHANNEL_COLLECTIVE, 99, opcode=1, driven=True)
         threading.Timer(0.2, c0.close).start()
         t0 = time.monotonic()

@@ -416,6 +416,13 @@ class Context(LinkSink):
             link = self.peers[req.peer].link
             if link is not None:
                 link.drive(req, until)
+                # Receives of other calls still posted for the peer (point-to-point, an
+                # async op's): the link's threads read for them.
+                m = self.matcher
+                p = m.peers[req.peer]
+                if link.lent and (p.posted or p.inflight
+                                  or (m.anysource and any(m.anysource.values()))):
+                    link.reclaim()
 
     def begin_call(self, tag: int, call: int, desc: str) -> None:
         """A call on CHANNEL_COLLECTIVE starts: messages of ``tag`` whose digest differs from

@@ -528,7 +528,7 @@ class ThreadedStreamLink(StreamLink):
     #: has for this long, or until another thread waits for what the link receives
     #: (``reclaim``): a caller's next small op finds them asleep. So at most this long, a
     #: control frame that arrives between a caller's ops waits to be read.
-    LEND_IDLE_S = 0.01
+    LEND_IDLE_S = 0.05
 
     def start(self, sink: LinkSink) -> None:
         self._sink = sink
@@ -552,6 +552,7 @@ class ThreadedStreamLink(StreamLink):
 
     def _wake_all(self) -> None:
         self._cond.notify_all()
+        self._parked.notify_all()  # (parked receivers look: the link may close)
 
     def wait_sent(self, until: float) -> None:
         self._join("linerate-send", until)
