@@ -168,8 +168,9 @@ class Comm:
         self.before_tail = None
         self.deferred_tail = None
         #: Whether the thread that runs the op reads the links it waits on itself
-        #: (transport Context.drive): a synchronous caller's lone op, which nothing else
-        #: of the group runs beside.
+        #: (transport Context.drive, for small messages): an op that a synchronous caller
+        #: runs on the worker's turn (lone, fused or plain), which nothing else of the
+        #: group runs beside.
         self.drive = False
         # What this rank tells a peer that asks how far it got (a timeout's diagnosis).
         if seq > ctx.progress:

@@ -145,6 +145,8 @@ class Runner:
         try:
             life.usable(op.name, op.seq)
             comm = self._comm(op.name, op.seq, op.timeout)
+            # (a synchronous caller's, on the worker's turn: nothing else of the group runs)
+            comm.drive = threading.current_thread() is not self.sched.worker
             comm.set_call(op.desc)
             life.begin((op,), comm)
             comm.before_tail = prev
@@ -229,6 +231,7 @@ class Runner:
         try:
             life.usable("all_reduce", head.seq)
             comm = self._comm("all_reduce", head.seq, min(e.timeout for e in offered))
+            comm.drive = head.inline  # (a synchronous caller's, on the worker's turn)
             # The head call is part of the digest: a head that differs (dtype, size, op) is
             # a mismatch named like any other; the calls after it are checked by agree().
             comm.set_call(f"{head.desc} (fused with what follows)")

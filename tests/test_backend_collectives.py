@@ -739,6 +739,15 @@ def test_all_reduce_over_tcp_matches_gloo(P):
     _run(P, ("all_reduce",), timeout=TIMEOUT, env={"LINERATE_SHM": "0"})
 
 
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_every_family_over_tcp_matches_gloo():
+    """LINERATE_SHM=0 on 3 ranks, every other family: the synchronous calls run in the
+    caller's thread, which reads its own small receives (transport Link.drive) while the
+    connections' receiver threads wait, and leaves the large ones to them."""
+    _run(3, tuple(f for f in FAMILY_NAMES if f != "all_reduce"), timeout=TIMEOUT,
+         env={"LINERATE_SHM": "0"})
+
+
 HD_ENV = {"LINERATE_ALLREDUCE_ALGO": "hd", "LINERATE_PIECE_BYTES": "4096",
           "LINERATE_SMALL_BYTES": "0"}
 

@@ -428,8 +428,8 @@ def test_isend_now_from_several_threads(kind, request):
 class _Arrived:
     """What ``Link.drive`` waits for in these tests: a message in a Sink, or a failure."""
 
-    def __init__(self, sink: Sink, key):
-        self.sink, self.key = sink, key
+    def __init__(self, sink: Sink, key, total: int = 0):
+        self.sink, self.key, self.total = sink, key, total
 
     def is_completed(self) -> bool:
         return self.key in self.sink.done or bool(self.sink.failures)
@@ -438,29 +438,35 @@ class _Arrived:
 def test_drive(kind, request):
     """Link.drive, a caller reading its own receive: on every kind what arrives is delivered
     whole and in order, whoever reads it (a kind that cannot be driven returns at once). A
-    threads TCP link is read in the caller's thread: small messages, large ones striped over
-    both streams, control frames. After a drive the receivers stay parked while no caller
-    drives, and read again once it is reclaimed or LEND_IDLE_S has passed; a drive with
-    nothing coming returns at its deadline; a peer that vanishes during a drive is reported
-    as the receivers report it."""
+    threads TCP link is read in the caller's thread for messages of at most DIRECT_BYTES
+    (larger ones, striped over both streams, are left to the receivers, which read again),
+    control frames too. After a drive the receivers stay parked while no caller drives, and
+    read again once it is reclaimed or LEND_IDLE_S has passed; a drive with nothing coming
+    returns at its deadline; a peer that vanishes during a drive is reported as the receivers
+    report it."""
     pki = request.getfixturevalue("pki") if kind == "tls" else None
     (a, b), (sa, sb) = _pair(kind, pki)
     me = threading.current_thread().name
     lendable = kind in ("threads", "mixed")  # (b: rank 1, threads in both)
     try:
         b.LEND_IDLE_S = 30.0  # (this instance's: no reclaim by idleness below until changed)
-        sizes = [0, 1, 4096, 4097, CHUNK + 1, 3 * CHUNK + 7, 4 << 20]
+        sizes = [0, 1, 4096, 64 << 10, 4097, (64 << 10) + 1, 3 * CHUNK + 7, 4 << 20, 5]
+        parked = False
         for i, n in enumerate(sizes):
             data = os.urandom(n)
             _send(a, bytearray(data), tag=7, msgno=i)
             key = (CHANNEL_P2P, 7, i)
             t0 = time.monotonic()
-            b.drive(_Arrived(sb, key), t0 + 30)
+            b.drive(_Arrived(sb, key, n), t0 + 30)
             sb.wait(lambda: key in sb.done)
             assert bytes(sb.bufs[key]) == data, n
-            assert b.lent is lendable
-            if lendable and i:  # the receivers were parked by the first drive
+            small = n <= 64 << 10
+            assert b.lent is (lendable and small), n
+            if lendable and small and parked:  # (a drive before parked the receivers)
                 assert sb.readers[key] == me, (n, sb.readers[key])
+            elif lendable and not small:
+                assert sb.readers[key].startswith("linerate-recv"), (n, sb.readers[key])
+            parked = lendable and small
         assert [k[2] for k in sb.done] == list(range(len(sizes)))
         # a control frame ahead of the awaited message is delivered by whoever reads
         assert a.send_control(KIND_QUERY)

@@ -653,7 +653,8 @@ class ThreadedStreamLink(StreamLink):
     # ------------------------------------------------------------------ a caller's reading
     def drive(self, req: Request, until: float) -> None:
         """Read the streams in the calling thread until ``req`` is finished or the monotonic
-        time ``until`` (a link of plain blocking sockets; else nothing): the receivers wait
+        time ``until`` (a link of plain blocking sockets, a message of at most DIRECT_BYTES,
+        one caller at a time; else nothing, the receivers reading again): the receivers wait
         meanwhile (``lent``), and after it until LEND_IDLE_S passes with no caller driving
         or ``reclaim``. Whoever reads a stream holds its ``rlock`` and reads whole frames
         (``_read``); a stream's receiver that reads when a caller begins ends its frame
@@ -662,7 +663,10 @@ class ThreadedStreamLink(StreamLink):
         if poller is None:
             return
         with self._lock:
-            if self._down is not None or self._closing:
+            if self._down is not None or self._closing or self._drivers:
+                return
+            if req.total > self.DIRECT_BYTES:  # the receivers read it, several streams at once
+                self._unlend()
                 return
             self._drivers += 1
             self.lent = True
