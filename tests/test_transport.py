@@ -339,6 +339,55 @@ def test_unexpected_partially_arrived_message():
 
 
 @pytest.mark.timeout(60)
+def test_driven_receive_of_a_frame_half_there():
+    """Frames that come in two parts (the header and part of the payload, the rest later) to
+    a caller that drives its receive: it waits for the rest and finishes the frame; where its
+    deadline comes first, the drive returns with the receive open, the link's receivers read
+    again (a receive is pending) and finish the frame where the caller left it."""
+    fake = FakePeer(chunk_bytes=1 << 20)
+    payload = bytes(range(256)) * 16
+
+    def frame(msgno: int) -> bytes:
+        return framing.pack_header(framing.KIND_DATA, 1, CHANNEL_COLLECTIVE, len(payload), 7,
+                                   msgno, len(payload), 0)
+
+    def post(msgno: int):
+        out = bytearray(len(payload))
+        return out, fake.ctx.irecv(1, memoryview(out), CHANNEL_COLLECTIVE, 7, opcode=1,
+                                   slot=msgno, driven=True)
+
+    try:
+        ctx = fake.ctx
+        assert _wait_until(lambda: ctx.peers[1].link is not None, 10)
+        link = ctx.peers[1].link
+        link.LEND_IDLE_S = 60.0  # (this instance's: the receivers stay parked between drives)
+        out, r = post(0)
+        fake.sock.sendall(frame(0) + payload)
+        ctx.drive(r, time.monotonic() + 10)
+        assert r.is_completed() and bytes(out) == payload and link.lent
+        # the rest comes while the caller drives: it waits for it
+        out, r = post(1)
+        fake.sock.sendall(frame(1) + payload[:1000])
+        threading.Timer(0.3, fake.sock.sendall, (payload[1000:],)).start()
+        t0 = time.monotonic()
+        ctx.drive(r, t0 + 10)
+        assert r.is_completed() and time.monotonic() - t0 >= 0.25
+        assert bytes(out) == payload and link.lent
+        # the deadline comes first: the receivers finish it
+        out, r = post(2)
+        fake.sock.sendall(frame(2) + payload[:1000])
+        t0 = time.monotonic()
+        ctx.drive(r, t0 + 0.3)
+        assert time.monotonic() - t0 >= 0.25
+        assert not r.is_completed() and not link.lent
+        fake.sock.sendall(payload[1000:])
+        r.wait(10)
+        assert bytes(out) == payload
+    finally:
+        fake.close()
+
+
+@pytest.mark.timeout(60)
 def test_close_fails_posted_receive():
     fake = FakePeer()
     try:

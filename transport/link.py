@@ -746,7 +746,7 @@ class ThreadedStreamLink(StreamLink):
                         got = sock.recv_into(view, n, dontwait)
                     except BlockingIOError:
                         left = until - time.monotonic()
-                        if left <= 0 or not select.select([sock], [], [], left)[0]:
+                        if left <= 0 or not _readable(sock, left):
                             return 1
                         continue
                 if not got:
@@ -804,6 +804,14 @@ class ThreadedStreamLink(StreamLink):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _readable(sock, seconds: float) -> bool:
+    """Whether ``sock`` has bytes to read within ``seconds`` (poll: select cannot take a
+    descriptor above 1023, which a rank with many links has)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(seconds * 1000.0))
+
+
 def shut_down(sock) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
