@@ -42,6 +42,12 @@ Verbs (all non-blocking but ``flush_control``; none waits for the peer's process
         queue, and with ``underway`` also the sends whose chunks are on the wire but not all
         sent: the link no longer finishes them; the caller does. Without ``match``, queued
         control frames go too.
+    ``drive(req, until)``, ``reclaim()``, ``lent``
+        A caller's own reading (optional; by default ``drive`` returns at once): ``drive``
+        reads the link in the calling thread until the receive ``req`` is finished or the
+        monotonic time ``until``, delivering whatever arrives as the link's threads would;
+        while ``lent`` the link's own readers wait, until ``reclaim`` (another thread waits
+        for what the link receives) or the link's idle time passes.
     ``send_mark()``
         A value that changes while queued sends move, None when nothing is queued (for
         close's stall detection).
