@@ -723,12 +723,13 @@ class ThreadedStreamLink(StreamLink):
                     return
                 self._parked.wait(self.LEND_IDLE_S)
 
-    def _read(self, st: Stream, until: float | None) -> int:
-        """(holding ``st.rlock``) Read ``st`` up to the end of the frame its bytes begin, if
-        any are there: 1 read, 0 nothing there, -1 the stream ended (in order or not: reported
-        as the receiver reports it). ``until``: a caller's deadline, up to which the rest of
-        a frame begun is awaited (it stays half read after); None: a receiver's, which
-        waits as long as the frame takes."""
+    def _read(self, st: Stream, until: float | None, first: int = socket.MSG_DONTWAIT) -> int:
+        """(holding ``st.rlock``, or the stream's receiver where no caller reads) Read ``st``
+        up to the end of the frame its bytes begin, if any are there: 1 read, 0 nothing
+        there, -1 the stream ended (in order or not: reported as a receiver reports it).
+        ``until``: a caller's deadline, up to which the rest of a frame begun is awaited (it
+        stays half read after); None: a receiver's, which waits as long as the frame takes.
+        ``first``: the flags of a frame's first read (MSG_WAITALL: wait for it)."""
         reader, sock, sink = st.reader, st.sock, self._sink
         dontwait, waitall = socket.MSG_DONTWAIT, socket.MSG_WAITALL
         read = 0
@@ -742,7 +743,7 @@ class ThreadedStreamLink(StreamLink):
                     if read:
                         return 1
                     try:
-                        got = sock.recv_into(view, n, dontwait)
+                        got = sock.recv_into(view, n, first)
                     except BlockingIOError:
                         return 0
                 elif until is None:
@@ -770,20 +771,10 @@ class ThreadedStreamLink(StreamLink):
         if self._poller is not None:
             self._recv_lendable(st)
             return
-        sock, reader, sink, waitall = st.sock, st.reader, self._sink, socket.MSG_WAITALL
-        try:
-            while True:
-                view = reader.need()
-                n = len(view)
-                got = sock.recv_into(view, n, waitall)
-                if got < n and not recv_into(sock, view[got:], n - got):
-                    self._recv_failed(st, None)
-                    return
-                if reader.advance(n, self, sink):
-                    self._peer_closed(st)
-                    return
-        except Exception as e:  # noqa: BLE001 - the stream's end, reported as the link's
-            self._recv_failed(st, e)
+        # A stream that blocks (TLS, an RDMA queue pair): frame after frame, each header and
+        # payload in one call (MSG_WAITALL: one GIL hand-off per chunk, not dozens).
+        while self._read(st, None, socket.MSG_WAITALL) > 0:
+            pass
 
     def _recv_lendable(self, st: Stream) -> None:
         """A receiver that callers may relieve (``drive``): it waits for bytes with poll, and
@@ -846,20 +837,6 @@ def write_now(sock, out: list) -> None:
         advance(out, sent)
 
 
-def recv_into(sock, view: memoryview, n: int) -> bool:
-    """Fill view[:n]; False on end of stream. MSG_WAITALL lets the kernel fill the whole
-    chunk in one call: one system call and one GIL hand-off per chunk instead of dozens."""
-    got = sock.recv_into(view, n, socket.MSG_WAITALL)
-    while got < n:
-        if got == 0:
-            return False
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            return False
-        got += k
-    return True
-
-
 def tcp_info(sock) -> dict | None:
     """A few fields of the kernel's TCP_INFO for a connection (None if it is closed or not
     a TCP socket): ``total_retrans``, and where the kernel's struct is long enough
@@ -900,4 +877,4 @@ def kernel_queued(sock) -> int:
 
 
 __all__ = ["Link", "LinkSink", "Stream", "StreamLink", "ThreadedStreamLink", "advance",
-           "recv_into", "shut_down", "tcp_info", "kernel_queued", "FLUSH_GIVE_UP_S"]
+           "shut_down", "tcp_info", "kernel_queued", "FLUSH_GIVE_UP_S"]
