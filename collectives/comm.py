@@ -176,6 +176,14 @@ class Comm:
         if seq > ctx.progress:
             ctx.progress = seq
 
+    @property
+    def driving(self) -> bool:
+        """Whether the op reads its receives itself now: ``drive``, except where the group
+        watches for slow ranks (``arrivals``) and messages of several peers may wait at once
+        (the links' threads time each as it comes; a caller reads one link at a time, and
+        would time a message that waited for it late)."""
+        return self.drive and (self.arrivals is None or self.size <= 2)
+
     def renew(self, op: str, seq: int, timeout: float) -> None:
         """This Comm for the group's next op ``seq``, as a new one would start it: a group's
         lone small calls reuse one Comm (backend: _run_lone) instead of making one each."""
@@ -260,7 +268,7 @@ class Comm:
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call, self.drive)
+                              self._req_desc, slot, self.call, self.driving)
 
     def isend_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         """``isend`` of a byte buffer of this rank's own (no tensor to view)."""
@@ -269,15 +277,18 @@ class Comm:
 
     def irecv_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         return self.ctx.irecv(peer, view, CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call, self.drive)
+                              self._req_desc, slot, self.call, self.driving)
 
     def wait(self, req: Request) -> None:
-        if self.drive and not req.is_send and not req.is_completed():
+        if self.driving and not req.is_send and not req.is_completed():
             self.ctx.drive(req, self.deadline)
         left = self.deadline - time.monotonic()
         try:
             req.wait(max(left, 0.0))
         except TimeoutError:
+            if self.driving:  # the links' own threads read what the diagnosis needs
+                self.ctx.reclaim_links()
+            absent = self._absent()
             hint = ""
             if req.peer is not None:
                 other = [f"{name} #{seq}" for seq, name in OPNAMES.staged_ops(self.ctx, req.peer)
@@ -296,7 +307,7 @@ class Comm:
                              f"is outstanding: its host or link is down?"
                              for r, s in sorted(self.ctx.unacknowledged().items()))
             raise OpTimeout(f"rank {self.rank}: {self.desc} did not complete within the "
-                            f"{self.timeout:.1f}s timeout{self._absent()}: this rank was still "
+                            f"{self.timeout:.1f}s timeout{absent}: this rank was still "
                             f"waiting for {who} ({what}){silent}{hint}") from None
 
     def _absent(self) -> str:

@@ -424,6 +424,13 @@ class Context(LinkSink):
                                   or (m.anysource and any(m.anysource.values()))):
                     link.reclaim()
 
+    def reclaim_links(self) -> None:
+        """Every link that a caller drove reads with its own threads again (Link.reclaim)."""
+        for p in self.peers.values():
+            link = p.link
+            if link is not None and link.lent:
+                link.reclaim()
+
     def begin_call(self, tag: int, call: int, desc: str) -> None:
         """A call on CHANNEL_COLLECTIVE starts: messages of ``tag`` whose digest differs from
         ``call`` (already here, or arriving while it runs, whoever they are for) are a
