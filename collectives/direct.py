@@ -92,7 +92,7 @@ def all_to_all(comm: Comm, outs: list[torch.Tensor], ins: list[torch.Tensor]) ->
     comm.wait_all(sends)
 
 
-_EMPTY = torch.empty(0, dtype=torch.uint8)
+_NOTHING = memoryview(bytearray(0))  # a barrier's messages (bytes: no tensor to view)
 
 
 def barrier(comm: Comm) -> None:
@@ -102,8 +102,8 @@ def barrier(comm: Comm) -> None:
     P, r = comm.size, comm.rank
     d = 1
     while d < P:
-        q = comm.irecv((r - d) % P, _EMPTY, comm.slot(base, step=d))
-        comm.wait(comm.isend((r + d) % P, _EMPTY, comm.slot(base, step=d)))
+        q = comm.irecv_bytes((r - d) % P, _NOTHING, comm.slot(base, step=d))
+        comm.wait(comm.isend_bytes((r + d) % P, _NOTHING, comm.slot(base, step=d)))
         comm.wait(q)
         d *= 2
 
