@@ -402,10 +402,7 @@ class Context(LinkSink):
         elif self._lazy and peer is not None and self.peers[peer].link is None:
             self._maker.want(peer)  # a peer that is gone fails this receive at once
         if not driven:
-            for q in ((self.peers[peer],) if peer is not None else self.peers.values()):
-                link = q.link
-                if link is not None and link.lent:
-                    link.reclaim()
+            self.reclaim_links(peer)
         return req
 
     def drive(self, req: Request, until: float) -> None:
@@ -416,17 +413,18 @@ class Context(LinkSink):
             link = self.peers[req.peer].link
             if link is not None:
                 link.drive(req, until)
-                # Receives of other calls still posted for the peer (point-to-point, an
-                # async op's): the link's threads read for them.
-                m = self.matcher
-                p = m.peers[req.peer]
-                if link.lent and (p.posted or p.inflight
-                                  or (m.anysource and any(m.anysource.values()))):
-                    link.reclaim()
+                # Receives still posted for the peer (point-to-point, an async op's, or this
+                # one, timed out): the link's threads read for them.
+                if link.lent:
+                    with self.lock:
+                        waiting = self.matcher.waiting(req.peer)
+                    if waiting:
+                        link.reclaim()
 
-    def reclaim_links(self) -> None:
-        """Every link that a caller drove reads with its own threads again (Link.reclaim)."""
-        for p in self.peers.values():
+    def reclaim_links(self, peer: int | None = None) -> None:
+        """The link to ``peer`` (None: every link) reads with its own threads again, where a
+        caller drove it (Link.reclaim)."""
+        for p in (self.peers.values() if peer is None else (self.peers[peer],)):
             link = p.link
             if link is not None and link.lent:
                 link.reclaim()

@@ -259,7 +259,7 @@ class Stream:
     receiving state (``reader``, framing.FrameReader)."""
 
     __slots__ = ("index", "sock", "reader", "sent_bytes", "local", "remote", "closed", "device",
-                 "direct", "idle", "writer", "pending", "lent", "rlock")
+                 "direct", "idle", "writer", "pending", "rlock")
 
     def __init__(self, index: int, sock, reader: framing.FrameReader):
         self.index = index
@@ -274,9 +274,8 @@ class Stream:
         self.idle = False
         self.writer = False
         self.pending = None
-        # A caller's own reading (ThreadedStreamLink.drive): whether a caller holds the
-        # stream's reading (its receiver waits), and the lock of whoever reads it now.
-        self.lent = False
+        # A caller's own reading (ThreadedStreamLink.drive): the lock of whoever reads the
+        # stream now.
         self.rlock = threading.Lock()
         port = getattr(sock, "interface", None)   # an RDMA stream: its device:port
         self.device = port if isinstance(port, str) else None
@@ -676,8 +675,6 @@ class ThreadedStreamLink(StreamLink):
                 return
             self._drivers += 1
             self.lent = True
-            for st in self._streams:
-                st.lent = True
         by_fd = self._by_fd
         try:
             while not req.is_completed():
@@ -707,15 +704,13 @@ class ThreadedStreamLink(StreamLink):
         """(under _lock) The receivers read again."""
         if self.lent:
             self.lent = False
-            for st in self._streams:
-                st.lent = False
             self._parked.notify_all()
 
     def _park(self, st: Stream) -> None:
-        """(a lent stream's receiver) Wait while callers drive the link: until it is
+        """(a receiver of a lent link) Wait while callers drive the link: until it is
         reclaimed, closes or goes down, or no caller has driven for LEND_IDLE_S."""
         with self._lock:
-            while st.lent:
+            while self.lent:
                 if (self._closing or self._down is not None or st.reader.done
                         or (not self._drivers
                             and time.monotonic() - self._driven_at >= self.LEND_IDLE_S)):
@@ -783,7 +778,7 @@ class ThreadedStreamLink(StreamLink):
         poller.register(st.sock, select.POLLIN)
         rlock = st.rlock
         while True:
-            if st.lent:
+            if self.lent:
                 self._park(st)
                 continue
             try:
@@ -796,7 +791,7 @@ class ThreadedStreamLink(StreamLink):
             with rlock:
                 if st.reader.done:
                     return
-                if not st.lent and self._read(st, None) < 0:
+                if not self.lent and self._read(st, None) < 0:
                     return
 
 

@@ -383,6 +383,12 @@ class Matcher:
             return free.pop()
         return anon_bytes(n)  # no zero-fill: the bytes are overwritten; unmapped when dropped
 
+    def waiting(self, peer: int) -> bool:
+        """*Lock held.* Whether a receive from ``peer`` (or from any peer) is posted and not
+        yet filled."""
+        p = self.peers[peer]
+        return bool(p.posted or p.inflight or any(self.anysource.values()))
+
     def forget(self, staged: Staged) -> None:
         """*Lock held.* A staged message that no receive will copy (it did not match): its
         buffer is left to the garbage collector (bytes of it may still be arriving)."""
