@@ -748,6 +748,47 @@ def test_every_family_over_tcp_matches_gloo():
          env={"LINERATE_SHM": "0"})
 
 
+def _drive_spins(pg, rank=None):
+    """The ``spin`` of every drive of some small synchronous ops over TCP (``pg``: the group;
+    in a rank process the linerate group, with the cores this process may use)."""
+    from linerate.transport.link import ThreadedStreamLink
+    from linerate.transport.shm.sync import usable_cores
+    seen = []
+    real = ThreadedStreamLink.drive
+
+    def drive(self, req, until, spin=0.0):
+        seen.append(spin)
+        return real(self, req, until, spin)
+
+    bo, ao = dist.BarrierOptions(), dist.AllreduceOptions()
+    bo.asyncOp = ao.asyncOp = False  # (as torch's dist.barrier and dist.all_reduce pass them)
+    ThreadedStreamLink.drive = drive
+    try:
+        for _ in range(5):
+            pg.barrier(bo).wait()
+            pg.allreduce([torch.ones(3)], ao).wait()
+    finally:
+        ThreadedStreamLink.drive = real
+    return sorted(set(seen)), usable_cores()
+
+
+def _drive_spins_rank(rank, P, lr):
+    return _drive_spins(lr)
+
+
+@pytest.mark.timeout(90)
+def test_a_caller_spins_before_it_sleeps_only_with_a_core_of_its_own(monkeypatch):
+    """A caller that reads its own receives over TCP looks without sleeping for SPIN_S first
+    where the ranks of its host have a core each and are processes of their own; thread
+    ranks (one interpreter lock) sleep at once."""
+    from linerate.transport.shm.sync import SPIN_S
+    for spins, _ in run_threads(lambda pg, r: _drive_spins(pg), 2, env={"LINERATE_SHM": "0"},
+                                monkeypatch=monkeypatch):
+        assert spins == [0.0], spins
+    for spins, cores in run_ranks(_drive_spins_rank, 2, timeout=60, env={"LINERATE_SHM": "0"}):
+        assert spins == [SPIN_S if 2 <= cores else 0.0], (spins, cores)
+
+
 HD_ENV = {"LINERATE_ALLREDUCE_ALGO": "hd", "LINERATE_PIECE_BYTES": "4096",
           "LINERATE_SMALL_BYTES": "0"}
 

@@ -444,8 +444,9 @@ def test_drive(kind, request):
     (larger ones, striped over both streams, are left to the receivers, which read again),
     control frames too. After a drive the receivers stay parked while no caller drives, and
     read again once it is reclaimed or LEND_IDLE_S has passed; a drive with nothing coming
-    returns at its deadline; a peer that vanishes during a drive is reported as the receivers
-    report it."""
+    returns at its deadline, spinning or not (a message that comes during the spin is read by
+    the caller); a peer that vanishes during a drive is reported as the receivers report
+    it."""
     pki = request.getfixturevalue("pki") if kind == "tls" else None
     (a, b), (sa, sb) = _pair(kind, pki)
     me = threading.current_thread().name
@@ -503,8 +504,20 @@ def test_drive(kind, request):
         else:
             _send(a, bytearray(b"parked"), tag=9)
             sb.wait(lambda: (CHANNEL_P2P, 9, 0) in sb.done)
-        # the peer vanishes while a caller drives: the failure names it, the drive returns
+        # spinning: a message that comes while the caller looks without sleeping is the
+        # caller's to read; with nothing coming, the drive still ends at its deadline
         b.LEND_IDLE_S = 30.0
+        threading.Timer(0.05, _send, (a, bytearray(b"spun")), {"tag": 12}).start()
+        b.drive(_Arrived(sb, (CHANNEL_P2P, 12, 0)), time.monotonic() + 30, spin=5.0)
+        sb.wait(lambda: (CHANNEL_P2P, 12, 0) in sb.done)
+        assert bytes(sb.bufs[(CHANNEL_P2P, 12, 0)]) == b"spun"
+        if lendable:
+            assert sb.readers[(CHANNEL_P2P, 12, 0)] == me
+        t0 = time.monotonic()
+        b.drive(_Arrived(sb, (CHANNEL_P2P, 13, 0)), t0 + 0.3, spin=5.0)
+        took = time.monotonic() - t0
+        assert (0.25 <= took < 10) if lendable else took < 0.25, took
+        # the peer vanishes while a caller drives: the failure names it, the drive returns
         threading.Timer(0.2, _crash, (a,)).start()
         t0 = time.monotonic()
         b.drive(_Arrived(sb, (CHANNEL_P2P, 11, 0)), t0 + 30)

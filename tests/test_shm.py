@@ -367,12 +367,12 @@ def test_thread_ranks_sleep_at_once_and_processes_poll_first():
     (polling would hold the interpreter lock the awaited thread needs); rank processes spin
     where each has a core, else yield."""
     from linerate.transport.shm import engine
-    from linerate.transport.shm.sync import usable_cores
+    from linerate.transport.shm.sync import SPIN_S, usable_cores
 
     def threads(pg, r):
         return _polling(r, 2, pg, lambda x: pg.allreduce([x]).wait())
     assert run_threads(threads, 2) == [(0.0, 0.0)] * 2
-    spin = engine.SPIN_S if 2 <= usable_cores() else 0.0
+    spin = SPIN_S if 2 <= usable_cores() else 0.0
     assert run_ranks(_polling, 2, timeout=45) == [(spin, engine.YIELD_S)] * 2
 
 

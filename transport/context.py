@@ -45,6 +45,7 @@ from .matching import Matcher, Mismatch, Staged as _Staged
 from .options import TransportOptions, sockets_per_rail
 from .failure import Failures, error_payload, wrap
 from .request import MismatchError, PeerFailure, Request, TransportError
+from .shm.sync import spin_seconds
 from .tcp import LINK_TIMEOUT_DEFAULT, tune as _tune  # noqa: F401 - re-exported
 
 log = logging.getLogger("linerate.transport")
@@ -52,6 +53,13 @@ log = logging.getLogger("linerate.transport")
 _STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
+#: How many ranks of each group (its secret) live in this process: ranks that are threads of
+#: one process (the test suite's) do not spin in ``drive`` (a polling thread holds the
+#: interpreter lock that the thread it waits for needs).
+_RANKS_HERE: dict[bytes, int] = {}
+_RANKS_LOCK = threading.Lock()
+
+
 class _Peer:
     """A peer as the Context sees it: its link, and why it can no longer be reached."""
 
@@ -136,6 +144,9 @@ class Context(LinkSink):
         self.layout = shm.Layout((tuple(range(size)),), False)
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
+        #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_seconds of this
+        #: host's ranks), once the layout is known; None before (and after close).
+        self._spin: float | None = None
         #: What the link kinds built from (transport/kinds.py), once set-up reached them; its
         #: ``maker`` makes links on first use (LINERATE_CONNECT=lazy: the TCP mesh; eager:
         #: the mesh that made them, whose callbacks are dropped at close).
@@ -237,6 +248,9 @@ class Context(LinkSink):
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                               self._prefix, rv.generation, rv.offered, offer)
         setup.seg, setup.layout = self.shm, self.layout
+        self._spin = spin_seconds(len(self.layout.hosts[self.layout.host_of(self.rank)]))
+        with _RANKS_LOCK:
+            _RANKS_HERE[self._secret] = _RANKS_HERE.get(self._secret, 0) + 1
         return setup
 
     @property
@@ -408,11 +422,16 @@ class Context(LinkSink):
     def drive(self, req: Request, until: float) -> None:
         """Wait for the receive ``req`` (posted ``driven``) by reading its peer's link in this
         thread where the link allows it (Link.drive), until the monotonic time ``until``; the
-        caller then waits on ``req`` as for any (it may be finished already)."""
+        caller then waits on ``req`` as for any (it may be finished already). It looks
+        without sleeping first where this host's ranks have a core each and are processes
+        of their own (``_spin``)."""
         if req.peer is not None:
             link = self.peers[req.peer].link
             if link is not None:
-                link.drive(req, until)
+                spin = self._spin
+                if spin and _RANKS_HERE.get(self._secret, 0) > 1:  # thread ranks
+                    spin = 0.0
+                link.drive(req, until, spin or 0.0)
                 # Receives still posted for the peer (point-to-point, an async op's, or this
                 # one, timed out): the link's threads read for them.
                 if link.lent:
@@ -704,6 +723,12 @@ class Context(LinkSink):
         link is dead (nothing leaves for _STALL_S seconds) is not waited for."""
         if self._closing:
             return
+        with _RANKS_LOCK:  # (counted once its layout was known: _meet)
+            if self._spin is not None:
+                self._spin = None
+                left = _RANKS_HERE.pop(self._secret) - 1
+                if left:
+                    _RANKS_HERE[self._secret] = left
         deadline = time.monotonic() + timeout
         why = self.broken
         if why is not None:

@@ -202,12 +202,14 @@ class Link(abc.ABC):
     #: Whether a caller's ``drive`` holds the link's reading (its receivers wait).
     lent: bool = False
 
-    def drive(self, req: Request, until: float) -> None:
+    def drive(self, req: Request, until: float, spin: float = 0.0) -> None:
         """Read this link in the calling thread until ``req`` (a receive from the peer) is
         finished, or until the monotonic time ``until``, where the link allows it (no
         hand-off from a receiver thread); whatever else arrives meanwhile is delivered as
-        the link's threads would. Returns at once where it does not: the caller then waits
-        on ``req`` as usual. By default it does not."""
+        the link's threads would. ``spin``: seconds it looks without sleeping before it
+        waits for bytes asleep (the caller's rank has a core of its own). Returns at once
+        where it does not: the caller then waits on ``req`` as usual. By default it does
+        not."""
 
     def reclaim(self) -> None:
         """Another thread waits for what this link receives: its own readers read again
@@ -656,14 +658,15 @@ class ThreadedStreamLink(StreamLink):
                 self._send_failed(st, e)
 
     # ------------------------------------------------------------------ a caller's reading
-    def drive(self, req: Request, until: float) -> None:
+    def drive(self, req: Request, until: float, spin: float = 0.0) -> None:
         """Read the streams in the calling thread until ``req`` is finished or the monotonic
         time ``until`` (a link of plain blocking sockets, a message of at most DIRECT_BYTES,
         one caller at a time; else nothing, the receivers reading again): the receivers wait
         meanwhile (``lent``), and after it until LEND_IDLE_S passes with no caller driving
         or ``reclaim``. Whoever reads a stream holds its ``rlock`` and reads whole frames
         (``_read``); a stream's receiver that reads when a caller begins ends its frame
-        first."""
+        first. For ``spin`` seconds it polls without sleeping (a reply that comes soon is
+        read without a wake-up), then asleep in slices."""
         poller = self._poller
         if poller is None:
             return
@@ -676,13 +679,16 @@ class ThreadedStreamLink(StreamLink):
             self._drivers += 1
             self.lent = True
         by_fd = self._by_fd
+        clock = time.monotonic
+        awake = clock() + spin
         try:
             while not req.is_completed():
-                left = until - time.monotonic()
+                now = clock()
+                left = until - now
                 if left <= 0:
                     return
-                # (in slices: a failure elsewhere may finish req without a byte here)
-                for fd, _ in poller.poll(min(left, 0.05) * 1000.0):
+                # (asleep in slices: a failure elsewhere may finish req without a byte here)
+                for fd, _ in poller.poll(0 if now < awake else min(left, 0.05) * 1000.0):
                     st = by_fd[fd]
                     if not st.rlock.acquire(True, max(0.0, until - time.monotonic())):
                         return

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..request import MismatchError, TransportError
 from . import BYTES_PER_RANK
-from .sync import WEAK_ORDER, usable_cores
+from .sync import WEAK_ORDER, spin_seconds
 
 
 class OpTimeout(TransportError):
@@ -56,11 +56,9 @@ HIST, HIST_N = 40, 8
 CMA_PTR, CMA_ADDR, CMA_NONCE, CMA_OK, CMA_TIMES = 56, 57, 58, 59, 60
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
-#: Seconds a waiting rank polls the counters before it sleeps on its bell, where the segment's
-#: ranks have a core each: a futex sleep and wake-up costs tens of microseconds on each side,
-#: more than a small op's peer usually keeps it waiting. Where ranks outnumber cores it does
-#: not spin (a spinning rank would take the core the rank it waits for needs): YIELD_S.
-SPIN_S = 100e-6
+#: A waiting rank polls the counters before it sleeps on its bell for sync.SPIN_S where the
+#: segment's ranks have a core each (sync.spin_seconds); where they outnumber cores it does
+#: not spin: YIELD_S.
 #: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
 #: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
 #: sleeps: sleeping at once there costs a futex wake-up per wait on each side
@@ -407,7 +405,7 @@ class Engine:
         if all(p == me for p in pids):
             spin, self.yield_s = 0.0, 0.0
         else:
-            spin, self.yield_s = (SPIN_S if self.P <= usable_cores() else 0.0), YIELD_S
+            spin, self.yield_s = spin_seconds(self.P), YIELD_S
         if all(p[0] for p in pids):
             self.spin = spin
         return spin

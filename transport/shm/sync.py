@@ -119,6 +119,20 @@ class PidWatch:
             self._pid_of.clear()
 
 
+#: Seconds a waiting rank polls (its counters on a segment, its sockets over TCP) before it
+#: sleeps, where the ranks of its host have a core each: a sleep and wake-up (futex, or a
+#: blocking poll) costs tens of microseconds on each side, more than a small op's peer usually
+#: keeps it waiting. Where ranks outnumber cores it does not spin: a spinning rank would take
+#: the core that the rank it waits for needs.
+SPIN_S = 100e-6
+
+
+def spin_seconds(ranks_here: int) -> float:
+    """How long a rank that waits for a peer polls before it sleeps (``SPIN_S``, or 0 where
+    this host's ``ranks_here`` ranks outnumber the cores this process may use)."""
+    return SPIN_S if ranks_here <= usable_cores() else 0.0
+
+
 @functools.lru_cache(maxsize=4)
 def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
                  cgroup_root: str = "/sys/fs/cgroup") -> int:
