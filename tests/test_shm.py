@@ -361,6 +361,27 @@ def _polling(rank, P, lr, allreduce=None):
     return lr._shm.spin, lr._shm.yield_s
 
 
+def test_the_layout_counts_the_ranks_that_share_a_machines_cores():
+    """Hosts of one kernel (netlab's network namespaces: another host id, the same boot) are
+    one machine: its ranks share its cores, whatever host each is (what a waiting rank's
+    spin is decided on: transport/shm/sync.py spin_seconds)."""
+    import datetime
+    from linerate.transport import rendezvous, shm
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    rv = rendezvous.Rendezvous(store, 0, time.monotonic() + 10, 10.0, "linerate/layout-test/")
+    boot, rest = shm.host_id().split("/", 1)
+    version = rendezvous.version_text()
+    for r, host in ((1, f"{boot}/another-namespace/1:2/3:4"), (2, f"another-boot/{rest}")):
+        store.set(f"{rv.prefix}shm/{rv.generation}/host/{r}",
+                  json.dumps({"host": host, "mode": "0", "version": version}))
+    seg, layout = shm.establish(rv, 0, 3, b"s" * 32, "0", rv.prefix, rv.generation)
+    assert seg is None and layout.hosts == ((0,), (1,), (2,))
+    assert layout.machines == ((0, 1), (2,))
+    assert [layout.cores_shared_by(r) for r in range(3)] == [2, 2, 1]
+    assert shm.Layout(((0, 1), (2,)), False).cores_shared_by(2) == 1  # (no machines: hosts)
+
+
 @pytest.mark.timeout(60)
 def test_thread_ranks_sleep_at_once_and_processes_poll_first():
     """Ranks that are threads of one process neither spin nor yield before the futex sleep

@@ -144,8 +144,8 @@ class Context(LinkSink):
         self.layout = shm.Layout((tuple(range(size)),), False)
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
-        #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_seconds of this
-        #: host's ranks), once the layout is known; None before (and after close).
+        #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_seconds of the
+        #: ranks on this machine), once the layout is known; None before (and after close).
         self._spin: float | None = None
         #: What the link kinds built from (transport/kinds.py), once set-up reached them; its
         #: ``maker`` makes links on first use (LINERATE_CONNECT=lazy: the TCP mesh; eager:
@@ -248,7 +248,7 @@ class Context(LinkSink):
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                               self._prefix, rv.generation, rv.offered, offer)
         setup.seg, setup.layout = self.shm, self.layout
-        self._spin = spin_seconds(len(self.layout.hosts[self.layout.host_of(self.rank)]))
+        self._spin = spin_seconds(self.layout.cores_shared_by(self.rank))
         with _RANKS_LOCK:
             _RANKS_HERE[self._secret] = _RANKS_HERE.get(self._secret, 0) + 1
         return setup
@@ -423,8 +423,8 @@ class Context(LinkSink):
         """Wait for the receive ``req`` (posted ``driven``) by reading its peer's link in this
         thread where the link allows it (Link.drive), until the monotonic time ``until``; the
         caller then waits on ``req`` as for any (it may be finished already). It looks
-        without sleeping first where this host's ranks have a core each and are processes
-        of their own (``_spin``)."""
+        without sleeping first where the group's ranks on this machine (every host of its
+        kernel) have a core each and are processes of their own (``_spin``)."""
         if req.peer is not None:
             link = self.peers[req.peer].link
             if link is not None:

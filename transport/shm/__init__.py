@@ -99,9 +99,16 @@ _PAGE = 4096
 class Layout(NamedTuple):
     """Where a group's ranks are: ``hosts[h]`` lists the group ranks of host h (hosts ordered by
     their lowest rank, ranks ascending); ``shared``: every host with two or more ranks has a
-    proved segment (the same on every rank)."""
+    proved segment (the same on every rank); ``machines``: the group ranks of each kernel (its
+    boot), which share its cores: hosts of one machine (netlab's network namespaces) are one
+    (empty: one per host)."""
     hosts: tuple
     shared: bool
+    machines: tuple = ()
+
+    def cores_shared_by(self, rank: int) -> int:
+        """How many of the group's ranks run on ``rank``'s machine (itself included)."""
+        return next(len(m) for m in (self.machines or self.hosts) if rank in m)
 
     def host_of(self, rank: int) -> int:
         for h, ranks in enumerate(self.hosts):
@@ -708,10 +715,12 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         detail = ", ".join(f"rank {r}: {p.get('mode')}" for r, p in enumerate(peers))
         raise ShmError(f"rank {rank}: LINERATE_SHM differs between ranks ({detail}): every rank "
                        f"must use the same setting")
-    hosts = group_hosts([str(p.get("host")) for p in peers])
+    ids = [str(p.get("host")) for p in peers]
+    hosts = group_hosts(ids)
+    machines = group_hosts([i.split("/", 1)[0] for i in ids])  # (host_id: the boot first)
     shared = [h for h in hosts if len(h) >= 2]
     if mode == "0" or not shared:
-        return None, Layout(hosts, False)
+        return None, Layout(hosts, False, machines)
     bad: dict[int, str] = {}
     if segment_offered and len(hosts) == 1:
         # Every rank is on rank 0's host and tried the offered segment: their records say how.
@@ -738,8 +747,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         if rank == 0:
             log.warning("linerate: group of %d ranks uses TCP, not shared memory: %s",
                         size, detail)
-        return None, Layout(hosts, False)
-    layout = Layout(hosts, True)
+        return None, Layout(hosts, False, machines)
+    layout = Layout(hosts, True, machines)
     if buf is None:
         return None, layout  # alone on its host
     if rank == 0 and len(hosts) > 1:
