@@ -57,8 +57,8 @@ CMA_PTR, CMA_ADDR, CMA_NONCE, CMA_OK, CMA_TIMES = 56, 57, 58, 59, 60
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
 #: A waiting rank polls the counters before it sleeps on its bell for sync.SPIN_S where the
-#: segment's ranks have a core each (sync.spin_seconds); where they outnumber cores it does
-#: not spin: YIELD_S.
+#: group's ranks on its machine have a core each (sync.spin_seconds); where they outnumber
+#: cores it does not spin: YIELD_S.
 #: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
 #: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
 #: sleeps: sleeping at once there costs a futex wake-up per wait on each side
@@ -405,7 +405,10 @@ class Engine:
         if all(p == me for p in pids):
             spin, self.yield_s = 0.0, 0.0
         else:
-            spin, self.yield_s = spin_seconds(self.P), YIELD_S
+            # (the group's ranks on this machine: those of other hosts of its kernel, such as
+            # netlab's namespaces, take its cores too)
+            here = self.seg.layout.cores_shared_by(self.gr[self.r])
+            spin, self.yield_s = spin_seconds(here), YIELD_S
         if all(p[0] for p in pids):
             self.spin = spin
         return spin
