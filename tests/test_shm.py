@@ -38,7 +38,10 @@ R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
           torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
 SIZES = [0, 1, 7, 1001, 70_001]
-BIG = 2_500_001  # several pipeline chunks of float32/int64
+# Several pipeline chunks: a segment slot (transport/shm/engine.py Engine.C) is 1.4-1.7 MB at
+# 2-4 ranks, so 3 chunks of float32 and 5-6 of int64 (the two sets of slots reused); over
+# CMA_BYTES (shm_algos: cross-memory attach may take it).
+BIG = 1_000_001
 
 
 def _ops(dtype):
