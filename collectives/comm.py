@@ -288,6 +288,14 @@ class Comm:
         except TimeoutError:
             if self.driving:  # the links' own threads read what the diagnosis needs
                 self.ctx.reclaim_links()
+            # A peer whose host or link is down acknowledges nothing: name it, since the rank
+            # this one waits for may itself be stuck waiting for it. Looked at before the
+            # diagnosis asks the peers how far they got (_absent): a question just sent is
+            # outstanding until acknowledged, and on a connection that had nothing to carry
+            # for a while it would make a live peer look unreachable.
+            silent = "".join(f"; rank {r} has acknowledged nothing for {s:.1f}s while data to it "
+                             f"is outstanding: its host or link is down?"
+                             for r, s in sorted(self.ctx.unacknowledged().items()))
             absent = self._absent()
             hint = ""
             if req.peer is not None:
@@ -301,11 +309,6 @@ class Comm:
                 what = f"to send {req.total} bytes to it"
             else:
                 what = f"{req.done_bytes} of {req.total} bytes received from it"
-            # A peer whose host or link is down acknowledges nothing: name it, since the rank
-            # this one waits for may itself be stuck waiting for it.
-            silent = "".join(f"; rank {r} has acknowledged nothing for {s:.1f}s while data to it "
-                             f"is outstanding: its host or link is down?"
-                             for r, s in sorted(self.ctx.unacknowledged().items()))
             raise OpTimeout(f"rank {self.rank}: {self.desc} did not complete within the "
                             f"{self.timeout:.1f}s timeout{absent}: this rank was still "
                             f"waiting for {who} ({what}){silent}{hint}") from None

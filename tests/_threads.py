@@ -114,9 +114,11 @@ def run_threads(fn, world: int, *, timeout: float = 120.0, op_timeout: float = 6
         raise ThreadRankError(f"ranks {late} still running after {timeout:.0f}s"
                               + (f"; errors: {errors}" if errors else ""))
     if errors:
+        # Every rank's error: the first rank's may only be the consequence (a timeout waiting
+        # for a rank that failed on its own).
         r = min(errors)
-        raise ThreadRankError(f"rank {r} failed: {type(errors[r]).__name__}: {errors[r]}") \
-            from errors[r]
+        raise ThreadRankError("; ".join(f"rank {q} failed: {type(e).__name__}: {e}"
+                                        for q, e in sorted(errors.items()))) from errors[r]
     return results
 
 

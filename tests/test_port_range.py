@@ -32,8 +32,10 @@ def test_every_rank_listens_within_the_range_and_the_group_works():
     blocker2.listen(1)                  # taken (listening): skipped
     try:
         def fn(pg, r):
-            # lazy links (the default): the listeners stay open for the peers' dials
-            ports = [ls.getsockname()[1] for ls in pg._ctx._maker.listeners]
+            # lazy links (the default): the ports each rank published for its peers' dials (its
+            # listeners close once every peer is linked, which a rank that starts late may
+            # find already done)
+            ports = [port for _, port in pg._ctx._maker._remote[r]]
             t = torch.full((1000,), float(r + 1))
             pg.allreduce([t], sync()).wait()
             return t[0].item(), ports

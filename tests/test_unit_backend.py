@@ -365,12 +365,15 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout_and_the_group_stays_bro
             done.set()
 
     o = _options(shm, flight_dump=str(tmp_path / "fr"))
-    first, took, second = outcomes(fn, 2, op_timeout=1.0, timeout=30, options=o)[0]
+    first, took, second = outcomes(fn, 2, op_timeout=2.0, timeout=30, options=o)[0]
     assert re.search(r"waiting for ranks \[1\]|rank 1 has not entered", first), first
     assert first.startswith("rank 0: all_reduce #1") and "float32[10]" in first, first
-    # Rank 1 leaves only after rank 0 is done: the op timeout (1 s) ended the op, neither
-    # early nor at the test's 30 s bound (10 s: room for a loaded machine).
-    assert 0.9 <= took < 10, took
+    # Rank 1 is alive and answers: nothing says its host or link is down (the question the
+    # timeout's diagnosis sends it is not data it failed to acknowledge).
+    assert "acknowledged nothing" not in first, first
+    # Rank 1 leaves only after rank 0 is done: the op timeout (2 s) ended the op, neither
+    # early nor at the test's 30 s bound (12 s: room for a loaded machine).
+    assert 1.9 <= took < 12, took
     assert "failed earlier" in second, second
 
 
