@@ -56,9 +56,9 @@ HIST, HIST_N = 40, 8
 CMA_PTR, CMA_ADDR, CMA_NONCE, CMA_OK, CMA_TIMES = 56, 57, 58, 59, 60
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
-#: A waiting rank polls the counters before it sleeps on its bell for sync.SPIN_S where the
-#: group's ranks on its machine have a core each (sync.spin_seconds); where they outnumber
-#: cores it does not spin: YIELD_S.
+# A waiting rank polls the counters before it sleeps on its bell for sync.SPIN_S where the
+# group's ranks on its machine have a core each (sync.spin_seconds); where they outnumber
+# cores it does not spin: YIELD_S.
 #: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
 #: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
 #: sleeps: sleeping at once there costs a futex wake-up per wait on each side

@@ -120,7 +120,7 @@ class PidWatch:
 
 
 #: Seconds a waiting rank polls (its counters on a segment, its sockets over TCP) before it
-#: sleeps, where the ranks of its host have a core each: a sleep and wake-up (futex, or a
+#: sleeps, where the group's ranks on its machine have a core each: a sleep and wake-up (futex, or a
 #: blocking poll) costs tens of microseconds on each side, more than a small op's peer usually
 #: keeps it waiting. Where ranks outnumber cores it does not spin: a spinning rank would take
 #: the core that the rank it waits for needs.
@@ -129,7 +129,7 @@ SPIN_S = 100e-6
 
 def spin_seconds(ranks_here: int) -> float:
     """How long a rank that waits for a peer polls before it sleeps (``SPIN_S``, or 0 where
-    this host's ``ranks_here`` ranks outnumber the cores this process may use)."""
+    the ``ranks_here`` ranks of its machine outnumber the cores this process may use)."""
     return SPIN_S if ranks_here <= usable_cores() else 0.0
 
 
