@@ -2,7 +2,8 @@
 segment (transport/shm), its ring links (ring.py) and the collectives' engine
 (engine.py): the memory order (``WEAK_ORDER``, the fence's lock), futex wait and wake on a
 word of the segment, watching co-located ranks' processes (``PidWatch``: pidfds, else signals),
-the cores this process may use (affinity and cgroup quota), and cross-memory attach
+the cores this process may use (affinity and cgroup quota) and how long a waiting rank spins
+on them (``spin_seconds``: also a TCP caller's ``drive``), and cross-memory attach
 (``cma_read``)."""
 from __future__ import annotations
 
