@@ -38,7 +38,8 @@ import time
 import numpy as np
 import torch
 
-from .reduce_ops import NP_DTYPES, finish_avg, fold_rows, op_name, reduce_into
+from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows_into, op_name, reduce_into
+from .views import address_view
 
 _AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
 #: Most entries one fused op takes (bounds the unpacking work per op).
@@ -168,21 +169,23 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
     if not carry:
         return k, False
     if nb:  # every rank's part, this rank's from its own message (a copy), in rank order
-        flat = head.buf.view(-1)
-        n = flat.numel()
+        buf = head.buf  # (contiguous: its bytes went out above)
+        n = buf.numel()
         bufs = [out if r == comm.rank else reqs[r][0] for r in range(comm.size)]
-        npdt = NP_DTYPES.get(flat.dtype)
+        npdt = NP_DTYPES.get(buf.dtype)
         if npdt is not None:
-            fold_rows(flat, [np.frombuffer(b, dtype=npdt, count=n, offset=_AGREE.size)
-                             for b in bufs], head.op, npdt)
+            fold_rows_into(address_view(buf.data_ptr(), npdt, n),
+                           [np.frombuffer(b, dtype=npdt, count=n, offset=_AGREE.size)
+                            for b in bufs], head.op, npdt)
         else:  # float16, bfloat16
+            flat = buf.view(-1)
             parts = [torch.frombuffer(b, dtype=flat.dtype, offset=_AGREE.size, count=n)
                      for b in bufs]
             flat.copy_(parts[0])
             for part in parts[1:]:
                 reduce_into(flat, part, head.op)
-        if avg_size != 0:
-            finish_avg(flat, head.op, comm.size if avg_size is None else avg_size)
+        if avg_size != 0 and head.op == RedOpType.AVG:
+            finish_avg(buf, head.op, comm.size if avg_size is None else avg_size)
     return k, True
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .views import np_view
+from .views import address_view, np_view
 
 RedOpType = dist.ReduceOp.RedOpType
 
@@ -117,7 +117,11 @@ def fold_rows(out: torch.Tensor, rows, op: RedOpType, npdt) -> None:
     are the same). ``rows``: a 2-D array or a list of arrays of NumPy dtype ``npdt``
     (``NP_DTYPES[out.dtype]``); ``out`` a contiguous CPU tensor of that many elements. AVG
     accumulates as SUM (finish_avg divides)."""
-    fold_rows_into(np_view(out, npdt), rows, op, npdt)  # not out.numpy(): it pins the storage
+    # Not out.numpy(): it pins the storage. A contiguous tensor's view is made from its
+    # address (cached: views.address_view), a few microseconds less than np_view's.
+    o = (address_view(out.data_ptr(), npdt, out.numel()) if out.is_contiguous()
+         else np_view(out, npdt))
+    fold_rows_into(o, rows, op, npdt)
 
 
 def fold_rows_into(o: np.ndarray, rows, op: RedOpType, npdt) -> None:

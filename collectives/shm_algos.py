@@ -32,7 +32,7 @@ from linerate.transport.shm.engine import (CMA_ADDR, CMA_NONCE, CMA_OK, CMA_PTR,
 
 from .comm import Comm
 from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows, fold_rows_into
-from .views import np_view
+from .views import address_view, np_view
 
 #: An all_reduce from this many bytes may read the peers' tensors with cross-memory attach
 #: (process_vm_readv) where every rank may: one copy per byte moved, no staging in the segment.
@@ -845,8 +845,7 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
     text (for a mismatch's error); ``t``, a contiguous CPU tensor, is reduced in place (an AVG
     is divided here), folded as agree() folds (the same bits on every rank, whichever of the
     two it ran). What a job repeats is cached: the rows' views per set, dtype and size, and
-    the result's NumPy view per address, dtype and size (made from the address, holding
-    nothing: it is used only while a caller's tensor is there)."""
+    the result's NumPy view (views.address_view)."""
     E = comm.shm
     E.begin(comm)
     P, r, C = E.P, E.r, E.C
@@ -900,14 +899,7 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
             (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
     npdt, rows = rows
     if npdt is not None:
-        okey = (ptr, dt, n)
-        out = E.lone_outs.get(okey)
-        if out is None:
-            if len(E.lone_outs) > 64:
-                E.lone_outs.clear()
-            out = E.lone_outs[okey] = np.frombuffer(
-                (ctypes.c_char * nb).from_address(ptr), dtype=npdt)
-        fold_rows_into(out, rows, op, npdt)
+        fold_rows_into(address_view(ptr, npdt, n), rows, op, npdt)
         if op == RedOpType.AVG:
             finish_avg(t.detach().view(-1), op, P)
     else:

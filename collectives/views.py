@@ -9,6 +9,8 @@ alive as long as the view is (the array's base holds it).
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -60,4 +62,22 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(np.asarray(_Pointer(t.detach(), "|u1", (n,), None)))
 
 
-__all__ = ["np_view", "byte_view"]
+_AT: dict = {}
+
+
+def address_view(ptr: int, npdt, n: int) -> np.ndarray:
+    """A writable NumPy view of ``n`` elements of ``npdt`` at address ``ptr`` (a contiguous CPU
+    tensor's ``data_ptr()``), holding nothing: for use only while that tensor is there. What a
+    job repeats is cached per address, dtype and size (a small op's result view costs a lookup,
+    not np_view's few microseconds)."""
+    key = (ptr, npdt, n)
+    v = _AT.get(key)
+    if v is None:
+        if len(_AT) > 64:
+            _AT.clear()
+        v = _AT[key] = np.frombuffer((ctypes.c_char * (n * np.dtype(npdt).itemsize))
+                                     .from_address(ptr), dtype=npdt)
+    return v
+
+
+__all__ = ["np_view", "byte_view", "address_view"]

@@ -166,9 +166,6 @@ class Engine:
         self.cma_scratch = None
         #: lone_all_reduce's tensor views of the slots' rows: (set, dtype, elements) -> views.
         self.lone_rows: dict = {}
-        #: lone_all_reduce's NumPy views of the callers' tensors: (address, dtype, elements) ->
-        #: a view made from the address (holding nothing; used only while a tensor is there).
-        self.lone_outs: dict = {}
         self.big = 0                 # large all_reduces run here (the same on every rank)
         self.times = ([], [])        # this rank's last seconds per byte: CMA, segment
         self.big_paths = [0, 0]       # large all_reduces by each path (CMA, segment)
@@ -218,7 +215,6 @@ class Engine:
         """The group closed: drop every view of the segment (its mapping goes now)."""
         self.areas = []
         self.lone_rows = {}
-        self.lone_outs = {}
         self.np_data = self.words = None
         self._typed = {}
         self.cma_scratch = None
