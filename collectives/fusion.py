@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from .reduce_ops import NP_DTYPES, RedOpType, finish_avg, fold_rows_into, op_name, reduce_into
+from .reduce_ops import NP_DTYPES, finish_avg, fold_rows_into, op_name, reduce_into
 from .views import address_view
 
 _AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
@@ -184,7 +184,7 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
             flat.copy_(parts[0])
             for part in parts[1:]:
                 reduce_into(flat, part, head.op)
-        if avg_size != 0 and head.op == RedOpType.AVG:
+        if avg_size != 0:
             finish_avg(buf, head.op, comm.size if avg_size is None else avg_size)
     return k, True
 

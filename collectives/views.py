@@ -5,7 +5,8 @@ may point into it), so a tensor that went through a collective could no longer b
 (``resize_``: "Trying to resize storage that is not resizable"; torch's
 ``batched_powerSGD_hook`` resizes its input), where after Gloo it still can. These views are
 made from the tensor's address instead: no copy, the storage untouched, and the tensor kept
-alive as long as the view is (the array's base holds it).
+alive as long as the view is (the array's base holds it). ``address_view``, for a view used
+only during a call while its tensor is there, holds nothing and is cached per address.
 """
 from __future__ import annotations
 
