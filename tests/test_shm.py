@@ -367,7 +367,8 @@ def _polling(rank, P, lr, allreduce=None):
 def test_the_layout_counts_the_ranks_that_share_a_machines_cores():
     """Hosts of one kernel (netlab's network namespaces: another host id, the same boot) are
     one machine: its ranks share its cores, whatever host each is (what a waiting rank's
-    spin is decided on: transport/shm/sync.py spin_seconds)."""
+    spin is decided on: transport/shm/sync.py spin_seconds); ranks of one host with one pid
+    are threads of one process (which never spin)."""
     import datetime
     from linerate.transport import rendezvous, shm
     store = dist.HashStore()
@@ -375,14 +376,21 @@ def test_the_layout_counts_the_ranks_that_share_a_machines_cores():
     rv = rendezvous.Rendezvous(store, 0, time.monotonic() + 10, 10.0, "linerate/layout-test/")
     boot, rest = shm.host_id().split("/", 1)
     version = rendezvous.version_text()
-    for r, host in ((1, f"{boot}/another-namespace/1:2/3:4"), (2, f"another-boot/{rest}")):
+    me = os.getpid()
+    records = {1: (f"{boot}/another-namespace/1:2/3:4", me), 2: (f"another-boot/{rest}", me),
+               3: (f"{boot}/{rest}", me), 4: (f"{boot}/{rest}", me + 1)}
+    for r, (host, pid) in records.items():
         store.set(f"{rv.prefix}shm/{rv.generation}/host/{r}",
-                  json.dumps({"host": host, "mode": "0", "version": version}))
-    seg, layout = shm.establish(rv, 0, 3, b"s" * 32, "0", rv.prefix, rv.generation)
-    assert seg is None and layout.hosts == ((0,), (1,), (2,))
-    assert layout.machines == ((0, 1), (2,))
-    assert [layout.cores_shared_by(r) for r in range(3)] == [2, 2, 1]
-    assert shm.Layout(((0, 1), (2,)), False).cores_shared_by(2) == 1  # (no machines: hosts)
+                  json.dumps({"host": host, "mode": "0", "version": version, "pid": pid}))
+    seg, layout = shm.establish(rv, 0, 5, b"s" * 32, "0", rv.prefix, rv.generation)
+    assert seg is None and layout.hosts == ((0, 3, 4), (1,), (2,))
+    assert layout.machines == ((0, 1, 3, 4), (2,))
+    assert [layout.cores_shared_by(r) for r in range(5)] == [4, 4, 1, 4, 4]
+    assert layout.processes == ((0, 3), (1,), (2,), (4,))
+    assert [layout.threads_of_one_process(r) for r in range(5)] == [True, False, False, True,
+                                                                   False]
+    bare = shm.Layout(((0, 1), (2,)), False)  # (no machines: hosts; no processes: one each)
+    assert bare.cores_shared_by(2) == 1 and not bare.threads_of_one_process(0)
 
 
 @pytest.mark.timeout(60)

@@ -53,11 +53,6 @@ log = logging.getLogger("linerate.transport")
 _STORE_PREFIX = rendezvous.STORE_PREFIX
 #: close(): seconds without a byte leaving after which a peer's queued sends are given up.
 _STALL_S = 2.0
-#: How many ranks of each group (its secret) live in this process: ranks that are threads of
-#: one process (the test suite's) do not spin in ``drive`` (a polling thread holds the
-#: interpreter lock that the thread it waits for needs).
-_RANKS_HERE: dict[bytes, int] = {}
-_RANKS_LOCK = threading.Lock()
 
 
 class _Peer:
@@ -145,8 +140,9 @@ class Context(LinkSink):
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
         #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_seconds of the
-        #: ranks on this machine), once the layout is known; None before (and after close).
-        self._spin: float | None = None
+        #: ranks on this machine; 0 for ranks that are threads of one process, as in the test
+        #: suite: a polling thread holds the interpreter lock the thread it waits for needs).
+        self._spin = 0.0
         #: What the link kinds built from (transport/kinds.py), once set-up reached them; its
         #: ``maker`` makes links on first use (LINERATE_CONNECT=lazy: the TCP mesh; eager:
         #: the mesh that made them, whose callbacks are dropped at close).
@@ -248,9 +244,9 @@ class Context(LinkSink):
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                               self._prefix, rv.generation, rv.offered, offer)
         setup.seg, setup.layout = self.shm, self.layout
-        self._spin = spin_seconds(self.layout.cores_shared_by(self.rank))
-        with _RANKS_LOCK:
-            _RANKS_HERE[self._secret] = _RANKS_HERE.get(self._secret, 0) + 1
+        lay = self.layout
+        self._spin = (0.0 if lay.threads_of_one_process(self.rank)
+                      else spin_seconds(lay.cores_shared_by(self.rank)))
         return setup
 
     @property
@@ -428,10 +424,7 @@ class Context(LinkSink):
         if req.peer is not None:
             link = self.peers[req.peer].link
             if link is not None:
-                spin = self._spin
-                if spin and _RANKS_HERE.get(self._secret, 0) > 1:  # thread ranks
-                    spin = 0.0
-                link.drive(req, until, spin or 0.0)
+                link.drive(req, until, self._spin)
                 # Receives still posted for the peer (point-to-point, an async op's, or this
                 # one, timed out): the link's threads read for them.
                 if link.lent:
@@ -723,12 +716,6 @@ class Context(LinkSink):
         link is dead (nothing leaves for _STALL_S seconds) is not waited for."""
         if self._closing:
             return
-        with _RANKS_LOCK:  # (counted once its layout was known: _meet)
-            if self._spin is not None:
-                self._spin = None
-                left = _RANKS_HERE.pop(self._secret) - 1
-                if left:
-                    _RANKS_HERE[self._secret] = left
         deadline = time.monotonic() + timeout
         why = self.broken
         if why is not None:

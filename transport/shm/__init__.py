@@ -101,14 +101,20 @@ class Layout(NamedTuple):
     their lowest rank, ranks ascending); ``shared``: every host with two or more ranks has a
     proved segment (the same on every rank); ``machines``: the group ranks of each kernel (its
     boot), which share its cores: hosts of one machine (netlab's network namespaces) are one
-    (empty: one per host)."""
+    (empty: one per host); ``processes``: the group ranks of each process (threads of one
+    process as ranks, as in linerate's tests; empty: one per rank)."""
     hosts: tuple
     shared: bool
     machines: tuple = ()
+    processes: tuple = ()
 
     def cores_shared_by(self, rank: int) -> int:
         """How many of the group's ranks run on ``rank``'s machine (itself included)."""
         return next(len(m) for m in (self.machines or self.hosts) if rank in m)
+
+    def threads_of_one_process(self, rank: int) -> bool:
+        """Whether ``rank`` shares its process with other ranks of the group."""
+        return any(rank in p and len(p) > 1 for p in self.processes)
 
     def host_of(self, rank: int) -> int:
         for h, ranks in enumerate(self.hosts):
@@ -677,7 +683,7 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     if size < 2:
         return None, Layout(((rank,),), True)
     base = f"{prefix}shm/{generation}/"
-    me = {"host": host_id(), "mode": mode, "version": version_text()}
+    me = {"host": host_id(), "mode": mode, "version": version_text(), "pid": os.getpid()}
     offer_rec = _loads(offered, 0) if offered else {}
     segment_offered = "name" in offer_rec or "error" in offer_rec
     spec = None
@@ -718,9 +724,10 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     ids = [str(p.get("host")) for p in peers]
     hosts = group_hosts(ids)
     machines = group_hosts([i.split("/", 1)[0] for i in ids])  # (host_id: the boot first)
+    processes = group_hosts([f"{i}/{p.get('pid')}" for i, p in zip(ids, peers)])
     shared = [h for h in hosts if len(h) >= 2]
     if mode == "0" or not shared:
-        return None, Layout(hosts, False, machines)
+        return None, Layout(hosts, False, machines, processes)
     bad: dict[int, str] = {}
     if segment_offered and len(hosts) == 1:
         # Every rank is on rank 0's host and tried the offered segment: their records say how.
@@ -747,8 +754,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
         if rank == 0:
             log.warning("linerate: group of %d ranks uses TCP, not shared memory: %s",
                         size, detail)
-        return None, Layout(hosts, False, machines)
-    layout = Layout(hosts, True, machines)
+        return None, Layout(hosts, False, machines, processes)
+    layout = Layout(hosts, True, machines, processes)
     if buf is None:
         return None, layout  # alone on its host
     if rank == 0 and len(hosts) > 1:
