@@ -776,6 +776,10 @@ def _drive_spins_rank(rank, P, lr):
     return _drive_spins(lr)
 
 
+def _processes_rank(rank, P, lr):
+    return lr._get_backend(torch.device("cpu"))._ctx.layout.processes
+
+
 @pytest.mark.timeout(90)
 def test_a_caller_spins_before_it_sleeps_only_with_a_core_of_its_own(monkeypatch):
     """A caller that reads its own receives over TCP looks without sleeping for SPIN_S first
@@ -787,6 +791,9 @@ def test_a_caller_spins_before_it_sleeps_only_with_a_core_of_its_own(monkeypatch
         assert spins == [0.0], spins
     for spins, cores in run_ranks(_drive_spins_rank, 2, timeout=60, env={"LINERATE_SHM": "0"}):
         assert spins == [SPIN_S if 2 <= cores else 0.0], (spins, cores)
+    # with shared memory (records posted on rank 0's offered segment, where no pid travels)
+    # the rank processes are told apart too
+    assert run_ranks(_processes_rank, 2, timeout=60) == [((0,), (1,))] * 2
 
 
 HD_ENV = {"LINERATE_ALLREDUCE_ALGO": "hd", "LINERATE_PIECE_BYTES": "4096",

@@ -724,7 +724,10 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     ids = [str(p.get("host")) for p in peers]
     hosts = group_hosts(ids)
     machines = group_hosts([i.split("/", 1)[0] for i in ids])  # (host_id: the boot first)
-    processes = group_hosts([f"{i}/{p.get('pid')}" for i, p in zip(ids, peers)])
+    # (a rank whose pid is not known here, one that posted on the offered segment's board,
+    # counts as a process of its own)
+    processes = group_hosts([f"{i}/{p['pid']}" if p.get("pid") is not None else f"rank {r}"
+                             for r, (i, p) in enumerate(zip(ids, peers))])
     shared = [h for h in hosts if len(h) >= 2]
     if mode == "0" or not shared:
         return None, Layout(hosts, False, machines, processes)
@@ -856,9 +859,9 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
             publish()
         raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest])))
     # A rank that posted mapped this segment, of this layout (its magic): its record is this
-    # rank's (host, versions) but for its LINERATE_SHM.
-    return [me if r == rank else {**me, "mode": got[r], "offer": "ok"} if r in got else
-            _loads(raws[r], r) for r in range(size)]
+    # rank's (host, versions) but for its LINERATE_SHM, and its pid is not known here.
+    return [me if r == rank else {**me, "mode": got[r], "offer": "ok", "pid": None} if r in got
+            else _loads(raws[r], r) for r in range(size)]
 
 
 def _gather(store, key: str, ranks) -> list:
