@@ -859,9 +859,10 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
             publish()
         raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest])))
     # A rank that posted mapped this segment, of this layout (its magic): its record is this
-    # rank's (host, versions) but for its LINERATE_SHM, and its pid is not known here.
-    return [me if r == rank else {**me, "mode": got[r], "offer": "ok", "pid": None} if r in got
-            else _loads(raws[r], r) for r in range(size)]
+    # rank's (host, versions) but for its LINERATE_SHM; its pid is not known here.
+    posted = {k: v for k, v in me.items() if k != "pid"}
+    return [me if r == rank else {**posted, "mode": got[r], "offer": "ok"} if r in got else
+            _loads(raws[r], r) for r in range(size)]
 
 
 def _gather(store, key: str, ranks) -> list:
