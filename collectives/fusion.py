@@ -38,8 +38,7 @@ import time
 import numpy as np
 import torch
 
-from .reduce_ops import NP_DTYPES, finish_avg, fold_rows_into, op_name, reduce_into
-from .views import address_view
+from .reduce_ops import NP_DTYPES, finish_avg, fold_rows, op_name, reduce_into
 
 _AGREE = struct.Struct("<qQ")  # count of entries offered, running digest after the last of them
 #: Most entries one fused op takes (bounds the unpacking work per op).
@@ -174,8 +173,7 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
         bufs = [out if r == comm.rank else reqs[r][0] for r in range(comm.size)]
         npdt = NP_DTYPES.get(buf.dtype)
         if npdt is not None:
-            fold_rows_into(address_view(buf.data_ptr(), npdt, n),
-                           [np.frombuffer(b, dtype=npdt, count=n, offset=_AGREE.size)
+            fold_rows(buf, [np.frombuffer(b, dtype=npdt, count=n, offset=_AGREE.size)
                             for b in bufs], head.op, npdt)
         else:  # float16, bfloat16
             flat = buf.view(-1)
