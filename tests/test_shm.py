@@ -344,30 +344,19 @@ def test_overflow_gives_inf_and_nan_as_gloo_without_warnings():
         assert r == [True] * 8 + ["raise"], r
 
 
-def _polling(rank, P, lr, allreduce=None):
-    """The shared-memory engine's polling plan once every rank waited for a late one
-    (transport/shm/engine.py): each rank in turn enters an all_reduce late, in rounds until
-    every rank has its plan (a rank that a loaded host delays longer than the late one finds
-    the ticks there and never waits in that round)."""
-    if allreduce is None:
-        def allreduce(x):
-            dist.all_reduce(x, group=lr)
-    for _ in range(20):
-        for late in range(P):
-            if rank == late:
-                time.sleep(0.2)
-            allreduce(torch.ones(3))
-        known = torch.tensor([float(lr._shm.spin is not None)])
-        allreduce(known)  # the same sum on every rank: every rank stops in the same round
-        if known.item() == P:
-            break
+def _polling(rank, P, lr):
+    """The shared-memory engine's polling plan (transport/shm/engine.py), and an all_reduce
+    through it."""
+    x = torch.ones(3)
+    lr.allreduce([x]).wait()
+    assert x.tolist() == [float(P)] * 3
     return lr._shm.spin, lr._shm.yield_s
 
 
 def test_the_layout_counts_the_ranks_that_share_a_machines_cores():
     """Hosts of one kernel (netlab's network namespaces: another host id, the same boot) are
     one machine: its ranks share its cores, whatever host each is (what a waiting rank's
-    spin is decided on: transport/shm/sync.py spin_seconds); ranks of one host with one pid
+    spin is decided on: transport/shm/sync.py spin_for); ranks of one host with one pid
     are threads of one process (which never spin)."""
     import datetime
     from linerate.transport import rendezvous, shm
@@ -381,7 +370,8 @@ def test_the_layout_counts_the_ranks_that_share_a_machines_cores():
                3: (f"{boot}/{rest}", me), 4: (f"{boot}/{rest}", me + 1)}
     for r, (host, pid) in records.items():
         store.set(f"{rv.prefix}shm/{rv.generation}/host/{r}",
-                  json.dumps({"host": host, "mode": "0", "version": version, "pid": pid}))
+                  json.dumps({"host": host, "mode": "0", "version": version,
+                              "pid": [pid, shm.pidns()]}))
     seg, layout = shm.establish(rv, 0, 5, b"s" * 32, "0", rv.prefix, rv.generation)
     assert seg is None and layout.hosts == ((0, 3, 4), (1,), (2,))
     assert layout.machines == ((0, 1, 3, 4), (2,))
@@ -401,9 +391,7 @@ def test_thread_ranks_sleep_at_once_and_processes_poll_first():
     from linerate.transport.shm import engine
     from linerate.transport.shm.sync import SPIN_S, usable_cores
 
-    def threads(pg, r):
-        return _polling(r, 2, pg, lambda x: pg.allreduce([x]).wait())
-    assert run_threads(threads, 2) == [(0.0, 0.0)] * 2
+    assert run_threads(lambda pg, r: _polling(r, 2, pg), 2) == [(0.0, 0.0)] * 2
     spin = SPIN_S if 2 <= usable_cores() else 0.0
     assert run_ranks(_polling, 2, timeout=45) == [(spin, engine.YIELD_S)] * 2
 
@@ -1023,8 +1011,10 @@ def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segmen
         store.set("t/host/2", json.dumps({"host": "elsewhere", "mode": "auto"}))
         rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "t/")
         me = {"host": shm.host_id(), "mode": "auto", "offer": "ok"}
+        # (rank 0's record: this rank's but for its process, which it posted: this one here)
+        posted = {**me, "pid": [os.getpid(), shm.pidns()]}
         peers = shm._records_of_mappers(rv, "t/", 1, 3, me, mine)
-        assert peers == [me, me, {"host": "elsewhere", "mode": "auto"}], peers
+        assert peers == [posted, me, {"host": "elsewhere", "mode": "auto"}], peers
         assert json.loads(store.get("t/host/1")) == me  # for the ranks that cannot read the board
         # Every rank posted: the records come from the board alone, none goes to the store.
         store = dist.HashStore()
@@ -1032,8 +1022,7 @@ def test_setup_board_carries_the_records_of_ranks_that_mapped_the_offered_segmen
         board.post(0, "auto")
         board.post(1, "auto")
         rv = rendezvous.Rendezvous(store, 1, time.monotonic() + 30, 30.0, "u/")
-        assert shm._records_of_mappers(rv, "u/", 1, 2, me, board) == [
-            {"host": me["host"], "mode": "auto", "offer": "ok"}, me]
+        assert shm._records_of_mappers(rv, "u/", 1, 2, me, board) == [posted, me]
         assert not store.check(["u/host/1"]), "a record no rank reads went to the store"
         # A rank that neither posts nor publishes is named at the deadline.
         rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 0.3, 0.3, "t/")

@@ -87,7 +87,8 @@ def test_the_last_rank_to_post_on_the_offered_segment_unlinks_it():
         me = {"host": shm.host_id(), "mode": "auto", "offer": "ok"}
         rv = rendezvous.Rendezvous(dist.HashStore(), 1, time.monotonic() + 30, 30.0, "o/")
         peers = shm._records_of_mappers(rv, "o/", 1, 2, me, shm.SetupBoard(buf, 2), name)
-        assert peers == [me, me] and not os.path.exists(path)
+        assert peers == [{**me, "pid": [os.getpid(), shm.pidns()]}, me]
+        assert not os.path.exists(path)
     finally:
         shm._unlink(path)
 

@@ -45,7 +45,7 @@ from .matching import Matcher, Mismatch, Staged as _Staged
 from .options import TransportOptions, sockets_per_rail
 from .failure import Failures, error_payload, wrap
 from .request import MismatchError, PeerFailure, Request, TransportError
-from .shm.sync import spin_seconds
+from .shm.sync import spin_for
 from .tcp import LINK_TIMEOUT_DEFAULT, tune as _tune  # noqa: F401 - re-exported
 
 log = logging.getLogger("linerate.transport")
@@ -139,7 +139,7 @@ class Context(LinkSink):
         self.layout = shm.Layout((tuple(range(size)),), False)
         #: LINERATE_TLS: the group's TLS contexts (transport/tls.py), or None (plain TCP).
         self._tls: tls.TlsConfig | None = None
-        #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_seconds of the
+        #: Seconds a caller's ``drive`` polls before it sleeps (shm.sync.spin_for of the
         #: ranks on this machine; 0 for ranks that are threads of one process, as in the test
         #: suite: a polling thread holds the interpreter lock the thread it waits for needs).
         self._spin = 0.0
@@ -244,9 +244,7 @@ class Context(LinkSink):
         self.shm, self.layout = shm.establish(rv, self.rank, self.size, self._secret, opts.shm,
                                               self._prefix, rv.generation, rv.offered, offer)
         setup.seg, setup.layout = self.shm, self.layout
-        lay = self.layout
-        self._spin = (0.0 if lay.threads_of_one_process(self.rank)
-                      else spin_seconds(lay.cores_shared_by(self.rank)))
+        self._spin = spin_for(self.layout, self.rank) or 0.0
         return setup
 
     @property

@@ -269,15 +269,22 @@ class SetupBoard:
         raw = buf.numpy()
         self._word = raw[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
         self._slots = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[2::16]
+        # the ranks' pid slots (the segment's one record of its ranks' processes: Segment.pids)
+        self._pids = np.ndarray((size, 2), dtype=np.int64, buffer=raw,
+                                offset=_BELL_OFF + _PID_IN_LINE, strides=(64, 8))
         self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
         self._lib = futex_lib() if SYS_FUTEX is not None else None
         self._got: dict[int, str] = {}   # posted(), as last read
 
     def post(self, rank: int, mode: str) -> bool:
-        """This rank mapped the segment (with LINERATE_SHM ``mode``): say so, and wake the
-        waiting ranks (the futex add is a full barrier: the post is seen before the ring).
-        Returns whether every rank of the segment has posted, as seen after the ring: the
-        last of them to post sees every post (each one's store comes before its barrier)."""
+        """This rank mapped the segment (with LINERATE_SHM ``mode``): say so, with its process
+        (its pid slot, written before the post), and wake the waiting ranks (the futex add is
+        a full barrier: the post is seen before the ring). Returns whether every rank of the
+        segment has posted, as seen after the ring: the last of them to post sees every post
+        (each one's store comes before its barrier)."""
+        self._pids[rank] = (os.getpid(), pidns())
+        if WEAK_ORDER:  # the pid before the post that announces it (the futex add: a barrier)
+            self.ring()
         self._slots[rank] = self._MODES.get(mode, 3)
         self.ring()
         return self.all_posted()
@@ -295,6 +302,10 @@ class SetupBoard:
             self._got = {int(r): names.get(int(self._slots[r]), "?")
                          for r in np.flatnonzero(self._slots)}
         return self._got
+
+    def process(self, rank: int) -> list:
+        """A posted rank's process: [pid, pid namespace] (its host record's ``pid``)."""
+        return [int(x) for x in self._pids[rank]]
 
     def value(self) -> int:
         return int(self._word[0])
@@ -683,7 +694,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     if size < 2:
         return None, Layout(((rank,),), True)
     base = f"{prefix}shm/{generation}/"
-    me = {"host": host_id(), "mode": mode, "version": version_text(), "pid": os.getpid()}
+    me = {"host": host_id(), "mode": mode, "version": version_text(),
+          "pid": [os.getpid(), pidns()]}
     offer_rec = _loads(offered, 0) if offered else {}
     segment_offered = "name" in offer_rec or "error" in offer_rec
     spec = None
@@ -724,8 +736,8 @@ def establish(store, rank: int, size: int, secret: bytes, mode: str, prefix: str
     ids = [str(p.get("host")) for p in peers]
     hosts = group_hosts(ids)
     machines = group_hosts([i.split("/", 1)[0] for i in ids])  # (host_id: the boot first)
-    # (a rank whose pid is not known here, one that posted on the offered segment's board,
-    # counts as a process of its own)
+    # (a record without a pid, which no rank of this version writes, counts as a process of
+    # its own)
     processes = group_hosts([f"{i}/{p['pid']}" if p.get("pid") is not None else f"rank {r}"
                              for r, (i, p) in enumerate(zip(ids, peers))])
     shared = [h for h in hosts if len(h) >= 2]
@@ -859,9 +871,9 @@ def _records_of_mappers(store, base: str, rank: int, size: int, me: dict,
             publish()
         raws = dict(zip(rest, multi_get(store, [keys[r] for r in rest])))
     # A rank that posted mapped this segment, of this layout (its magic): its record is this
-    # rank's (host, versions) but for its LINERATE_SHM; its pid is not known here.
-    posted = {k: v for k, v in me.items() if k != "pid"}
-    return [me if r == rank else {**posted, "mode": got[r], "offer": "ok"} if r in got else
+    # rank's (host, versions) but for its LINERATE_SHM and its process.
+    return [me if r == rank else
+            {**me, "mode": got[r], "offer": "ok", "pid": board.process(r)} if r in got else
             _loads(raws[r], r) for r in range(size)]
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..request import MismatchError, TransportError
 from . import BYTES_PER_RANK
-from .sync import WEAK_ORDER, spin_seconds
+from .sync import WEAK_ORDER, spin_for
 
 
 class OpTimeout(TransportError):
@@ -57,8 +57,8 @@ CMA_PTR, CMA_ADDR, CMA_NONCE, CMA_OK, CMA_TIMES = 56, 57, 58, 59, 60
 #: Seconds a waiting rank sleeps at most before it looks at the transport's state again.
 POLL_S = 0.005
 # A waiting rank polls the counters before it sleeps on its bell for sync.SPIN_S where the
-# group's ranks on its machine have a core each (sync.spin_seconds); where they outnumber
-# cores it does not spin: YIELD_S.
+# group's ranks on its machine have a core each (sync.spin_for); where they outnumber cores
+# it does not spin: YIELD_S.
 #: Seconds a waiting rank polls where ranks outnumber cores, giving its core up between looks
 #: (sched_yield: a rank it waits for, runnable on the same core, runs at once), before it
 #: sleeps: sleeping at once there costs a futex wake-up per wait on each side
@@ -126,11 +126,15 @@ class Engine:
         self.rw = self.r * self.W  # this rank's row in cw
         self.prog = seg.ctrl[:, PROG]
         self.want = seg.ctrl[:, WANT]
-        # More ranks than cores (the affinity, bounded by a cgroup's CPU quota): a spinning
-        # rank takes the core a rank it waits for needs (it yields instead: wait()). Known
-        # once every rank's process is (_polling).
-        self.spin: float | None = None
-        self.yield_s = YIELD_S
+        # How a waiting rank polls before it sleeps (sync.spin_for): ``spin`` seconds on its
+        # core where the group's ranks on its machine have a core each; where they outnumber
+        # cores, ``yield_s`` seconds giving the core up (a spinning rank would take the core a
+        # rank it waits for needs); ranks that are threads of one process (the test suite's)
+        # do neither: the rank a waiter waits for needs the interpreter lock that polling
+        # holds, and the futex sleep lets it go.
+        spin = spin_for(seg.layout, self.me)
+        self.spin = spin or 0.0
+        self.yield_s = 0.0 if spin is None else YIELD_S
         self.tick = 0
         self.base = 0
         nareas = 2 * P + 2
@@ -151,10 +155,6 @@ class Engine:
         self._comm = None
         self._checked = True
         self._desc_key = None  # (op, call text) written in this rank's row
-        # Liveness without TCP: with lazy connections co-located ranks may never open one
-        # (whose reset would tell a waiter that a peer died); a waiter checks the pids that
-        # the segment records (Segment.pids).
-        self.pidns = self.seg.pidns
         #: Cross-memory attach between these ranks, agreed by all: None until the first large
         #: all_reduce asks every rank; then "off", "on" (every rank has LINERATE_CMA=1: always)
         #: or "tuned" (auto: the path that measured faster, _cma_choice).
@@ -330,8 +330,6 @@ class Engine:
             base, ticks = self.base, prog.tolist()
             first = [q for q in (who or range(self.P)) if ticks[q] <= base and q != self.r]
         spin = self.spin
-        if spin is None:
-            spin = self._polling()
         if spin:
             clock = time.perf_counter
             until = clock() + spin
@@ -388,26 +386,6 @@ class Engine:
                 self._settle(t, who, ctrl)
         if WEAK_ORDER:
             seg.fence()
-
-    def _polling(self) -> float:
-        """How a waiting rank polls before it sleeps: ``spin`` seconds on its core where the
-        ranks have a core each, else ``yield_s`` seconds giving the core up (returns the spin).
-        Ranks that are threads of one process (the test suite's) do neither: the rank a
-        waiter waits for needs the interpreter's lock that polling holds, and the futex sleep
-        lets it go. Kept once every rank's process is known (the segment records each rank's
-        pid as it joins)."""
-        me = (os.getpid(), self.pidns)  # a pid is a process's in one pid namespace
-        pids = [tuple(int(x) for x in self.seg.pids[q]) for q in range(self.P)]
-        if all(p == me for p in pids):
-            spin, self.yield_s = 0.0, 0.0
-        else:
-            # (the group's ranks on this machine: those of other hosts of its kernel, such as
-            # netlab's namespaces, take its cores too)
-            here = self.seg.layout.cores_shared_by(self.gr[self.r])
-            spin, self.yield_s = spin_seconds(here), YIELD_S
-        if all(p[0] for p in pids):
-            self.spin = spin
-        return spin
 
     def _arrived(self, first: list, arr: dict) -> None:
         """Note the time for the peers in ``first`` that published in this op meanwhile."""

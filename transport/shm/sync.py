@@ -134,6 +134,17 @@ def spin_seconds(ranks_here: int) -> float:
     return SPIN_S if ranks_here <= usable_cores() else 0.0
 
 
+def spin_for(layout, rank: int) -> float | None:
+    """How long group rank ``rank`` of ``layout`` (transport/shm's Layout) polls a peer's
+    progress before it sleeps: ``spin_seconds`` of the group's ranks on its machine, or None
+    where other ranks of the group are threads of its process (polling would hold the
+    interpreter lock the awaited rank needs: such a rank sleeps at once). The one rule for
+    the shared segment's waiters and the TCP links' callers."""
+    if layout.threads_of_one_process(rank):
+        return None
+    return spin_seconds(layout.cores_shared_by(rank))
+
+
 @functools.lru_cache(maxsize=4)
 def usable_cores(proc_cgroup: str = "/proc/self/cgroup",
                  cgroup_root: str = "/sys/fs/cgroup") -> int:
