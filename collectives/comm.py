@@ -176,14 +176,6 @@ class Comm:
         if seq > ctx.progress:
             ctx.progress = seq
 
-    @property
-    def driving(self) -> bool:
-        """Whether the op reads its receives itself now: ``drive``, except where the group
-        watches for slow ranks (``arrivals``) and messages of several peers may wait at once
-        (the links' threads time each as it comes; a caller reads one link at a time, and
-        would time a message that waited for it late)."""
-        return self.drive and (self.arrivals is None or self.size <= 2)
-
     def renew(self, op: str, seq: int, timeout: float) -> None:
         """This Comm for the group's next op ``seq``, as a new one would start it: a group's
         lone small calls reuse one Comm (backend: _run_lone) instead of making one each."""
@@ -268,7 +260,7 @@ class Comm:
 
     def irecv(self, peer: int, t: torch.Tensor, slot: int) -> Request:
         return self.ctx.irecv(peer, byte_view(t), CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call, self.driving)
+                              self._req_desc, slot, self.call, self.drive)
 
     def isend_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         """``isend`` of a byte buffer of this rank's own (no tensor to view)."""
@@ -277,16 +269,16 @@ class Comm:
 
     def irecv_bytes(self, peer: int, view: memoryview, slot: int) -> Request:
         return self.ctx.irecv(peer, view, CHANNEL_COLLECTIVE, self.seq, self.opcode,
-                              self._req_desc, slot, self.call, self.driving)
+                              self._req_desc, slot, self.call, self.drive)
 
     def wait(self, req: Request) -> None:
-        if self.driving and not req.is_send and not req.is_completed():
+        if self.drive and not req.is_send and not req.is_completed():
             self.ctx.drive(req, self.deadline)
         left = self.deadline - time.monotonic()
         try:
             req.wait(max(left, 0.0))
         except TimeoutError:
-            if self.driving:  # the links' own threads read what the diagnosis needs
+            if self.drive:  # the links' own threads read what the diagnosis needs
                 self.ctx.reclaim_links()
             # A peer whose host or link is down acknowledges nothing: name it, since the rank
             # this one waits for may itself be stuck waiting for it. Looked at before the

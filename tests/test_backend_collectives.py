@@ -756,9 +756,9 @@ def _drive_spins(pg, rank=None):
     seen = []
     real = ThreadedStreamLink.drive
 
-    def drive(self, req, until, spin=0.0):
+    def drive(self, req, until, spin=0.0, also=()):
         seen.append(spin)
-        return real(self, req, until, spin)
+        return real(self, req, until, spin, also)
 
     bo, ao = dist.BarrierOptions(), dist.AllreduceOptions()
     bo.asyncOp = ao.asyncOp = False  # (as torch's dist.barrier and dist.all_reduce pass them)
@@ -791,8 +791,8 @@ def test_a_caller_spins_before_it_sleeps_only_with_a_core_of_its_own(monkeypatch
         assert spins == [0.0], spins
     for spins, cores in run_ranks(_drive_spins_rank, 2, timeout=60, env={"LINERATE_SHM": "0"}):
         assert spins == [SPIN_S if 2 <= cores else 0.0], (spins, cores)
-    # with shared memory (records posted on rank 0's offered segment, where no pid travels)
-    # the rank processes are told apart too
+    # with shared memory (records posted on rank 0's offered segment, each rank's process
+    # in its pid slot) the rank processes are told apart too
     assert run_ranks(_processes_rank, 2, timeout=60) == [((0,), (1,))] * 2
 
 

@@ -532,6 +532,62 @@ def test_drive(kind, request):
             link.close(time.monotonic() + 2)
 
 
+def test_drive_reads_the_other_awaited_links_in_the_same_loop(kind, request):
+    """Link.drive's ``also``: a caller that waits for one peer's small message reads the
+    other links it awaits (of its kind, where they can be lent) in the same loop, each
+    message as it comes, not once its own has come (a group that times each peer's arrival
+    would time the early one late); a kind that cannot be driven returns at once and its
+    threads read everything."""
+    pki = request.getfixturevalue("pki") if kind == "tls" else None
+    (a1, b1), (_, s1) = _pair(kind, pki)
+    (a2, b2), (_, s2) = _pair(kind, pki)
+    me = threading.current_thread().name
+    lendable = kind in ("threads", "mixed")
+    at: dict = {}
+
+    def stamped(sink, n):
+        filled = sink.filled
+
+        def f(link, key, *rest):
+            filled(link, key, *rest)
+            at.setdefault(n, time.monotonic())
+        return f
+    s1.filled, s2.filled = stamped(s1, 1), stamped(s2, 2)
+    try:
+        for link in (b1, b2):
+            link.LEND_IDLE_S = 30.0  # (no reclaim by idleness in this test)
+        key = (CHANNEL_P2P, 3, 0)
+        b2.drive(_Arrived(s2, (CHANNEL_P2P, 2, 0)), time.monotonic() + 0.05)  # b2 parked
+        _send(a2, bytearray(b"early"), tag=3)
+        threading.Timer(1.0, _send, (a1, bytearray(b"late")), {"tag": 3}).start()
+        t0 = time.monotonic()
+        b1.drive(_Arrived(s1, key), t0 + 30, 0.0, also=[b2])
+        s1.wait(lambda: key in s1.done)
+        s2.wait(lambda: key in s2.done)
+        assert bytes(s1.bufs[key]) == b"late" and bytes(s2.bufs[key]) == b"early"
+        assert at[2] - t0 < 0.9 and at[1] - t0 >= 0.95, (at[1] - t0, at[2] - t0)
+        if lendable:
+            assert s1.readers[key] == me and s2.readers[key] == me
+            assert b1.lent and b2.lent
+        else:
+            assert s2.readers[key] != me
+        # a large message on a link read beside: the caller reads it frame by frame until its
+        # own message is there; the link's receivers read the rest once reclaimed
+        big = os.urandom(3 * CHUNK + 7)
+        _send(a2, bytearray(big), tag=4)
+        threading.Timer(0.05, _send, (a1, bytearray(b"small")), {"tag": 4}).start()
+        b1.drive(_Arrived(s1, (CHANNEL_P2P, 4, 0)), time.monotonic() + 30, 0.0, also=[b2])
+        s1.wait(lambda: (CHANNEL_P2P, 4, 0) in s1.done)
+        b2.reclaim()
+        s2.wait(lambda: (CHANNEL_P2P, 4, 0) in s2.done)
+        assert bytes(s2.bufs[(CHANNEL_P2P, 4, 0)]) == big
+    finally:
+        for link in (a1, b1, a2, b2):
+            link.begin_close()
+        for link in (a1, b1, a2, b2):
+            link.close(time.monotonic() + 2)
+
+
 def test_link_flush_control(kind, request):
     """flush_control: True once the control frames queued so far have reached the peer's side;
     while the peer reads nothing (its buffers full, a large message ahead) False by its

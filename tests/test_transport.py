@@ -387,6 +387,76 @@ def test_driven_receive_of_a_frame_half_there():
         fake.close()
 
 
+@pytest.mark.timeout(90)
+def test_a_driven_receive_reads_the_other_awaited_peers_as_they_come():
+    """Where arrivals are recorded (a group that times each peer: collectives/straggler.py),
+    a caller that drives its receive from one peer reads the same op's small receives from
+    the others in the same loop: a peer whose message came first is timed when it came, not
+    when the caller got to it, even with that link's receivers parked by an earlier drive
+    (Context.drive, Link.drive's ``also``). A receive of another op is left to its link."""
+    with mesh(3) as (c0, c1, c2):
+        call = 0x5EED
+
+        def exchange(tag, delays=None):  # {rank: seconds before it sends}
+            outs = {q: bytearray(100) for q in (1, 2)}
+            reqs = {q: c0.irecv(q, memoryview(outs[q]), CHANNEL_COLLECTIVE, tag, opcode=1,
+                                slot=0, call=call, driven=True) for q in (1, 2)}
+            for q, c in ((1, c1), (2, c2)):
+                data = bytearray([q]) * 100
+                if (delays or {}).get(q):
+                    threading.Timer(delays[q], c.isend, (0, memoryview(data),
+                                                         CHANNEL_COLLECTIVE, tag, 1, "", 0,
+                                                         call)).start()
+                else:
+                    c.isend(0, memoryview(data), CHANNEL_COLLECTIVE, tag, 1, "", 0, call)
+            return outs, reqs
+
+        for r in exchange(1)[1].values():  # the links up
+            r.wait(30)
+        assert _wait_until(lambda: all(c0.peers[q].link is not None for q in (1, 2)), 30)
+        outs, reqs = exchange(2)
+        for q in (1, 2):  # each read by a caller: their receivers parked
+            c0.peers[q].link.LEND_IDLE_S = 60.0  # (this instance's: they stay parked)
+            c0.drive(reqs[q], time.monotonic() + 30)
+            reqs[q].wait(30)
+        assert c0.peers[1].link.lent and c0.peers[2].link.lent
+        c0.record_arrivals()
+        c0.begin_call(3, call, "all_reduce #3")
+        t0 = time.perf_counter()
+        outs, reqs = exchange(3, {1: 1.0})
+        c0.drive(reqs[1], time.monotonic() + 30)
+        assert reqs[1].is_completed() and reqs[2].is_completed()
+        arrived = c0.end_call(3)
+        assert arrived[2] - t0 < 0.9 and arrived[1] - t0 >= 0.95, \
+            {q: t - t0 for q, t in arrived.items()}
+        assert bytes(outs[1]) == bytes([1]) * 100 and bytes(outs[2]) == bytes([2]) * 100
+        # another op's receive from rank 2 (a point-to-point one) is its link's to read
+        p2p = bytearray(5)
+        other = c0.irecv(2, memoryview(p2p), CHANNEL_P2P, 9)
+        outs, reqs = exchange(4, {1: 0.2})
+        c2.isend(0, memoryview(bytearray(b"hello")), CHANNEL_P2P, 9)
+        c0.drive(reqs[1], time.monotonic() + 30)
+        for r in (*reqs.values(), other):
+            r.wait(30)
+        assert bytes(p2p) == b"hello"
+        # more peers awaited than a caller reads at once (DRIVE_PEERS): it reads none (it
+        # returns before rank 1's message comes), and the links it read before are their
+        # threads' again
+        c0.drive(exchange(5)[1][1], time.monotonic() + 30)  # (both links lent again)
+        c0.DRIVE_PEERS = 0
+        c0.begin_call(6, call, "all_reduce #6")
+        t0 = time.perf_counter()
+        outs, reqs = exchange(6, {1: 1.5, 2: 0.5})
+        c0.drive(reqs[1], time.monotonic() + 30)
+        assert not reqs[1].is_completed()
+        assert not c0.peers[1].link.lent and not c0.peers[2].link.lent
+        for r in reqs.values():
+            r.wait(30)
+        arrived = c0.end_call(6)
+        assert 0.45 <= arrived[2] - t0 < 1.4 and arrived[1] - t0 >= 1.45, \
+            {q: t - t0 for q, t in arrived.items()}
+
+
 @pytest.mark.timeout(60)
 def test_close_fails_posted_receive():
     fake = FakePeer()

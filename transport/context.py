@@ -419,17 +419,54 @@ class Context(LinkSink):
         caller then waits on ``req`` as for any (it may be finished already). It looks
         without sleeping first where the group's ranks on this machine (every host of its
         kernel) have a core each and are processes of their own (``_spin``)."""
-        if req.peer is not None:
-            link = self.peers[req.peer].link
-            if link is not None:
-                link.drive(req, until, self._spin)
-                # Receives still posted for the peer (point-to-point, an async op's, or this
-                # one, timed out): the link's threads read for them.
-                if link.lent:
-                    with self.lock:
-                        waiting = self.matcher.waiting(req.peer)
-                    if waiting:
-                        link.reclaim()
+        if req.peer is None:
+            return
+        link = self.peers[req.peer].link
+        if link is None:
+            return
+        also = ()
+        if self.matcher.arrivals is not None:
+            # A group that times each peer's arrival: the op's receives from other peers that
+            # nothing has arrived for yet are read in the same loop, each message as it comes
+            # (a caller reading one link at a time would time a message that waited for its
+            # turn late). Where more peers than DRIVE_PEERS are awaited, the links' threads read
+            # them all.
+            with self.lock:
+                also = self._awaited_too(req)
+            if also is None:  # (and the links a caller read before: their threads read now)
+                self.reclaim_links()
+                return
+        link.drive(req, until, self._spin, also)
+        # Receives still posted for the peer (point-to-point, an async op's, or this
+        # one, timed out): the link's threads read for them.
+        if link.lent:
+            with self.lock:
+                waiting = self.matcher.waiting(req.peer)
+            if waiting:
+                link.reclaim()
+
+    #: At most this many other peers' receives are read in one caller's loop (``drive``).
+    DRIVE_PEERS = 8
+
+    def _awaited_too(self, req: Request) -> list | None:
+        """(lock held) The links of the peers, other than ``req``'s, whose posted receives
+        (nothing of them arrived yet) are all of ``req``'s op and small (a caller may read
+        them: Link.drive's ``also``); None where more than DRIVE_PEERS are."""
+        links: list = []
+        limit = getattr(self.peers[req.peer].link, "DIRECT_BYTES", 0)  # (0: not lendable)
+        if not limit:
+            return links
+        for r, pm in self.matcher.peers.items():
+            if r == req.peer or not pm.posted:
+                continue
+            if all(q.channel == req.channel and q.tag == req.tag and q.total <= limit
+                   for q in pm.posted.values()):
+                link = self.peers[r].link
+                if link is not None:
+                    if len(links) == self.DRIVE_PEERS:
+                        return None
+                    links.append(link)
+        return links
 
     def reclaim_links(self, peer: int | None = None) -> None:
         """The link to ``peer`` (None: every link) reads with its own threads again, where a

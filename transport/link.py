@@ -109,6 +109,7 @@ Every kind speaks the frames of transport/framing.py through its codec (``SendQu
 from __future__ import annotations
 
 import abc
+import contextlib
 import fcntl
 import logging
 import select
@@ -202,14 +203,16 @@ class Link(abc.ABC):
     #: Whether a caller's ``drive`` holds the link's reading (its receivers wait).
     lent: bool = False
 
-    def drive(self, req: Request, until: float, spin: float = 0.0) -> None:
+    def drive(self, req: Request, until: float, spin: float = 0.0, also=()) -> None:
         """Read this link in the calling thread until ``req`` (a receive from the peer) is
         finished, or until the monotonic time ``until``, where the link allows it (no
         hand-off from a receiver thread); whatever else arrives meanwhile is delivered as
         the link's threads would. ``spin``: seconds it looks without sleeping before it
-        waits for bytes asleep (the caller's rank has a core of its own). Returns at once
-        where it does not: the caller then waits on ``req`` as usual. By default it does
-        not."""
+        waits for bytes asleep (the caller's rank has a core of its own). ``also``: links to
+        other peers whose small messages the caller awaits too; those of this link's kind
+        that allow it are read in the same loop, each message as it comes (a group that
+        times each peer's arrival: collectives/straggler.py). Returns at once where it does
+        not: the caller then waits on ``req`` as usual. By default it does not."""
 
     def reclaim(self) -> None:
         """Another thread waits for what this link receives: its own readers read again
@@ -658,7 +661,7 @@ class ThreadedStreamLink(StreamLink):
                 self._send_failed(st, e)
 
     # ------------------------------------------------------------------ a caller's reading
-    def drive(self, req: Request, until: float, spin: float = 0.0) -> None:
+    def drive(self, req: Request, until: float, spin: float = 0.0, also=()) -> None:
         """Read the streams in the calling thread until ``req`` is finished or the monotonic
         time ``until`` (a link of plain blocking sockets, a message of at most DIRECT_BYTES,
         one caller at a time; else nothing, the receivers reading again): the receivers wait
@@ -666,19 +669,25 @@ class ThreadedStreamLink(StreamLink):
         or ``reclaim``. Whoever reads a stream holds its ``rlock`` and reads whole frames
         (``_read``); a stream's receiver that reads when a caller begins ends its frame
         first. For ``spin`` seconds it polls without sleeping (a reply that comes soon is
-        read without a wake-up), then asleep in slices."""
-        poller = self._poller
-        if poller is None:
+        read without a wake-up), then asleep in slices. The links of ``also`` that can be
+        lent the same way are read in the same poll."""
+        if self._poller is None or not self._lend(req.total):
             return
-        with self._lock:
-            if self._down is not None or self._closing or self._drivers:
-                return
-            if req.total > self.DIRECT_BYTES:  # the receivers read it, several streams at once
-                self._unlend()
-                return
-            self._drivers += 1
-            self.lent = True
-        by_fd = self._by_fd
+        links = [self]
+        for link in also:
+            if isinstance(link, ThreadedStreamLink) and link is not self \
+                    and link._poller is not None and link._lend(0):
+                links.append(link)
+        alone = len(links) == 1
+        if alone:
+            poller, by_fd = self._poller, self._by_fd  # fd -> stream
+        else:  # one poll of every lent link's streams that have not ended: fd -> (link, stream)
+            poller, by_fd = select.poll(), {}
+            for link in links:
+                for fd, st in link._by_fd.items():
+                    if not st.reader.done:
+                        poller.register(fd, select.POLLIN)
+                        by_fd[fd] = (link, st)
         clock = time.monotonic
         awake = clock() + spin
         try:
@@ -689,18 +698,40 @@ class ThreadedStreamLink(StreamLink):
                     return
                 # (asleep in slices: a failure elsewhere may finish req without a byte here)
                 for fd, _ in poller.poll(0 if now < awake else min(left, 0.05) * 1000.0):
-                    st = by_fd[fd]
+                    link, st = (self, by_fd[fd]) if alone else by_fd[fd]
                     if not st.rlock.acquire(True, max(0.0, until - time.monotonic())):
                         return
                     try:
-                        if self._read(st, until) < 0:
-                            poller.unregister(fd)  # (ended: it would poll readable at once)
+                        if link._read(st, until) < 0:
+                            # (ended: it would poll readable at once)
+                            for p in {poller, link._poller}:
+                                with contextlib.suppress(KeyError):
+                                    p.unregister(fd)
                     finally:
                         st.rlock.release()
         finally:
-            with self._lock:
-                self._drivers -= 1
-                self._driven_at = time.monotonic()
+            for link in links:
+                link._release()
+
+    def _lend(self, nbytes: int) -> bool:
+        """A caller begins to read the streams for a message of ``nbytes`` (see ``drive``):
+        whether it may (the link is up, no other caller reads it, the message is small)."""
+        with self._lock:
+            if self._down is not None or self._closing or self._drivers:
+                return False
+            if nbytes > self.DIRECT_BYTES:  # the receivers read it, several streams at once
+                self._unlend()
+                return False
+            self._drivers += 1
+            self.lent = True
+        return True
+
+    def _release(self) -> None:
+        """The caller that lent the link stopped reading it (the receivers stay parked until
+        LEND_IDLE_S passes or ``reclaim``)."""
+        with self._lock:
+            self._drivers -= 1
+            self._driven_at = time.monotonic()
 
     def reclaim(self) -> None:
         with self._lock:

@@ -67,7 +67,6 @@ from .sync import (FENCE_LOCK, SYS_FUTEX, WEAK_ORDER, PidWatch, futex_add_wake, 
 
 log = logging.getLogger("linerate.transport")
 
-MODES = ("auto", "0", "1")
 SHM_DIR = "/dev/shm"
 #: Data bytes per rank of the group (the collectives pipeline through it in chunks).
 BYTES_PER_RANK = 4 << 20
