@@ -455,6 +455,29 @@ def test_a_driven_receive_reads_the_other_awaited_peers_as_they_come():
         arrived = c0.end_call(6)
         assert 0.45 <= arrived[2] - t0 < 1.4 and arrived[1] - t0 >= 1.45, \
             {q: t - t0 for q, t in arrived.items()}
+        # a large receive awaited from a peer whose link a caller lent before: that link's
+        # threads read it (in parallel, timed as it comes) while the caller reads its own
+        c0.DRIVE_PEERS = 8
+        for q in (1, 2):  # (both links lent again)
+            c0.drive(exchange(7 + q)[1][q], time.monotonic() + 30)
+        assert c0.peers[1].link.lent and c0.peers[2].link.lent
+        c0.begin_call(10, call, "all_reduce #10")
+        big = os.urandom(100 << 10)
+        small, large = bytearray(100), bytearray(len(big))
+        r1 = c0.irecv(1, memoryview(small), CHANNEL_COLLECTIVE, 10, opcode=1, slot=0, call=call,
+                      driven=True)
+        r2 = c0.irecv(2, memoryview(large), CHANNEL_COLLECTIVE, 10, opcode=1, slot=0, call=call,
+                      driven=True)
+        t0 = time.perf_counter()
+        c2.isend(0, memoryview(bytearray(big)), CHANNEL_COLLECTIVE, 10, 1, "", 0, call)
+        threading.Timer(1.0, c1.isend, (0, memoryview(bytearray(100)), CHANNEL_COLLECTIVE, 10,
+                                        1, "", 0, call)).start()
+        c0.drive(r1, time.monotonic() + 30)
+        r2.wait(30)
+        arrived = c0.end_call(10)
+        assert arrived[2] - t0 < 0.9 and arrived[1] - t0 >= 0.95, \
+            {q: t - t0 for q, t in arrived.items()}
+        assert bytes(large) == big and not c0.peers[2].link.lent
 
 
 @pytest.mark.timeout(60)

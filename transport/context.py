@@ -432,10 +432,12 @@ class Context(LinkSink):
             # turn late). Where more peers than DRIVE_PEERS are awaited, the links' threads read
             # them all.
             with self.lock:
-                also = self._awaited_too(req)
+                also, others = self._awaited_too(req)
             if also is None:  # (and the links a caller read before: their threads read now)
                 self.reclaim_links()
                 return
+            for other in others:  # awaited peers it will not read: their threads read now
+                other.reclaim()
         link.drive(req, until, self._spin, also)
         # Receives still posted for the peer (point-to-point, an async op's, or this
         # one, timed out): the link's threads read for them.
@@ -448,25 +450,28 @@ class Context(LinkSink):
     #: At most this many other peers' receives are read in one caller's loop (``drive``).
     DRIVE_PEERS = 8
 
-    def _awaited_too(self, req: Request) -> list | None:
+    def _awaited_too(self, req: Request) -> tuple:
         """(lock held) The links of the peers, other than ``req``'s, whose posted receives
         (nothing of them arrived yet) are all of ``req``'s op and small (a caller may read
-        them: Link.drive's ``also``); None where more than DRIVE_PEERS are."""
+        them: Link.drive's ``also``; None where more than DRIVE_PEERS are), and the links
+        that a caller lent before to the other peers awaited (their threads read them)."""
         links: list = []
+        others: list = []
         limit = getattr(self.peers[req.peer].link, "DIRECT_BYTES", 0)  # (0: not lendable)
-        if not limit:
-            return links
         for r, pm in self.matcher.peers.items():
             if r == req.peer or not pm.posted:
                 continue
-            if all(q.channel == req.channel and q.tag == req.tag and q.total <= limit
-                   for q in pm.posted.values()):
-                link = self.peers[r].link
-                if link is not None:
-                    if len(links) == self.DRIVE_PEERS:
-                        return None
-                    links.append(link)
-        return links
+            link = self.peers[r].link
+            if link is None:
+                continue
+            if limit and all(q.channel == req.channel and q.tag == req.tag
+                             and q.total <= limit for q in pm.posted.values()):
+                if len(links) == self.DRIVE_PEERS:
+                    return None, others
+                links.append(link)
+            elif link.lent:
+                others.append(link)
+        return links, others
 
     def reclaim_links(self, peer: int | None = None) -> None:
         """The link to ``peer`` (None: every link) reads with its own threads again, where a
