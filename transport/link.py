@@ -671,12 +671,11 @@ class ThreadedStreamLink(StreamLink):
         first. For ``spin`` seconds it polls without sleeping (a reply that comes soon is
         read without a wake-up), then asleep in slices. The links of ``also`` that can be
         lent the same way are read in the same poll."""
-        if self._poller is None or not self._lend(req.total):
+        if not self._lend(req.total):
             return
         links = [self]
         for link in also:
-            if isinstance(link, ThreadedStreamLink) and link is not self \
-                    and link._poller is not None and link._lend(0):
+            if isinstance(link, ThreadedStreamLink) and link is not self and link._lend(0):
                 links.append(link)
         alone = len(links) == 1
         if alone:
@@ -715,7 +714,10 @@ class ThreadedStreamLink(StreamLink):
 
     def _lend(self, nbytes: int) -> bool:
         """A caller begins to read the streams for a message of ``nbytes`` (see ``drive``):
-        whether it may (the link is up, no other caller reads it, the message is small)."""
+        whether it may (plain blocking sockets, the link is up, no other caller reads it, the
+        message is small)."""
+        if self._poller is None:
+            return False
         with self._lock:
             if self._down is not None or self._closing or self._drivers:
                 return False

@@ -92,6 +92,13 @@ _BELL_OFF = 256           # rank q's bell: an int32 at _BELL_OFF + 64 q (a cache
 #: the rank maps the segment; read where a rank waits for another and asks whether it still
 #: runs, and for cross-memory attach: the segment's one record of its ranks' processes.
 _PID_IN_LINE = 16
+
+
+def _pid_slots(raw: np.ndarray, size: int) -> np.ndarray:
+    """The ranks' pid slots of a mapping ``raw`` (uint8) of ``size`` ranks: row q is rank q's
+    (pid, pid namespace)."""
+    return np.ndarray((size, 2), dtype=np.int64, buffer=raw, offset=_BELL_OFF + _PID_IN_LINE,
+                      strides=(64, 8))
 _PAGE = 4096
 
 
@@ -269,8 +276,7 @@ class SetupBoard:
         self._word = raw[_SETUP_BELL_OFF:_SETUP_BELL_OFF + 4].view(np.int32)
         self._slots = raw[_BELL_OFF:_BELL_OFF + 64 * size].view(np.int32)[2::16]
         # the ranks' pid slots (the segment's one record of its ranks' processes: Segment.pids)
-        self._pids = np.ndarray((size, 2), dtype=np.int64, buffer=raw,
-                                offset=_BELL_OFF + _PID_IN_LINE, strides=(64, 8))
+        self._pids = _pid_slots(raw, size)
         self._addr = ctypes.c_void_p(buf.data_ptr() + _SETUP_BELL_OFF)
         self._lib = futex_lib() if SYS_FUTEX is not None else None
         self._got: dict[int, str] = {}   # posted(), as last read
@@ -356,8 +362,7 @@ class Segment:
         #: This process's pid namespace, and pids[q] = (pid, pid namespace) of segment rank q,
         #: (0, 0) until it mapped the segment (``_PID_IN_LINE``).
         self.pidns = pidns()
-        self.pids = np.ndarray((size, 2), dtype=np.int64, buffer=raw,
-                               offset=_BELL_OFF + _PID_IN_LINE, strides=(64, 8))
+        self.pids = _pid_slots(raw, size)
         self.pids[rank] = (os.getpid(), self.pidns)
         #: Whether the processes of the segment's other ranks still run (Engine, links).
         self.watch = PidWatch()
