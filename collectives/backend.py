@@ -83,6 +83,10 @@ def _incarnation() -> str:
     return f"attempt{int(count)}" if count.isdigit() else ""
 
 
+#: timedelta -> seconds (0.0 where not > 0: unset), for _op_timeout.
+_SECONDS: dict = {}
+
+
 class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
     """A torch.distributed process group over linerate's striped TCP transport."""
 
@@ -271,10 +275,15 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ running ops
     def _op_timeout(self, opts) -> float:
+        """The call's timeout in seconds: its options' where set (> 0), else the group's."""
         t = getattr(opts, "timeout", None)
-        if isinstance(t, timedelta) and t.total_seconds() > 0:
-            return t.total_seconds()
-        return self._timeout
+        s = _SECONDS.get(t)
+        if s is None:  # (torch makes a new timedelta per call: a job passes a few values)
+            if len(_SECONDS) > 64:
+                _SECONDS.clear()
+            s = _SECONDS[t] = (max(0.0, t.total_seconds()) if isinstance(t, timedelta)
+                               else 0.0)
+        return s if s > 0 else self._timeout
 
     def _submit(self, name: str, fn, result: list, stage: Stage, timeout: float,
                 nbytes: int | None = None, desc: str = "", opts=None, chain_bytes: int = 0) -> Work:
@@ -396,7 +405,10 @@ class ProcessGroupLinerate(Checks, PointToPoint, dist.ProcessGroup):
         way (collectives/runner.py ``lone_all_reduce``), checked as every call is; None where
         it does not apply or the worker is busy (the general way then runs the call). What
         the checks conclude of a (dtype, elements, op) is kept: a job repeats a few calls."""
-        op = op_type(opts.reduceOp)
+        rop = opts.reduceOp
+        op = getattr(rop, "op", None)
+        if op.__class__ is not RedOpType:
+            op = op_type(rop)  # (names what it cannot take)
         key = (t.dtype, t.numel(), op)
         call = self._lone_desc.get(key)
         if call is None:

@@ -176,22 +176,28 @@ class Comm:
         if seq > ctx.progress:
             ctx.progress = seq
 
-    def renew(self, op: str, seq: int, timeout: float) -> None:
-        """This Comm for the group's next op ``seq``, as a new one would start it: a group's
-        lone small calls reuse one Comm (backend: _run_lone) instead of making one each."""
-        if op != self.op:
-            self.op = op
-            self.opcode = OPCODES[op]
+    def renew(self, op: str, seq: int, timeout: float, call: str) -> None:
+        """This Comm for the group's next op ``seq`` with the arguments ``call`` (set_call),
+        as a new one would start it: a group's lone small calls reuse one Comm (runner:
+        _run_lone) instead of making one each; a repeated call keeps its digest."""
+        if op != self.op or call != self.call_text:
+            if op != self.op:
+                self.op = op
+                self.opcode = OPCODES[op]
+            self.call_text = call
+            self.call = call_digest(op, call)
         self.seq = seq
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.desc = f"{self.op} #{seq}"
-        self._req_desc = self.desc
+        self.desc = desc = f"{op} #{seq}"
+        self._req_desc = req = f"{desc} [{call}]" if call else desc
         self._block = 0
         self.algorithm = "direct"
         self.arrivals = None
-        if seq > self.ctx.progress:
-            self.ctx.progress = seq
+        ctx = self.ctx
+        if seq > ctx.progress:
+            ctx.progress = seq
+        ctx.begin_call(seq, self.call, req)
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).

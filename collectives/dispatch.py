@@ -43,7 +43,13 @@ class Dispatch:
         #: Where the table runs the fusion agreement, and so the lone calls: the group's
         #: segment (one host, "shm"), a flat group's links ("direct"), or neither.
         self._agree = self.choose(WORKER, "agree", 0)
-        self._lone_on_segment = shm is not None and self._agree == "shm"
+        self._lone_on_segment = on_seg = shm is not None and self._agree == "shm"
+        #: The lone calls' runs (collectives/runner.py ``_run_lone``), chosen here once: a
+        #: synchronous all_reduce's fused run of its one call, ``(comm, chain, t, op, desc)``
+        #: (on the segment: shm_algos.lone_all_reduce, else over the links:
+        #: fusion.lone_all_reduce), and a synchronous barrier, ``(comm)``.
+        self.lone_all_reduce = shm_algos.lone_all_reduce if on_seg else fusion.lone_all_reduce
+        self.lone_barrier = shm_algos.barrier if on_seg else self._barrier_over_links
 
     @classmethod
     def for_group(cls, options, layout, rank: int, size: int, seg) -> "Dispatch":
@@ -130,20 +136,9 @@ class Dispatch:
             return min(self.options.fusion_bytes, self.carry_bytes("direct"))
         return 0
 
-    def lone_all_reduce(self, comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
-        """The fused run of one synchronous call: on the segment (shm_algos.lone_all_reduce),
-        else over the links (fusion.lone_all_reduce)."""
-        if self._lone_on_segment:
-            shm_algos.lone_all_reduce(comm, t, op, chain, desc)
-        else:
-            fusion.lone_all_reduce(comm, t, op, chain, desc)
-
-    def lone_barrier(self, comm: Comm) -> None:
-        """The barrier of a synchronous call: on the segment, else the table's over the links."""
-        if self._lone_on_segment:
-            shm_algos.barrier(comm)
-        else:
-            self.run(comm, "barrier", 0)
+    def _barrier_over_links(self, comm: Comm) -> None:
+        """A synchronous barrier's run where there is no segment: the table's."""
+        self.run(comm, "barrier", 0)
 
     # ------------------------------------------------------------------ ops with glue
     def all_reduce(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:

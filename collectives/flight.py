@@ -149,13 +149,14 @@ class Recorder:
             r.state = "started"
             r.started = time.time()
 
-    def began(self, op: str, seq: int, desc: str) -> None:
-        """queued() and started() at once: an op numbered as it starts."""
-        r = Record(seq, op, desc, time.time())
+    def began(self, op) -> None:
+        """queued() and started() at once: ``op`` (its name, seq and desc: collectives/op.py
+        Op) numbered as it starts."""
+        r = Record(op.seq, op.name, op.desc, time.time())
         r.state = "started"
         r.started = r.queued
         self.ring.append(r)
-        self._live[seq] = r
+        self._live[op.seq] = r
 
     def completed(self, seq: int, algorithm: str = "", waited: dict | None = None) -> None:
         r = self._live.pop(seq, None)

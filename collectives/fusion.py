@@ -187,7 +187,7 @@ def agree(comm, entries: list[Entry], offered: int, carry_bytes: int,
     return k, True
 
 
-def lone_all_reduce(comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
+def lone_all_reduce(comm, chain: int, t: torch.Tensor, op, desc: str) -> None:
     """agree() of a rank that offers one call, carried and reduced in place in ``t`` (a
     contiguous CPU tensor of at most the carried bytes): the fused run of a synchronous call
     that finds nothing queued, over the links, without a queue entry or a staged copy

@@ -27,7 +27,9 @@ log = logging.getLogger("linerate")
 
 class Op:
     """One collective call: what runs (``fn(comm)``), on what (``stage``, ``result``), under
-    which sequence number, deadline and description every rank must agree on (``desc``)."""
+    which sequence number, deadline and description every rank must agree on (``desc``).
+    ``stage`` None: nothing to copy back; ``work`` None: the Work is made once the op
+    completed (a synchronous call run in the caller's thread: runner ``_run_lone``)."""
 
     __slots__ = ("name", "seq", "fn", "stage", "timeout", "work", "result", "nbytes", "desc",
                  "chain_bytes", "t0", "arrivals")
@@ -62,19 +64,18 @@ def waits(op, floor: float = 0.0) -> dict:
 class FlightHook:
     """The flight recorder (collectives/flight.py) as a lifecycle hook."""
 
-    __slots__ = ("fr",)
+    __slots__ = ("fr", "began")
 
     def __init__(self, fr):
         self.fr = fr
+        #: queued() and started() of an op numbered as it starts: the recorder's own.
+        self.began = fr.began
 
     def queued(self, name: str, seq: int, desc: str) -> None:
         self.fr.queued(name, seq, desc)
 
     def started(self, op) -> None:
         self.fr.started(op.seq)
-
-    def began(self, op) -> None:
-        self.fr.began(op.name, op.seq, op.desc)
 
     def completed(self, op, algorithm: str, seconds: float, nbytes) -> None:
         self.fr.completed(op.seq, algorithm, waits(op) if op.arrivals else None)
@@ -175,7 +176,8 @@ class Lifecycle:
         ``algorithm``: the label recorded per op (default: what ran)."""
         try:
             for op in ops:
-                op.stage.finish()
+                if op.stage is not None:  # (None: nothing staged, a lone call's)
+                    op.stage.finish()
         except BaseException as e:  # noqa: BLE001 - copying the result back failed
             self.fail(ops, comm, e)
             return
@@ -187,7 +189,8 @@ class Lifecycle:
             op = ops[0]
             for h in self._done:
                 h.completed(op, algo, seconds, nbytes)
-            complete(op.work)
+            if op.work is not None:  # (None: a lone call's, made once it completed)
+                complete(op.work)
         else:
             for op in ops:
                 for h in self._done:

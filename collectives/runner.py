@@ -40,9 +40,6 @@ from .work import Work, call_on_wait, completed, on_streams
 #: A two-level all_reduce of at least this many bytes may be chained to the next one queued
 #: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
 CHAIN_MIN_BYTES = 1 << 20
-#: The Stage of a call whose tensors the algorithm uses as they are (nothing to copy back).
-_NO_STAGE = Stage()
-
 
 class Runner:
     """The calls of one group, numbered and run in order (see the module's docstring)."""
@@ -276,25 +273,23 @@ class Runner:
         agreement, checks, timeout, lifecycle and result. ``desc``: the call's text, as the
         head of a fused run, and its bytes. None where the worker is busy (the general way
         then runs the call)."""
-        run = self._algos.lone_all_reduce
         text = desc[0]
         return self._run_lone("all_reduce", text, desc[1], timeout, [t], desc[2],
-                              lambda comm, chain: run(comm, t, op, chain, text), fused=True)
+                              self._algos.lone_all_reduce, (t, op, text), fused=True)
 
     def lone_barrier(self, timeout: float) -> Work | None:
         """A synchronous barrier that finds nothing queued, straight on the segment or over
         a flat group's links (see lone_all_reduce); None where the worker is busy."""
-        run = self._algos.lone_barrier
-        return self._run_lone("barrier", "", "", timeout, [], None, lambda comm, _: run(comm))
+        return self._run_lone("barrier", "", "", timeout, [], None, self._algos.lone_barrier, ())
 
     def _run_lone(self, name: str, desc: str, call: str, timeout: float, result: list,
-                  nbytes, fn, fused: bool = False) -> Work | None:
-        """Number a synchronous call and run ``fn(comm, chain)`` for it in this thread, on
+                  nbytes, fn, args: tuple, fused: bool = False) -> Work | None:
+        """Number a synchronous call and run ``fn(comm, *args)`` for it in this thread, on
         the group's reused Comm, where the worker is idle with nothing queued (else None:
         the general way queues it). As _execute runs an op, for a one-host group's lone
         small calls: no two-level chaining there. ``fused``: a fusable all_reduce (it moves
-        the running digest of fusable calls, ``chain``). Its Work is made once it completed
-        (a failure makes a Work as every op's)."""
+        the running digest of fusable calls, ``chain``, passed as ``fn(comm, chain, *args)``).
+        Its Work is made once it completed (a failure makes a Work as every op's)."""
         if self.shut:
             self._refuse_if_shut(name)
         with self._seq_lock:  # as submit and fusable: numbered and turn taken at once
@@ -306,7 +301,7 @@ class Runner:
                                    else self._chain)
         life = self._life
         comm = None
-        op = Op(name, seq, None, _NO_STAGE, timeout, None, result, nbytes, desc)
+        op = Op(name, seq, None, None, timeout, None, result, nbytes, desc)
         try:
             try:
                 life.usable(name, seq)
@@ -314,11 +309,14 @@ class Runner:
                 if comm is None:
                     comm = self._lone_comm = self._comm(name, seq, timeout)
                     comm.drive = True  # nothing else of the group runs beside it
+                    comm.set_call(call)
                 else:
-                    comm.renew(name, seq, timeout)
-                comm.set_call(call)
+                    comm.renew(name, seq, timeout, call)
                 life.begin_now(op, comm)
-                fn(comm, chain)
+                if fused:
+                    fn(comm, chain, *args)
+                else:
+                    fn(comm, *args)
             except BaseException as e:  # as _execute's and _run_fused's: to the Work, the peers
                 op.work = self._work(name, seq, result)
                 life.fail((op,), comm, e, named=(ValueError,) if fused else ())
@@ -326,9 +324,8 @@ class Runner:
             if fused:
                 self.fusion_stats["calls"] += 1
                 self.fusion_stats["ops"] += 1
-            op.work = completed(name, seq, self._rank, self.group_name, result)
-            life.finish((op,), comm, nbytes)
-            return op.work
+            life.finish((op,), comm, nbytes)  # (no Work yet: nothing to complete)
+            return completed(name, seq, self._rank, self.group_name, result)
         finally:
             self.sched.give_turn()
 

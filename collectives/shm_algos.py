@@ -837,7 +837,7 @@ def agree(comm: Comm, entries: list, offered: int, carry_bytes: int,
     return k, carry
 
 
-def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> None:
+def lone_all_reduce(comm: Comm, chain: int, t: torch.Tensor, op, desc: str) -> None:
     """agree() of a rank that offers one call, its entry carried (the same words in the same
     slot: peers that offered more fuse this one call with it), for a synchronous all_reduce of
     at most agree's carry bytes with nothing queued: the least Python that keeps its checks.
@@ -862,11 +862,26 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
     dt = t.dtype
     ptr = t.data_ptr()
     nb = n * t.element_size()
-    if nb:
+    key = (b, dt, n)
+    rows = E.lone_rows.get(key)
+    if rows is None:  # agree()'s rows, as arrays (NumPy's dtypes) or tensor views
+        if len(E.lone_rows) > 64:
+            E.lone_rows.clear()
+        npdt = _NP.get(dt)
+        rows = E.lone_rows[key] = (
+            (npdt, list(np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
+                                   strides=(C, nb // n if n else 1))))
+            if npdt is not None and n else
+            (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
+    npdt, rows = rows
+    if npdt is not None:
+        o = address_view(ptr, npdt, n)  # the tensor, as the result's view
+        rows[r][...] = o  # into this rank's slot (a plain copy: the same dtype)
+    elif nb:
         ctypes.memmove(E.addr[mine] + 64, ptr, nb)
-        E.tx_all += nb
-        E.rx_all += nb
-        E.wrote += nb
+    E.tx_all += nb
+    E.rx_all += nb
+    E.wrote += nb
     E.publish()
     E.wait(E.tick)
     first = b * P * step
@@ -886,20 +901,8 @@ def lone_all_reduce(comm: Comm, t: torch.Tensor, op, chain: int, desc: str) -> N
         from .fusion import compare_digests
         head = types.SimpleNamespace(seq=comm.seq, chain=chain, desc=desc)
         compare_digests([head], 1, bad, lambda q: E.gr[q], E.me)
-    key = (b, dt, n)
-    rows = E.lone_rows.get(key)
-    if rows is None:  # agree()'s rows, as arrays (NumPy's dtypes) or tensor views
-        if len(E.lone_rows) > 64:
-            E.lone_rows.clear()
-        npdt = _NP.get(dt)
-        rows = E.lone_rows[key] = (
-            (npdt, list(np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
-                                   strides=(C, nb // n if n else 1))))
-            if npdt is not None and n else
-            (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
-    npdt, rows = rows
     if npdt is not None:
-        fold_rows_into(address_view(ptr, npdt, n), rows, op, npdt)
+        fold_rows_into(o, rows, op, npdt)
         if op == RedOpType.AVG:
             finish_avg(t.detach().view(-1), op, P)
     else:

@@ -273,7 +273,9 @@ class Engine:
         cw[h + 1] = digest
         cw[h] = seq
         cw[w + SEQ] = seq  # last: a peer reads seq, digest, seq (see _check)
-        self.comm = comm
+        ref = self._comm  # (the comm setter, inline: the lone calls' Comm comes back each call)
+        if ref is None or ref() is not comm:
+            self._comm = weakref.ref(comm)
         self._checked = False
 
     def publish(self, reads=()) -> None:
