@@ -323,7 +323,8 @@ class Engine:
             if WEAK_ORDER:  # the ticks seen before the data they announce
                 self.seg.fence()
             return
-        comm = self.comm
+        ref = self._comm  # (the comm property, inline)
+        comm = ref() if ref is not None else None
         arr = comm.arrivals
         # Peers that have not published anything in this op yet (at or before its base
         # tick): when their first contribution comes is noted (collectives/straggler.py).
@@ -335,14 +336,32 @@ class Engine:
         if spin:
             clock = time.perf_counter
             until = clock() + spin
-            while not _ready(prog, t, who) and clock() < until:
-                pass
+            if who is None:  # (_ready, inline: each look sooner)
+                while min(prog.tolist()) < t and clock() < until:
+                    pass
+            else:
+                while not _ready(prog, t, who) and clock() < until:
+                    pass
         elif self.yield_s:
             clock = time.perf_counter
             until = clock() + self.yield_s
             yld = os.sched_yield
             while not _ready(prog, t, who) and clock() < until:
                 yld()
+        if not _ready(prog, t, who):
+            self._sleep_until(t, who, prog, ctrl, comm, first, arr)
+        if first:
+            self._arrived(first, arr)
+        if not self._checked:
+            if self._check(t, who, ctrl):
+                self._settle(t, who, ctrl)
+        if WEAK_ORDER:
+            self.seg.fence()
+
+    def _sleep_until(self, t: int, who, prog, ctrl, comm, first, arr) -> None:
+        """wait()'s end where its polling did not see tick ``t``: checks, looks at the peers'
+        processes and sleeps on this rank's bell until it comes, the group breaks or the op
+        times out."""
         seg = self.seg
         bells = seg.bells
         row = ctrl[self.r]
@@ -381,13 +400,6 @@ class Engine:
                 seg.sleep(seen, min(POLL_S, left))
         finally:
             row[WANT] = 0
-        if first:
-            self._arrived(first, arr)
-        if not self._checked:
-            if self._check(t, who, ctrl):
-                self._settle(t, who, ctrl)
-        if WEAK_ORDER:
-            seg.fence()
 
     def _arrived(self, first: list, arr: dict) -> None:
         """Note the time for the peers in ``first`` that published in this op meanwhile."""
