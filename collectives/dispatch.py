@@ -47,9 +47,11 @@ class Dispatch:
         #: The lone calls' runs (collectives/runner.py ``_run_lone``), chosen here once: a
         #: synchronous all_reduce's fused run of its one call, ``(comm, chain, t, op, desc)``
         #: (on the segment: shm_algos.lone_all_reduce, else over the links:
-        #: fusion.lone_all_reduce), and a synchronous barrier, ``(comm)``.
+        #: fusion.lone_all_reduce), and a synchronous barrier's on the segment, ``(comm)``
+        #: (None over the links: the table's, ``run(comm, "barrier", 0)``). Module functions:
+        #: a bound method of this object kept on it would make a cycle for the collector.
         self.lone_all_reduce = shm_algos.lone_all_reduce if on_seg else fusion.lone_all_reduce
-        self.lone_barrier = shm_algos.barrier if on_seg else self._barrier_over_links
+        self.lone_barrier = shm_algos.barrier if on_seg else None
 
     @classmethod
     def for_group(cls, options, layout, rank: int, size: int, seg) -> "Dispatch":
@@ -135,10 +137,6 @@ class Dispatch:
         if self._agree == "direct":
             return min(self.options.fusion_bytes, self.carry_bytes("direct"))
         return 0
-
-    def _barrier_over_links(self, comm: Comm) -> None:
-        """A synchronous barrier's run where there is no segment: the table's."""
-        self.run(comm, "barrier", 0)
 
     # ------------------------------------------------------------------ ops with glue
     def all_reduce(self, comm: Comm, flat: torch.Tensor, op, algo: str) -> None:

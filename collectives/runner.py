@@ -280,7 +280,11 @@ class Runner:
     def lone_barrier(self, timeout: float) -> Work | None:
         """A synchronous barrier that finds nothing queued, straight on the segment or over
         a flat group's links (see lone_all_reduce); None where the worker is busy."""
-        return self._run_lone("barrier", "", "", timeout, [], None, self._algos.lone_barrier, ())
+        algos = self._algos
+        fn = algos.lone_barrier
+        if fn is None:  # over the links: the table's barrier
+            return self._run_lone("barrier", "", "", timeout, [], None, algos.run, ("barrier", 0))
+        return self._run_lone("barrier", "", "", timeout, [], None, fn, ())
 
     def _run_lone(self, name: str, desc: str, call: str, timeout: float, result: list,
                   nbytes, fn, args: tuple, fused: bool = False) -> Work | None:

@@ -393,7 +393,9 @@ def test_a_driven_receive_reads_the_other_awaited_peers_as_they_come():
     a caller that drives its receive from one peer reads the same op's small receives from
     the others in the same loop: a peer whose message came first is timed when it came, not
     when the caller got to it, even with that link's receivers parked by an earlier drive
-    (Context.drive, Link.drive's ``also``). A receive of another op is left to its link."""
+    (Context.drive, Link.drive's ``also``). A receive of another op is left to its link.
+    With arrivals recorded or not, a large receive awaited from a peer whose link a caller
+    lent before is read by that link's threads while the caller reads its own."""
     with mesh(3) as (c0, c1, c2):
         call = 0x5EED
 
@@ -478,6 +480,25 @@ def test_a_driven_receive_reads_the_other_awaited_peers_as_they_come():
         assert arrived[2] - t0 < 0.9 and arrived[1] - t0 >= 0.95, \
             {q: t - t0 for q, t in arrived.items()}
         assert bytes(large) == big and not c0.peers[2].link.lent
+        # the same without arrivals recorded: the large message's link is reclaimed too (its
+        # receivers stayed parked until the lend ran out: 60 s here)
+        c0.record_arrivals(False)
+        for q in (1, 2):  # (both links lent again)
+            c0.drive(exchange(11 + q)[1][q], time.monotonic() + 30)
+        assert c0.peers[1].link.lent and c0.peers[2].link.lent
+        c0.begin_call(14, call, "all_reduce #14")
+        small, large = bytearray(100), bytearray(len(big))
+        r1 = c0.irecv(1, memoryview(small), CHANNEL_COLLECTIVE, 14, opcode=1, slot=0, call=call,
+                      driven=True)
+        r2 = c0.irecv(2, memoryview(large), CHANNEL_COLLECTIVE, 14, opcode=1, slot=0, call=call,
+                      driven=True)
+        c2.isend(0, memoryview(bytearray(big)), CHANNEL_COLLECTIVE, 14, 1, "", 0, call)
+        threading.Timer(1.0, c1.isend, (0, memoryview(bytearray(100)), CHANNEL_COLLECTIVE, 14,
+                                        1, "", 0, call)).start()
+        c0.drive(r1, time.monotonic() + 30)
+        r2.wait(5)
+        assert bytes(large) == big and not c0.peers[2].link.lent
+        c0.end_call(14)
 
 
 @pytest.mark.timeout(60)

@@ -424,20 +424,21 @@ class Context(LinkSink):
         link = self.peers[req.peer].link
         if link is None:
             return
-        also = ()
+        with self.lock:
+            also, others = self._awaited_too(req)
+        for other in others:  # awaited peers it will not read (a large message, another op's):
+            other.reclaim()   # their links' threads read now, not once the lend runs out
         if self.matcher.arrivals is not None:
             # A group that times each peer's arrival: the op's receives from other peers that
             # nothing has arrived for yet are read in the same loop, each message as it comes
             # (a caller reading one link at a time would time a message that waited for its
             # turn late). Where more peers than DRIVE_PEERS are awaited, the links' threads read
             # them all.
-            with self.lock:
-                also, others = self._awaited_too(req)
             if also is None:  # (and the links a caller read before: their threads read now)
                 self.reclaim_links()
                 return
-            for other in others:  # awaited peers it will not read: their threads read now
-                other.reclaim()
+        else:  # each awaited link read in its turn
+            also = ()
         link.drive(req, until, self._spin, also)
         # Receives still posted for the peer (point-to-point, an async op's, or this
         # one, timed out): the link's threads read for them.
