@@ -41,6 +41,7 @@ from .work import Work, call_on_wait, completed, on_streams
 #: (its local phases and inter-host sends start before this one's end: two_level.all_reduce).
 CHAIN_MIN_BYTES = 1 << 20
 
+
 class Runner:
     """The calls of one group, numbered and run in order (see the module's docstring)."""
 
