@@ -145,6 +145,7 @@ class Comm:
         self.algorithm = "direct"
         self.call = 0
         self.call_text = ""
+        self._call_op = None  # the op whose digest ``call`` is
         self._req_desc = self.desc
         #: Priority of this op's sends (lower goes first; transport Context.isend).
         self.priority = 0
@@ -180,24 +181,19 @@ class Comm:
         """This Comm for the group's next op ``seq`` with the arguments ``call`` (set_call),
         as a new one would start it: a group's lone small calls reuse one Comm (runner:
         _run_lone) instead of making one each; a repeated call keeps its digest."""
-        if op != self.op or call != self.call_text:
-            if op != self.op:
-                self.op = op
-                self.opcode = OPCODES[op]
-            self.call_text = call
-            self.call = call_digest(op, call)
+        if op != self.op:
+            self.op = op
+            self.opcode = OPCODES[op]
         self.seq = seq
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.desc = desc = f"{op} #{seq}"
-        self._req_desc = req = f"{desc} [{call}]" if call else desc
+        self.desc = f"{op} #{seq}"
         self._block = 0
         self.algorithm = "direct"
         self.arrivals = None
-        ctx = self.ctx
-        if seq > ctx.progress:
-            ctx.progress = seq
-        ctx.begin_call(seq, self.call, req)
+        if seq > self.ctx.progress:
+            self.ctx.progress = seq
+        self.set_call(call)
 
     def piece_elems(self, t: torch.Tensor, span: int | None = None) -> int:
         """Elements per pipelined piece when cutting ``span`` elements (default: all of t).
@@ -214,8 +210,10 @@ class Comm:
         """The call's arguments that every rank must agree on (dtypes, sizes, reduce op,
         root), as text. Its digest travels in every frame of the op; a receiving rank whose
         own digest differs fails the op and tells every peer (transport: MismatchError)."""
-        self.call_text = desc
-        self.call = call_digest(self.op, desc)
+        if desc != self.call_text or self._call_op != self.op:  # (a repeated call: its digest)
+            self.call_text = desc
+            self._call_op = self.op
+            self.call = call_digest(self.op, desc)
         self._req_desc = f"{self.desc} [{desc}]" if desc else self.desc
         self.ctx.begin_call(self.seq, self.call, self._req_desc)
 

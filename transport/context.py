@@ -425,20 +425,20 @@ class Context(LinkSink):
         if link is None:
             return
         with self.lock:
-            also, others = self._awaited_too(req)
+            small, others = self._awaited_too(req)
         for other in others:  # awaited peers it will not read (a large message, another op's):
             other.reclaim()   # their links' threads read now, not once the lend runs out
+        also = ()  # (else each awaited link is read in its turn)
         if self.matcher.arrivals is not None:
             # A group that times each peer's arrival: the op's receives from other peers that
             # nothing has arrived for yet are read in the same loop, each message as it comes
             # (a caller reading one link at a time would time a message that waited for its
             # turn late). Where more peers than DRIVE_PEERS are awaited, the links' threads read
-            # them all.
-            if also is None:  # (and the links a caller read before: their threads read now)
+            # them all (and the links a caller read before).
+            if len(small) > self.DRIVE_PEERS:
                 self.reclaim_links()
                 return
-        else:  # each awaited link read in its turn
-            also = ()
+            also = small
         link.drive(req, until, self._spin, also)
         # Receives still posted for the peer (point-to-point, an async op's, or this
         # one, timed out): the link's threads read for them.
@@ -454,8 +454,8 @@ class Context(LinkSink):
     def _awaited_too(self, req: Request) -> tuple:
         """(lock held) The links of the peers, other than ``req``'s, whose posted receives
         (nothing of them arrived yet) are all of ``req``'s op and small (a caller may read
-        them: Link.drive's ``also``; None where more than DRIVE_PEERS are), and the links
-        that a caller lent before to the other peers awaited (their threads read them)."""
+        them: Link.drive's ``also``), and the links that a caller lent before to the other
+        peers awaited (their threads read them)."""
         links: list = []
         others: list = []
         limit = getattr(self.peers[req.peer].link, "DIRECT_BYTES", 0)  # (0: not lendable)
@@ -467,8 +467,6 @@ class Context(LinkSink):
                 continue
             if limit and all(q.channel == req.channel and q.tag == req.tag
                              and q.total <= limit for q in pm.posted.values()):
-                if len(links) == self.DRIVE_PEERS:
-                    return None, others
                 links.append(link)
             elif link.lent:
                 others.append(link)
