@@ -389,13 +389,107 @@ def use_transport(name: str, monkeypatch) -> None:
         monkeypatch.setitem(CURRENT_TRANSPORT, "transport", "rdma")
 
 
+def _script_main(path: str | None, code: str | None, argv: list, env: dict, cwd: str,
+                 out_path: str) -> None:
+    """A process of ForkedScript, forked from the fork server: ``python path argv...`` (or
+    ``python -c code argv...``) as the interpreter would run it, with the given environment
+    and directory, its stdout and stderr in ``out_path``, and the interpreter's exit
+    (non-daemon threads joined, then the atexit handlers; the exit status of SystemExit, 1
+    after an uncaught exception's traceback)."""
+    import atexit
+    import runpy
+    import threading
+    import types
+    gc.freeze()  # (as _rank_main: what the server imported is not walked)
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    status = 0
+    try:
+        if code is None:
+            sys.argv = [path, *argv]
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
+        else:
+            sys.argv = ["-c", *argv]
+            sys.path.insert(0, "")
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(code, "<string>", "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback, exit status 1
+        traceback.print_exc()
+        status = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                f.flush()
+        os._exit(status)
+
+
+class ForkedScript:
+    """A Python script run as its own process, forked from the fork server that imported
+    torch once (as run_ranks' ranks are) rather than started as a new interpreter, whose
+    start-up (mostly importing torch) costs seconds of CPU on a 2-core machine; otherwise as
+    ``subprocess.Popen([sys.executable, path, *argv])`` (or ``-c code``) with ``env``,
+    ``cwd`` and stdout and stderr appended to the file ``out``, and the same handle: ``pid``,
+    ``poll()``, ``wait(timeout)``, ``returncode`` (negative: killed by that signal), ``kill()``.
+    What it cannot stand in for: a test of an interpreter's own start or finalization."""
+
+    def __init__(self, *, path=None, code: str | None = None, argv=(), env: dict, cwd, out):
+        assert (path is None) != (code is None)
+        self.args = [str(path) if code is None else "-c", *argv]
+        self._p = _context().Process(
+            target=_script_main, daemon=True,
+            args=(None if path is None else str(path), code, [str(a) for a in argv],
+                  dict(env), str(cwd), str(out)))
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self):
+        return self._p.exitcode
+
+    def poll(self):
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None):
+        import subprocess
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._p.exitcode
+
+    def kill(self) -> None:
+        if self._p.exitcode is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dict | None = None,
-                     per_rank_env: dict | None = None, host_store: bool = False):
+                     per_rank_env: dict | None = None, host_store: bool = False,
+                     fresh: bool = False):
     """Run ``script`` (Python source) as ``world`` separate rank processes, as a launcher
     would: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, the source tree on
-    PYTHONPATH, ``env`` for all and ``per_rank_env[r]`` for rank r on top. Ranks may die or
-    hang (unlike run_ranks): returns [(returncode, output)] per rank, and every process is
-    killed at ``timeout`` (the test then fails with the output).
+    PYTHONPATH, ``env`` for all and ``per_rank_env[r]`` for rank r on top, the working
+    directory ``tmp_path``. Ranks may die or hang (unlike run_ranks): returns [(returncode,
+    output)] per rank (stdout and stderr together; a negative code: killed by that signal),
+    and every process is killed at ``timeout`` (the test then fails with the output).
+
+    Each rank is a ForkedScript (``python rank.py`` forked from the fork server that imported
+    torch once). ``fresh``: each rank a new interpreter (``sys.executable rank.py``), for a
+    test of what only a whole interpreter's start or finalization shows.
 
     ``host_store``: a TCPStore is hosted here, as torchrun's agent hosts one, and MASTER_PORT
     is its port (the script connects to it as a client); else rank 0 hosts it (env://)."""
@@ -417,7 +511,7 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
         port = store.port
     else:
         port = free_port()
-    procs = []
+    envs = []
     for r in range(world):
         e = dict(os.environ)
         e["PYTHONPATH"] = str(root) + os.pathsep + e.get("PYTHONPATH", "")
@@ -426,8 +520,47 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
         e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                  WORLD_SIZE=str(world), LOCAL_RANK=str(r))
         e.update((per_rank_env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, str(path)], env=e, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        envs.append(e)
+    if fresh:
+        return _run_fresh(path, envs, tmp_path, timeout, store)
+    outs = [Path(tmp_path) / f".rank{r}.out" for r in range(world)]
+    procs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for r in range(world):
+            outs[r].write_bytes(b"")
+            procs.append(ForkedScript(path=path, env=envs[r], cwd=tmp_path, out=outs[r]))
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        late = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            p.kill()
+            p.wait()
+        texts = [o.read_bytes().decode(errors="replace") for o in outs]
+        if late:
+            pytest.fail(f"ranks {late} still running after {timeout}s; rank {late[0]} said:\n"
+                        f"{texts[late[0]][-3000:]}")
+        return [(p.returncode, texts[r]) for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for o in outs:
+            with contextlib.suppress(OSError):
+                o.unlink()
+        del store
+
+
+def _run_fresh(path, envs: list, cwd, timeout: float, store) -> list:
+    """run_rank_scripts' ranks as new interpreters."""
+    import subprocess
+
+    import pytest
+
+    procs = [subprocess.Popen([sys.executable, str(path)], env=e, cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for e in envs]
     deadline = time.monotonic() + timeout
     out = []
     try:

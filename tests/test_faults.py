@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import netlab_reason, run_ranks
+from _harness import ForkedScript, netlab_reason, run_ranks
 from linerate.tools import netlab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,11 +237,11 @@ class _Loopback:
                     PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         base.update({k: str(v) for k, v in env.items()})
         self.procs = []
-        for r in range(P):
-            with open(out / f"rank{r}.log", "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-c", RANK_SCRIPT, scenario], env=dict(base, RANK=str(r)),
-                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        for r in range(P):  # python -c RANK_SCRIPT scenario, forked (_harness.ForkedScript)
+            (out / f"rank{r}.log").write_text("")
+            self.procs.append(ForkedScript(code=RANK_SCRIPT, argv=[scenario],
+                                           env=dict(base, RANK=str(r)), cwd=ROOT,
+                                           out=out / f"rank{r}.log"))
 
     def wait(self, procs, timeout: float) -> list:
         """Exit codes of ``procs``; the test fails (with the ranks' output) on a hang."""

@@ -35,13 +35,15 @@ dist.init_process_group("linerate", timeout=datetime.timedelta(seconds=3))
 x = torch.ones(1000)
 for _ in range(10):
     dist.all_reduce(x)
-if RANK == 1:
-    time.sleep(8)        # past the others' 3 s timeout (and their query of the peers)
+if RANK == 1:  # past the others' 3 s timeout (and their query of the peers), its own dump written
+    wait_for("error0", "error2", "error3", os.environ["LINERATE_FR_DUMP"] + ".rank1.json",
+             at_most=8)
 try:
     dist.all_reduce(x)   # #11
     print("DONE", flush=True)
 except Exception as e:
     print("ERROR", str(e).replace(chr(10), " "), flush=True)
+    mark(f"error{RANK}")
 """
 
 
@@ -100,12 +102,13 @@ dist.all_reduce(x)
 if RANK != 0:
     for _ in range(3):
         dist.all_reduce(x, group=sub)
-    if RANK == 3:
-        time.sleep(8)
+    if RANK == 3:  # past the others' 3 s timeout, its own dump written
+        wait_for("error1", "error2", os.environ["LINERATE_FR_DUMP"] + ".rank3.json", at_most=8)
     try:
         dist.all_reduce(x, group=sub)
     except Exception as e:
         print("ERROR", str(e).replace(chr(10), " "), flush=True)
+        mark(f"error{RANK}")
 """
 
 

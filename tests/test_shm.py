@@ -543,7 +543,7 @@ def test_no_thread_of_a_group_outlives_destroy_process_group_and_exit_is_clean(t
         assert set(names) <= {"linerate-shm-deaths", "linerate-shm-progress"}, (rank, names)
         assert ports == 0, rank
     for attempt in range(3):  # the race is at exit: a few runs
-        out = run_rank_scripts(tmp_path, _EXIT_SCRIPT, 3, timeout=60)  # a hang
+        out = run_rank_scripts(tmp_path, _EXIT_SCRIPT, 3, timeout=60, fresh=True)  # a hang
         exited = time.time()
         last = []
         for r, (code, text) in enumerate(out):

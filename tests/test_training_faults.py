@@ -35,6 +35,17 @@ import datetime, json, os, sys, time
 import torch, torch.distributed as dist
 import linerate  # noqa: F401
 RANK = int(os.environ["RANK"])
+
+
+def mark(name):  # a file in the ranks' folder (their working directory), for wait_for
+    open(name, "w").close()
+
+
+def wait_for(*paths, at_most):  # until every path exists (mark's files, a flight dump):
+    # a rank that stays away from a collective until the others gave up on it, at most at_most s
+    end = time.monotonic() + at_most
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < end:
+        time.sleep(0.02)
 """
 
 
@@ -71,13 +82,14 @@ try:
         if RANK == 1 and step == 5:
             if mode == "die":
                 os._exit(13)
-            time.sleep(10)   # past the 5 s timeout
+            wait_for("caught0", "caught2", at_most=10)   # past the 5 s timeout
             os._exit(0)
         model(torch.randn(8, 64)).sum().backward()
         opt.step(); opt.zero_grad()
     print("FINISHED", flush=True)
 except RuntimeError as e:   # what a training script catches to log, checkpoint and exit
     print("CAUGHT", type(e).__name__, str(e).replace(chr(10), " ")[:1000], flush=True)
+    mark(f"caught{RANK}")
     os._exit(3)
 """
 
@@ -253,12 +265,13 @@ dist.init_process_group("linerate", timeout=datetime.timedelta(seconds=3))
 x = torch.ones(2_000_000)
 dist.all_reduce(x)
 if RANK == 1:
-    time.sleep(6)
+    wait_for("error0", "error2", "error3", at_most=6)   # past the others' 3 s timeout
 try:
     dist.all_reduce(x)
     print("DONE")
 except Exception as e:
     print("ERROR", str(e).replace(chr(10), " "), flush=True)
+    mark(f"error{RANK}")
 """
 
 
