@@ -408,6 +408,9 @@ def _script_main(path: str | None, code: str | None, argv: list, env: dict, cwd:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # PYTHONPATH's folders first, as an interpreter started with this environment has them
+    for d in reversed([d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d]):
+        sys.path.insert(0, os.path.abspath(d))
     status = 0
     try:
         if code is None:
