@@ -870,7 +870,7 @@ def lone_all_reduce(comm: Comm, chain: int, t: torch.Tensor, op, desc: str) -> N
         npdt = _NP.get(dt)
         rows = E.lone_rows[key] = (
             (npdt, list(np.ndarray((P, n), dtype=npdt, buffer=E.np_data, offset=b * P * C + 64,
-                                   strides=(C, nb // n if n else 1))))
+                                   strides=(C, nb // n))))  # (n > 0 here)
             if npdt is not None and n else
             (None, [E.areas[b * P + q][64:64 + nb].view(dt) for q in range(P)]))
     npdt, rows = rows

@@ -536,23 +536,19 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
+    finally:  # nothing outlives the call (a rank still running at the timeout: killed)
         late = [r for r, p in enumerate(procs) if p.poll() is None]
         for p in procs:
             p.kill()
             p.wait()
-        texts = [o.read_bytes().decode(errors="replace") for o in outs]
-        if late:
-            pytest.fail(f"ranks {late} still running after {timeout}s; rank {late[0]} said:\n"
-                        f"{texts[late[0]][-3000:]}")
-        return [(p.returncode, texts[r]) for r, p in enumerate(procs)]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        for o in outs:
-            with contextlib.suppress(OSError):
-                o.unlink()
         del store
+    texts = [o.read_bytes().decode(errors="replace") for o in outs]
+    for o in outs:
+        o.unlink()
+    if late:
+        pytest.fail(f"ranks {late} still running after {timeout}s; rank {late[0]} said:\n"
+                    f"{texts[late[0]][-3000:]}")
+    return [(p.returncode, texts[r]) for r, p in enumerate(procs)]
 
 
 def _run_fresh(path, envs: list, cwd, timeout: float, store) -> list:
