@@ -525,7 +525,7 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
         e.update((per_rank_env or {}).get(r, {}))
         envs.append(e)
     if fresh:
-        return _run_fresh(path, envs, tmp_path, timeout, store)
+        return _run_fresh(path, envs, tmp_path, timeout)  # (the store lives until we return)
     outs = [Path(tmp_path) / f".rank{r}.out" for r in range(world)]
     procs = []
     deadline = time.monotonic() + timeout
@@ -551,7 +551,7 @@ def run_rank_scripts(tmp_path, script: str, world: int, timeout: float, env: dic
     return [(p.returncode, texts[r]) for r, p in enumerate(procs)]
 
 
-def _run_fresh(path, envs: list, cwd, timeout: float, store) -> list:
+def _run_fresh(path, envs: list, cwd, timeout: float) -> list:
     """run_rank_scripts' ranks as new interpreters."""
     import subprocess
 
@@ -577,7 +577,6 @@ def _run_fresh(path, envs: list, cwd, timeout: float, store) -> list:
             if q.poll() is None:
                 q.kill()
                 q.wait()
-        del store
     return out
 
 
